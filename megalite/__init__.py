@@ -1,0 +1,3 @@
+"""megalite: a readable Megatron-style pretraining framework for GPT models."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,29 @@
+"""Data and tokenizer flags (Megatron-LM names)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megalite.config.flags import option
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Data and tokenizer: where samples come from and how text becomes tokens."""
+
+    data_path: list[str] | None = option(
+        None, help="Dataset prefixes, optionally weighted: 'a' or '0.7 a 0.3 b'. Split by --split.")
+    train_data_path: list[str] | None = option(None, help="Training dataset prefixes (weighted), instead of --data-path.")
+    valid_data_path: list[str] | None = option(None, help="Validation dataset prefixes (weighted), instead of --data-path.")
+    test_data_path: list[str] | None = option(None, help="Test dataset prefixes (weighted), instead of --data-path.")
+    split: str = option("969,30,1", help="Train,valid,test proportions of the documents of --data-path.")
+    data_cache_path: str | None = option(None, help="Where the cached sample indices (.npy) go; default beside the data.")
+    mock_data: bool = option(False, help="Train on synthetic, learnable token sequences (no files needed).")
+    tokenizer_type: str = option(
+        "NullTokenizer", help="Tokenizer kind.",
+        choices=["NullTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer"])
+    vocab_size: int | None = option(None, help="Vocabulary size for NullTokenizer (its eod id is vocab_size - 1).")
+    vocab_file: str | None = option(None, help="GPT-2 BPE vocab.json.")
+    merge_file: str | None = option(None, help="GPT-2 BPE merges.txt.")
+    tokenizer_model: str | None = option(None, help="tokenizer.json / tokenizer folder, or SentencePiece .model.")
+    num_workers: int = option(2, help="DataLoader worker processes per rank.")
