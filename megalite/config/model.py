@@ -1,0 +1,62 @@
+"""Model shape flags (Megatron-LM names)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megalite.config.flags import option
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """Model: the GPT's shape. GPT-2 style by default; Llama style with rope/RMSNorm/swiglu/GQA."""
+
+    num_layers: int = option(2, help="Number of transformer layers.")
+    hidden_size: int = option(64, help="Transformer hidden size h.")
+    ffn_hidden_size: int | None = option(None, help="MLP hidden size; default 4h (8h/3 rounded to 64 with --swiglu).")
+    num_attention_heads: int = option(4, help="Number of attention heads.")
+    group_query_attention: bool = option(False, help="Use grouped-query attention (needs --num-query-groups).")
+    num_query_groups: int | None = option(None, help="Number of key/value groups with --group-query-attention.")
+    kv_channels: int | None = option(None, help="Per-head dimension; default hidden_size / num_attention_heads.")
+    seq_length: int = option(128, help="Training sequence length.")
+    max_position_embeddings: int | None = option(None, help="Learned position table size; default --seq-length.")
+    position_embedding_type: str = option("learned_absolute", help="Position encoding.",
+                                          choices=["learned_absolute", "rope"])
+    rotary_base: int = option(10000, help="RoPE base (theta).")
+    rotary_percent: float = option(1.0, help="Fraction of each head's channels RoPE rotates.")
+    normalization: str = option("LayerNorm", help="Norm layer.", choices=["LayerNorm", "RMSNorm"])
+    norm_epsilon: float = option(1e-5, help="Epsilon of the norm layers.")
+    swiglu: bool = option(False, help="SwiGLU MLP (gated SiLU) instead of GeLU.")
+    untie_embeddings_and_output_weights: bool = option(
+        False, help="Give the output layer its own weight instead of sharing the input embedding.")
+    disable_bias_linear: bool = option(False, help="No bias in the linear layers (Llama style).")
+    add_qkv_bias: bool = option(False, help="Keep a bias on the QKV projection even with --disable-bias-linear.")
+    hidden_dropout: float = option(0.1, help="Dropout on the residual branches.")
+    attention_dropout: float = option(0.1, help="Dropout on the attention probabilities.")
+    init_method_std: float = option(0.02, help="Std of the normal weight init; output projections use "
+                                    "std / sqrt(2 * num_layers).")
+    make_vocab_size_divisible_by: int = option(
+        128, help="Pad the vocabulary to a multiple of this times the tensor-parallel size.")
+    attention_backend: str = option("auto", help="Core attention kernel: torch SDPA ('auto'/'sdpa') or the "
+                                    "unfused reference ('unfused').", choices=["auto", "sdpa", "unfused"])
+
+    def __post_init__(self) -> None:
+        if self.max_position_embeddings is None:
+            self.max_position_embeddings = self.seq_length
+        if self.kv_channels is None and self.num_attention_heads > 0:
+            self.kv_channels = self.hidden_size // self.num_attention_heads
+        if self.ffn_hidden_size is None:
+            if self.swiglu:
+                self.ffn_hidden_size = ((8 * self.hidden_size // 3 + 63) // 64) * 64
+            else:
+                self.ffn_hidden_size = 4 * self.hidden_size
+        if not self.group_query_attention:
+            self.num_query_groups = self.num_attention_heads
+
+    @property
+    def tied_embeddings(self) -> bool:
+        return not self.untie_embeddings_and_output_weights
+
+    @property
+    def add_bias_linear(self) -> bool:
+        return not self.disable_bias_linear

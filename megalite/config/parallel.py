@@ -1,0 +1,22 @@
+"""Parallel layout flags."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megalite.config.flags import option
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    """Parallelism: how ranks split the model and the batch."""
+
+    tensor_model_parallel_size: int = option(1, help="Tensor-parallel size: ranks that split each layer.")
+    pipeline_model_parallel_size: int = option(1, help="Pipeline-parallel size: stages the layers are cut into.")
+    num_layers_per_virtual_pipeline_stage: int | None = option(
+        None, help="Layers per virtual stage for the interleaved 1F1B schedule.")
+    context_parallel_size: int = option(1, help="Context-parallel size (only 1 is supported).")
+    sequence_parallel: bool = option(False, help="Shard norm/dropout activations along the sequence (needs TP>1).")
+    rank_order: str = option("tp-cp-dp-pp", help="Rank layout order, leftmost axis varies fastest.",
+                             choices=["tp-cp-dp-pp", "tp-cp-pp-dp"])
+    distributed_timeout_minutes: float = option(10.0, help="Timeout of every collective, in minutes.")

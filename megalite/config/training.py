@@ -1,0 +1,51 @@
+"""Training, optimizer and logging flags (Megatron-LM names)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megalite.config.flags import option
+
+
+@dataclass(kw_only=True)
+class TrainingConfig:
+    """Training: batch sizes, length of the run, evaluation and seed."""
+
+    micro_batch_size: int = option(2, help="Samples per micro-batch per data-parallel rank.")
+    global_batch_size: int | None = option(
+        None, help="Samples per optimizer step over all data-parallel ranks; default micro-batch x DP.")
+    train_iters: int = option(100, help="Optimizer steps to train.")
+    seed: int = option(1234, help="Seed of model init, data order and dropout; equal in every layout.")
+    eval_interval: int = option(1000, help="Evaluate on the validation set every this many iterations.")
+    eval_iters: int = option(10, help="Global batches per evaluation.")
+    log_interval: int = option(100, help="Print the log line every this many iterations.")
+    exit_interval: int | None = option(None, help="Stop after the iteration that is a multiple of this.")
+
+
+@dataclass(kw_only=True)
+class OptimizerConfig:
+    """Optimizer: AdamW, learning-rate schedule and clipping."""
+
+    optimizer: str = option("adam", help="Optimizer (AdamW with decoupled weight decay).", choices=["adam"])
+    lr: float = option(1e-4, help="Peak learning rate.")
+    min_lr: float = option(0.0, help="Learning rate at the end of the decay.")
+    lr_decay_style: str = option("cosine", help="Decay after warm-up.",
+                                 choices=["constant", "linear", "cosine"])
+    lr_decay_iters: int | None = option(None, help="Iterations to decay over; default --train-iters.")
+    lr_warmup_iters: int = option(0, help="Linear warm-up iterations from 0 to --lr.")
+    weight_decay: float = option(0.01, help="Decoupled weight decay (not on biases and norm weights).")
+    clip_grad: float = option(1.0, help="Clip gradients to this global L2 norm (0 disables).")
+    adam_beta1: float = option(0.9, help="Adam beta1.")
+    adam_beta2: float = option(0.999, help="Adam beta2.")
+    adam_eps: float = option(1e-8, help="Adam epsilon.")
+
+
+@dataclass(kw_only=True)
+class LoggingConfig:
+    """Logging: where and how progress is reported."""
+
+    tensorboard_dir: str | None = option(None, help="Write TensorBoard scalars here.")
+    wandb_project: str | None = option(None, help="Log to this Weights & Biases project (works offline).")
+    log_throughput: bool = option(True, help="Report tokens/s and TFLOP/s on the log line.",
+                                  flag="--no-log-throughput")
+    peak_tflops: float | None = option(None, help="Device peak TFLOP/s for MFU; default: known GPU table.")

@@ -1,0 +1,113 @@
+"""The one module that knows the accelerator: cuda vs cpu, nccl vs gloo, sync, memory, RNG, peak FLOPs.
+
+Nothing else in megalite calls ``torch.cuda``; everything asks here, so the CPU path cannot rot.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+from typing import Any
+
+import torch
+
+
+def has_cuda() -> bool:
+    return torch.cuda.is_available() and os.environ.get("MEGALITE_FORCE_CPU", "0") != "1"
+
+
+def device_type() -> str:
+    return "cuda" if has_cuda() else "cpu"
+
+
+def backend() -> str:
+    """The torch.distributed backend for this device."""
+    return "nccl" if has_cuda() else "gloo"
+
+
+def set_device(local_rank: int) -> torch.device:
+    """Bind this process to its accelerator (a no-op on CPU) and return the device."""
+    if has_cuda():
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    return current_device()
+
+
+def current_device() -> torch.device:
+    if has_cuda():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def synchronize() -> None:
+    if has_cuda():
+        torch.cuda.synchronize()
+
+
+def manual_seed(seed: int) -> None:
+    """Seed the host and the device generators."""
+    torch.manual_seed(seed)
+    if has_cuda():
+        torch.cuda.manual_seed(seed)
+
+
+def get_rng_state() -> torch.Tensor:
+    """The RNG state that dropout on this device draws from."""
+    return torch.cuda.get_rng_state() if has_cuda() else torch.get_rng_state()
+
+
+def set_rng_state(state: torch.Tensor) -> None:
+    if has_cuda():
+        torch.cuda.set_rng_state(state)
+    else:
+        torch.set_rng_state(state)
+
+
+def memory_stats() -> dict[str, float]:
+    """Memory in MB: allocated/reserved/peak on a GPU, resident-set peak of the process on CPU."""
+    if has_cuda():
+        mb = 1024.0 ** 2
+        return {
+            "allocated_mb": torch.cuda.memory_allocated() / mb,
+            "max_allocated_mb": torch.cuda.max_memory_allocated() / mb,
+            "reserved_mb": torch.cuda.memory_reserved() / mb,
+        }
+    return {"max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0}
+
+
+def reset_peak_memory() -> None:
+    if has_cuda():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def device_name() -> str:
+    if has_cuda():
+        return torch.cuda.get_device_name()
+    return "cpu"
+
+
+# Dense (no sparsity) peak TFLOP/s by device name fragment and dtype, from vendor data sheets.
+_PEAK_TFLOPS: list[tuple[str, dict[str, float]]] = [
+    ("H200", {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0, "tf32": 494.0}),
+    ("H100", {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0, "tf32": 494.0}),
+    ("A100", {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5, "tf32": 156.0}),
+    ("L40S", {"bf16": 362.0, "fp16": 362.0, "fp32": 91.6, "tf32": 183.0}),
+    ("A10", {"bf16": 125.0, "fp16": 125.0, "fp32": 31.2, "tf32": 62.5}),
+]
+
+
+def peak_tflops(dtype: torch.dtype) -> float | None:
+    """Known peak TFLOP/s of this device for ``dtype``, or None when unknown (e.g. CPU)."""
+    if not has_cuda():
+        return None
+    name = device_name()
+    key = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
+    if key == "fp32" and torch.backends.cuda.matmul.allow_tf32:
+        key = "tf32"
+    for frag, table in _PEAK_TFLOPS:
+        if frag in name:
+            return table[key]
+    return None
+
+
+def info() -> dict[str, Any]:
+    return {"device": device_name(), "backend": backend(), "torch": torch.__version__}

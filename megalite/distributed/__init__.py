@@ -1,0 +1,1 @@
+"""Data-parallel gradient reduction and the per-step gradient finalization."""

@@ -1,0 +1,132 @@
+"""GPT: token (+ learned position) embedding -> transformer layers -> final norm -> output layer.
+
+A pipeline stage builds only its part: ``pre_process`` (first stage) owns the embedding,
+``post_process`` (last stage) the final norm, output layer and loss. Layers are keyed by their
+global number, so parameter names (``layers.7.mlp.fc1.weight``) are the same in every layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megalite.config.model import ModelConfig
+from megalite.model.norm import Norm
+from megalite.model.rope import rope_frequencies
+from megalite.model.transformer import TransformerLayer
+from megalite.parallel.groups import ProcessGroups
+from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megalite.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    ReplicatedEmbedding,
+    VocabParallelEmbedding,
+    padded_vocab_size,
+)
+from megalite.tensor_parallel.mappings import copy_to_tp, gather_from_sp, gather_from_tp, scatter_to_sp
+from megalite.tensor_parallel.random import RNGTracker
+from megalite.tensor_parallel.sharding import VocabShardSpec
+
+TIED_EMBEDDING = "embedding.word.weight"
+
+
+class Embedding(nn.Module):
+    """Token embedding (vocab-parallel) plus learned absolute positions, then dropout. -> [s, b, h]"""
+
+    def __init__(self, cfg: ModelConfig, pg: ProcessGroups, vocab_size: int, padded_vocab: int,
+                 sequence_parallel: bool, tracker: RNGTracker, dtype: torch.dtype, device: torch.device | None):
+        super().__init__()
+        self.cfg, self.pg, self.sequence_parallel, self.tracker = cfg, pg, sequence_parallel, tracker
+        self.word = VocabParallelEmbedding(vocab_size, padded_vocab, cfg.hidden_size, pg, dtype=dtype,
+                                           device=device)
+        self.position = (ReplicatedEmbedding(cfg.max_position_embeddings, cfg.hidden_size, dtype, device)
+                         if cfg.position_embedding_type == "learned_absolute" else None)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.word(tokens)  # [s, b, h], summed over TP
+        if self.position is not None:
+            x = x + self.position.weight[: tokens.shape[1]].unsqueeze(1)
+        if self.sequence_parallel:
+            x = scatter_to_sp(x, self.pg)
+        p = self.cfg.hidden_dropout if self.training else 0.0
+        if p > 0:
+            if self.sequence_parallel:
+                with self.tracker.fork():
+                    return F.dropout(x, p)
+            return F.dropout(x, p)
+        return x
+
+
+class GPTModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, pg: ProcessGroups, vocab_size: int, tracker: RNGTracker, *,
+                 layer_numbers: Sequence[int] | None = None, pre_process: bool = True, post_process: bool = True,
+                 sequence_parallel: bool = False, dtype: torch.dtype = torch.float32,
+                 device: torch.device | None = None) -> None:
+        super().__init__()
+        self.cfg, self.pg, self.vocab_size = cfg, pg, vocab_size
+        self.pre_process, self.post_process, self.sequence_parallel = pre_process, post_process, sequence_parallel
+        self.padded_vocab = padded_vocab_size(vocab_size, cfg.make_vocab_size_divisible_by, pg.tp_size)
+        layer_numbers = list(range(cfg.num_layers)) if layer_numbers is None else list(layer_numbers)
+        if pre_process:
+            self.embedding = Embedding(cfg, pg, vocab_size, self.padded_vocab, sequence_parallel, tracker,
+                                       dtype, device)
+        self.layers = nn.ModuleDict({
+            str(i): TransformerLayer(cfg, pg, tracker, sequence_parallel, dtype, device) for i in layer_numbers
+        })
+        if post_process:
+            self.final_norm = Norm(cfg.hidden_size, cfg.normalization, cfg.norm_epsilon, sequence_parallel,
+                                   dtype, device)
+            if cfg.tied_embeddings and pre_process:
+                self.output_layer = None  # use the embedding's weight
+            else:
+                self.output_layer = ColumnParallelLinear(
+                    cfg.hidden_size, self.padded_vocab, pg, bias=False, sequence_parallel=sequence_parallel,
+                    spec=VocabShardSpec(dim=0, vocab_size=vocab_size, padded_vocab=self.padded_vocab),
+                    dtype=dtype, device=device)
+                self.output_layer.weight.full_shape = (vocab_size, cfg.hidden_size)
+                if cfg.tied_embeddings:  # the last stage's copy of the tied embedding
+                    self.output_layer.weight.init_name = TIED_EMBEDDING
+                    self.output_layer.weight.tied_embedding_copy = True
+        if cfg.tied_embeddings and pre_process and not post_process:  # the first stage's side of the tie
+            self.embedding.word.weight.tied_embedding_copy = True
+        self._rope_cache: tuple[int, torch.Tensor] | None = None
+
+    def output_weight(self) -> torch.Tensor:
+        return self.embedding.word.weight if self.output_layer is None else self.output_layer.weight
+
+    def _rope(self, seq_len: int, device: torch.device) -> torch.Tensor | None:
+        if self.cfg.position_embedding_type != "rope":
+            return None
+        if self._rope_cache is None or self._rope_cache[0] != seq_len or self._rope_cache[1].device != device:
+            rot = int(self.cfg.kv_channels * self.cfg.rotary_percent)
+            self._rope_cache = (seq_len, rope_frequencies(seq_len, rot, self.cfg.rotary_base, device))
+        return self._rope_cache[1]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """This rank's vocab columns of the logits, [s, b, v_pad/tp], from final hidden states."""
+        hidden = self.final_norm(hidden)
+        if self.output_layer is None:
+            x = gather_from_sp(hidden, self.pg) if self.sequence_parallel else copy_to_tp(hidden, self.pg)
+            return F.linear(x, self.embedding.word.weight)
+        return self.output_layer(hidden)
+
+    def forward(self, tokens: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """First stage: tokens [b, s]; other stages: ``hidden`` [s, b, h] from the previous stage.
+
+        Returns the per-token loss [b, s] when ``labels`` is given on the last stage, the full logits
+        [b, s, vocab] on the last stage without labels, else the hidden states for the next stage."""
+        x = self.embedding(tokens) if self.pre_process else hidden
+        seq_len = x.shape[0] * (self.pg.tp_size if self.sequence_parallel else 1)
+        angles = self._rope(seq_len, x.device)
+        for layer in self.layers.values():
+            x = layer(x, angles)
+        if not self.post_process:
+            return x
+        logits = self.logits(x)
+        if labels is None:
+            full = gather_from_tp(logits, self.pg, dim=-1)[..., : self.vocab_size]
+            return full.transpose(0, 1).contiguous()
+        return vocab_parallel_cross_entropy(logits, labels.t(), self.pg, self.vocab_size).t()

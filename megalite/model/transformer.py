@@ -1,0 +1,131 @@
+"""One pre-norm transformer layer built from tensor-parallel pieces.
+
+x [s, b, h] -> x + dropout(proj(attention(qkv(norm(x))))) -> x + dropout(fc2(act(fc1(norm(x)))))
+With sequence parallelism x is [s/tp, b, h]; the column-parallel GEMMs gather it and the row-parallel
+ones reduce-scatter back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megalite.config.model import ModelConfig
+from megalite.model.norm import Norm
+from megalite.model.rope import apply_rope
+from megalite.parallel.groups import ProcessGroups
+from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megalite.tensor_parallel.random import RNGTracker
+from megalite.tensor_parallel.sharding import QKVShardSpec, ShardSpec
+
+
+def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, backend: str
+                   ) -> torch.Tensor:
+    """Causal attention. q [b, nq, s, d]; k, v [b, nkv, s, d] with nq a multiple of nkv (GQA)."""
+    if backend in ("auto", "sdpa"):
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
+                                              enable_gqa=q.shape[1] != k.shape[1])
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = (q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5
+    s = q.shape[2]
+    mask = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
+    probs = scores.masked_fill(mask, float("-inf")).softmax(dim=-1)
+    return F.dropout(probs, dropout_p) @ v
+
+
+class Attention(nn.Module):
+    """Self-attention with one fused QKV GEMM in Megatron's per-group layout, heads split over TP."""
+
+    def __init__(self, cfg: ModelConfig, pg: ProcessGroups, tracker: RNGTracker, sequence_parallel: bool,
+                 dtype: torch.dtype, device: torch.device | None) -> None:
+        super().__init__()
+        tp = pg.tp_size
+        self.cfg, self.tracker = cfg, tracker
+        self.head_dim = cfg.kv_channels
+        self.heads_local = cfg.num_attention_heads // tp
+        groups = cfg.num_query_groups
+        self.groups_local = max(groups // tp, 1)
+        self.q_per_group = self.heads_local // self.groups_local
+        spec = QKVShardSpec(dim=0, heads=cfg.num_attention_heads, groups=groups, head_dim=self.head_dim)
+        out_full = (cfg.num_attention_heads + 2 * groups) * self.head_dim
+        out_local = (self.heads_local + 2 * self.groups_local) * self.head_dim
+        self.qkv = ColumnParallelLinear(cfg.hidden_size, out_local * tp, pg,
+                                        bias=cfg.add_bias_linear or cfg.add_qkv_bias, spec=spec,
+                                        sequence_parallel=sequence_parallel, dtype=dtype, device=device)
+        # The layer was sized for out_local * tp rows; record the true full shape of the fused layout.
+        self.qkv.weight.full_shape = (out_full, cfg.hidden_size)
+        if self.qkv.bias is not None:
+            self.qkv.bias.full_shape = (out_full,)
+        self.proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size, pg,
+                                      bias=cfg.add_bias_linear, sequence_parallel=sequence_parallel,
+                                      dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor, rope_angles: torch.Tensor | None) -> torch.Tensor:
+        qkv = self.qkv(x)  # [s, b, groups_local * (q_per_group + 2) * d]
+        s, b = qkv.shape[:2]
+        qkv = qkv.view(s, b, self.groups_local, self.q_per_group + 2, self.head_dim)
+        q = qkv[:, :, :, : self.q_per_group].reshape(s, b, self.heads_local, self.head_dim)
+        k = qkv[:, :, :, self.q_per_group]  # [s, b, groups_local, d]
+        v = qkv[:, :, :, self.q_per_group + 1]
+        if rope_angles is not None:
+            q, k = apply_rope(q, rope_angles), apply_rope(k, rope_angles)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
+        p = self.cfg.attention_dropout if self.training else 0.0
+        with self.tracker.fork() if p > 0 else contextlib.nullcontext():
+            ctx = core_attention(q, k, v, p, self.cfg.attention_backend)
+        ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.heads_local * self.head_dim)
+        return self.proj(ctx)
+
+
+class MLP(nn.Module):
+    """fc1 (column-parallel) -> GeLU or SwiGLU -> fc2 (row-parallel)."""
+
+    def __init__(self, cfg: ModelConfig, pg: ProcessGroups, sequence_parallel: bool, dtype: torch.dtype,
+                 device: torch.device | None) -> None:
+        super().__init__()
+        self.swiglu = cfg.swiglu
+        ffn = cfg.ffn_hidden_size
+        # SwiGLU's fc1 is [gate; up] stacked; each rank keeps its slice of both halves.
+        self.fc1 = ColumnParallelLinear(cfg.hidden_size, 2 * ffn if cfg.swiglu else ffn, pg,
+                                        bias=cfg.add_bias_linear, spec=ShardSpec(dim=0, chunks=2 if cfg.swiglu else 1),
+                                        sequence_parallel=sequence_parallel, dtype=dtype, device=device)
+        self.fc2 = RowParallelLinear(ffn, cfg.hidden_size, pg, bias=cfg.add_bias_linear,
+                                     sequence_parallel=sequence_parallel, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)
+        if self.swiglu:
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h)
+        return self.fc2(h)
+
+
+class TransformerLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, pg: ProcessGroups, tracker: RNGTracker, sequence_parallel: bool = False,
+                 dtype: torch.dtype = torch.float32, device: torch.device | None = None) -> None:
+        super().__init__()
+        self.cfg, self.tracker, self.sequence_parallel = cfg, tracker, sequence_parallel
+        norm = dict(kind=cfg.normalization, eps=cfg.norm_epsilon, sequence_parallel=sequence_parallel,
+                    dtype=dtype, device=device)
+        self.input_norm = Norm(cfg.hidden_size, **norm)
+        self.attention = Attention(cfg, pg, tracker, sequence_parallel, dtype, device)
+        self.pre_mlp_norm = Norm(cfg.hidden_size, **norm)
+        self.mlp = MLP(cfg, pg, sequence_parallel, dtype, device)
+
+    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
+        p = self.cfg.hidden_dropout if self.training else 0.0
+        if p == 0.0:
+            return x
+        # Sequence-parallel activations are sharded: their masks must differ per TP rank.
+        with self.tracker.fork() if self.sequence_parallel else contextlib.nullcontext():
+            return F.dropout(x, p, training=True)
+
+    def forward(self, x: torch.Tensor, rope_angles: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self._dropout(self.attention(self.input_norm(x), rope_angles))
+        return x + self._dropout(self.mlp(self.pre_mlp_norm(x)))

@@ -1,0 +1,1 @@
+"""Optimizer: AdamW param groups, global-norm clipping, learning-rate schedule."""

@@ -1,0 +1,1 @@
+"""Pipeline parallelism: stage partitioning, schedule tables, executor and p2p."""

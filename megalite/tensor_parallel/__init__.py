@@ -1,0 +1,1 @@
+"""Tensor parallelism: communication mappings, parallel layers, vocab-parallel loss, RNG, init."""

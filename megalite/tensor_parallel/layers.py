@@ -1,0 +1,132 @@
+"""Column/row-parallel linear layers and the vocab-parallel embedding.
+
+Shapes follow Megatron: activations are [s, b, h] (sequence first), so sequence parallelism splits
+dim 0. A layer holds the ProcessGroups it was built with; weights are [out, in] as for F.linear.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megalite.parallel.groups import ProcessGroups
+from megalite.tensor_parallel.mappings import (
+    copy_to_tp,
+    gather_from_sp,
+    gather_from_tp,
+    reduce_from_tp,
+    reduce_scatter_to_sp,
+)
+from megalite.tensor_parallel.sharding import REPLICATED, ShardSpec, VocabShardSpec, set_spec
+
+
+def _new_param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | None) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device))
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:
+    """Megatron's padding: the next multiple of divisible_by x tp."""
+    multiple = divisible_by * tp_size
+    return -(-vocab_size // multiple) * multiple
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y = X A^T + b with A split by rows (output features) over TP ranks.
+
+    input  [s, b, in] full (or [s/tp, b, in] with sequence parallelism, gathered here)
+    output [s, b, out/tp], or [s, b, out] with ``gather_output``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, pg: ProcessGroups, *, bias: bool = True,
+                 gather_output: bool = False, sequence_parallel: bool = False,
+                 spec: ShardSpec | None = None, init: str = "normal", dtype: torch.dtype = torch.float32,
+                 device: torch.device | None = None) -> None:
+        super().__init__()
+        self.pg, self.gather_output, self.sequence_parallel = pg, gather_output, sequence_parallel
+        if out_features % pg.tp_size:
+            raise ValueError(f"output features {out_features} not divisible by TP size {pg.tp_size}")
+        spec = spec or ShardSpec(dim=0)
+        self.weight = _new_param((out_features // pg.tp_size, in_features), dtype, device)
+        set_spec(self.weight, spec, (out_features, in_features), init)
+        if bias:
+            self.bias = _new_param((out_features // pg.tp_size,), dtype, device)
+            set_spec(self.bias, spec, (out_features,), "zeros")
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        x = gather_from_sp(x, self.pg) if self.sequence_parallel else copy_to_tp(x, self.pg)
+        y = F.linear(x, self.weight if weight is None else weight, self.bias)
+        return gather_from_tp(y, self.pg) if self.gather_output else y
+
+
+class RowParallelLinear(nn.Module):
+    """Y = X A^T + b with A split by columns (input features); partial outputs summed over TP.
+
+    input [s, b, in/tp]; output [s, b, out] (or [s/tp, b, out] reduce-scattered with sequence parallelism).
+    The bias is replicated and added once, after the reduction.
+    """
+
+    def __init__(self, in_features: int, out_features: int, pg: ProcessGroups, *, bias: bool = True,
+                 sequence_parallel: bool = False, init: str = "output", dtype: torch.dtype = torch.float32,
+                 device: torch.device | None = None) -> None:
+        super().__init__()
+        self.pg, self.sequence_parallel = pg, sequence_parallel
+        if in_features % pg.tp_size:
+            raise ValueError(f"input features {in_features} not divisible by TP size {pg.tp_size}")
+        self.weight = _new_param((out_features, in_features // pg.tp_size), dtype, device)
+        set_spec(self.weight, ShardSpec(dim=1), (out_features, in_features), init)
+        if bias:
+            self.bias = _new_param((out_features,), dtype, device)
+            set_spec(self.bias, ShardSpec(partial_grad=sequence_parallel), (out_features,), "zeros")
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        y = reduce_scatter_to_sp(y, self.pg) if self.sequence_parallel else reduce_from_tp(y, self.pg)
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding with the (padded) vocabulary split by rows over TP ranks.
+
+    Each rank looks up the ids it owns, zeros the others, and the partial results are summed over TP
+    (reduce-scattered along the sequence with sequence parallelism).
+    input [b, s] ids; output [s, b, h].
+    """
+
+    def __init__(self, vocab_size: int, padded_vocab: int, hidden: int, pg: ProcessGroups, *,
+                 sequence_parallel: bool = False, dtype: torch.dtype = torch.float32,
+                 device: torch.device | None = None) -> None:
+        super().__init__()
+        self.pg, self.sequence_parallel = pg, sequence_parallel
+        self.vocab_size, self.padded_vocab = vocab_size, padded_vocab
+        per_rank = padded_vocab // pg.tp_size
+        self.vocab_start = pg.tp_rank * per_rank
+        self.vocab_end = self.vocab_start + per_rank
+        self.weight = _new_param((per_rank, hidden), dtype, device)
+        set_spec(self.weight, VocabShardSpec(dim=0, vocab_size=vocab_size, padded_vocab=padded_vocab),
+                 (vocab_size, hidden), "normal")
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        ids = ids.t()  # [s, b]
+        if self.pg.tp_size > 1:
+            outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
+            local = (ids - self.vocab_start).masked_fill(outside, 0)
+            out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        else:
+            out = F.embedding(ids, self.weight)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sp(out, self.pg)
+        return reduce_from_tp(out, self.pg)
+
+
+class ReplicatedEmbedding(nn.Embedding):
+    """A table every TP rank holds whole (learned positions)."""
+
+    def __init__(self, num: int, dim: int, dtype: torch.dtype = torch.float32,
+                 device: torch.device | None = None) -> None:
+        super().__init__(num, dim, dtype=dtype, device=device)
+        set_spec(self.weight, REPLICATED, (num, dim), "normal")

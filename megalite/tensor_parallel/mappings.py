@@ -1,0 +1,116 @@
+"""Autograd communication pairs: each op's backward is its forward's dual.
+
+copy_to_tp      forward identity        backward all-reduce       (entering a column-parallel GEMM)
+reduce_from_tp  forward all-reduce      backward identity         (leaving a row-parallel GEMM)
+scatter_to_tp   forward split last dim  backward all-gather
+gather_from_tp  forward all-gather      backward split last dim
+With sequence parallelism (activations split along dim 0, the sequence):
+scatter_to_sp   forward split dim 0     backward all-gather
+gather_from_sp  forward all-gather      backward reduce-scatter   (before a column-parallel GEMM)
+reduce_scatter_to_sp forward reduce-scatter backward all-gather   (after a row-parallel GEMM)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megalite.parallel.groups import ProcessGroups
+
+
+def _split(x: torch.Tensor, pg: ProcessGroups, dim: int) -> torch.Tensor:
+    if pg.tp_size == 1:
+        return x
+    return x.chunk(pg.tp_size, dim=dim)[pg.tp_rank].contiguous()
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, pg):
+        ctx.pg = pg
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return ctx.pg.all_reduce(g.clone(memory_format=torch.contiguous_format), "tp"), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, pg):
+        return pg.all_reduce(x.clone(memory_format=torch.contiguous_format), "tp")
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _ScatterToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, pg, dim):
+        ctx.pg, ctx.dim = pg, dim
+        return _split(x, pg, dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        return ctx.pg.all_gather(g, "tp", dim=ctx.dim), None, None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, pg, dim):
+        ctx.pg, ctx.dim = pg, dim
+        return pg.all_gather(x, "tp", dim=dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _split(g, ctx.pg, ctx.dim), None, None
+
+
+class _GatherFromSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, pg):
+        ctx.pg = pg
+        return pg.all_gather(x, "tp", dim=0)
+
+    @staticmethod
+    def backward(ctx, g):
+        return ctx.pg.reduce_scatter(g.contiguous(), "tp", dim=0), None
+
+
+class _ReduceScatterToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, pg):
+        ctx.pg = pg
+        return pg.reduce_scatter(x.contiguous(), "tp", dim=0)
+
+    @staticmethod
+    def backward(ctx, g):
+        return ctx.pg.all_gather(g, "tp", dim=0), None
+
+
+def copy_to_tp(x: torch.Tensor, pg: ProcessGroups) -> torch.Tensor:
+    return _CopyToTP.apply(x, pg) if pg.tp_size > 1 else x
+
+
+def reduce_from_tp(x: torch.Tensor, pg: ProcessGroups) -> torch.Tensor:
+    return _ReduceFromTP.apply(x, pg) if pg.tp_size > 1 else x
+
+
+def scatter_to_tp(x: torch.Tensor, pg: ProcessGroups, dim: int = -1) -> torch.Tensor:
+    return _ScatterToTP.apply(x, pg, dim) if pg.tp_size > 1 else x
+
+
+def gather_from_tp(x: torch.Tensor, pg: ProcessGroups, dim: int = -1) -> torch.Tensor:
+    return _GatherFromTP.apply(x, pg, dim) if pg.tp_size > 1 else x
+
+
+def scatter_to_sp(x: torch.Tensor, pg: ProcessGroups) -> torch.Tensor:
+    return _ScatterToTP.apply(x, pg, 0) if pg.tp_size > 1 else x
+
+
+def gather_from_sp(x: torch.Tensor, pg: ProcessGroups) -> torch.Tensor:
+    return _GatherFromSP.apply(x, pg) if pg.tp_size > 1 else x
+
+
+def reduce_scatter_to_sp(x: torch.Tensor, pg: ProcessGroups) -> torch.Tensor:
+    return _ReduceScatterToSP.apply(x, pg) if pg.tp_size > 1 else x

@@ -1,0 +1,56 @@
+"""Model-parallel RNG: dropout in TP-sharded regions must differ per TP rank, elsewhere match.
+
+The default device generator is seeded per pipeline stage (seed + 100 * pp_rank) and is shared by the
+TP ranks of a stage (replicated activations get identical masks). A tracked generator seeded with
+seed + 2718 + tp_rank is swapped in for sharded regions (attention probabilities over split heads).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from megalite import device
+
+MODEL_PARALLEL_RNG = "model-parallel-rng"
+
+
+class RNGTracker:
+    """Named generator states that can be forked into for a region of code."""
+
+    def __init__(self) -> None:
+        self.states: dict[str, torch.Tensor] = {}
+
+    def add(self, name: str, seed: int) -> None:
+        saved = device.get_rng_state()
+        device.manual_seed(seed)
+        self.states[name] = device.get_rng_state()
+        device.set_rng_state(saved)
+
+    @contextlib.contextmanager
+    def fork(self, name: str = MODEL_PARALLEL_RNG) -> Iterator[None]:
+        if name not in self.states:
+            raise KeyError(f"RNG state '{name}' was never added to the tracker")
+        saved = device.get_rng_state()
+        device.set_rng_state(self.states[name])
+        try:
+            yield
+        finally:
+            self.states[name] = device.get_rng_state()
+            device.set_rng_state(saved)
+
+    def get_states(self) -> dict[str, torch.Tensor]:
+        return {k: v.clone() for k, v in self.states.items()}
+
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        self.states = {k: v.clone() for k, v in states.items()}
+
+
+def model_parallel_seed(seed: int, tp_rank: int, pp_rank: int) -> RNGTracker:
+    """Seed the default generator for this stage and return a tracker for TP-sharded regions."""
+    device.manual_seed(seed + 100 * pp_rank)
+    tracker = RNGTracker()
+    tracker.add(MODEL_PARALLEL_RNG, seed + 2718 + tp_rank)
+    return tracker

@@ -1,0 +1,1 @@
+"""The training loop, evaluation, logging and start-up."""

@@ -1,0 +1,56 @@
+"""Datasets and tokenizer for a run, and turning sample indices into micro-batch tensors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from megalite.config.arguments import MegaliteConfig
+from megalite.data.sampler import microbatch_indices
+from megalite.parallel.groups import ProcessGroups
+
+
+@dataclass
+class RunData:
+    tokenizer: Any
+    train: Any
+    valid: Any
+    test: Any
+
+
+def build_run_data(cfg: MegaliteConfig, pg: ProcessGroups) -> RunData:
+    """Tokenizer and train/valid/test datasets sized for this run (indices built once, on rank 0)."""
+    from megalite.data import build_datasets, build_tokenizer
+
+    t = cfg.training
+    gbs = t.global_batch_size
+    tokenizer = build_tokenizer(cfg.data)
+    evals = t.train_iters // t.eval_interval + 1 if t.eval_iters > 0 else 0
+    num_samples = (t.train_iters * gbs, evals * t.eval_iters * gbs, t.eval_iters * gbs)
+    train, valid, test = build_datasets(cfg.data, seq_length=cfg.model.seq_length, seed=t.seed,
+                                        num_samples=num_samples, tokenizer=tokenizer, is_builder=pg.rank == 0,
+                                        barrier=pg.barrier)
+    return RunData(tokenizer, train, valid, test)
+
+
+def make_microbatch(dataset: Any, indices: list[int], device: torch.device) -> dict[str, torch.Tensor]:
+    """tokens/labels [b, s] from samples of seq+1 tokens (labels are tokens shifted by one)."""
+    text = torch.from_numpy(np.stack([np.asarray(dataset[i]["text"], dtype=np.int64) for i in indices]))
+    text = text.to(device, non_blocking=True)
+    tokens, labels = text[:, :-1], text[:, 1:]
+    return {"tokens": tokens, "labels": labels, "loss_mask": torch.ones_like(labels, dtype=torch.float32)}
+
+
+def global_batch(dataset: Any, consumed: int, cfg: MegaliteConfig, pg: ProcessGroups, device: torch.device
+                 ) -> list[dict[str, torch.Tensor]]:
+    """This DP rank's micro-batches of the global batch that starts at ``consumed`` samples."""
+    t = cfg.training
+    idx = microbatch_indices(consumed, t.global_batch_size, t.micro_batch_size, pg.dp_rank, pg.dp_size)
+    n = len(dataset)
+    if idx and idx[-1][-1] >= n:
+        raise RuntimeError(f"dataset has {n} samples but sample {idx[-1][-1]} was requested; "
+                           "it was sized for fewer iterations than asked")
+    return [make_microbatch(dataset, i, device) for i in idx]

@@ -1,0 +1,34 @@
+#!/usr/bin/env python
+"""Pretrain a GPT. Megatron-LM's flag names; run with `torchrun --nproc-per-node N pretrain_gpt.py ...`
+(or plain `python pretrain_gpt.py ...` for one rank). `--help` lists every flag."""
+
+from __future__ import annotations
+
+import sys
+
+import torch.distributed as dist
+
+from megalite.config import ConfigError, parse_args, validate
+from megalite.training.loop import pretrain
+from megalite.training.setup import init_distributed, launcher_env
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_args(argv)
+    _, world, _, _ = launcher_env()
+    try:
+        validate(cfg, world)  # before any process group exists
+    except ConfigError as e:
+        print(f"pretrain_gpt.py: error: {e}", file=sys.stderr)
+        return 2
+    pg = init_distributed(cfg)
+    try:
+        pretrain(cfg, pg)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

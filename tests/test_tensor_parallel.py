@@ -1,0 +1,77 @@
+"""Promise: TP in {2, 4} gives the TP=1 logits, loss and every (gathered) gradient, for GPT-2 and
+Llama configs, with a vocab that is not a multiple of 128 x TP, and with GQA groups < TP."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megalite.config.model import ModelConfig
+from megalite.distributed.finalize import finalize_grads
+from megalite.optimizer.clip import global_grad_norm
+from tests.harness import run_ranks
+from tests.tp_utils import GPT2, LLAMA_GQA, build, gather_full, groups_for
+
+VOCAB = 1000  # not a multiple of 128 x TP
+CASES = {"gpt2": GPT2, "llama_gqa_groups_lt_tp": LLAMA_GQA,
+         "llama_mha": {**LLAMA_GQA, "group_query_attention": False, "num_attention_heads": 4}}
+
+
+def _outputs(kw: dict, pg) -> dict:
+    cfg = ModelConfig(**kw)
+    model = build(cfg, pg, VOCAB)
+    gen = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, VOCAB, (3, cfg.seq_length + 1), generator=gen)
+    logits = model(tokens[:, :-1])
+    loss = model(tokens[:, :-1], labels=tokens[:, 1:]).mean()
+    loss.backward()
+    finalize_grads([model], pg)
+    params = list(model.parameters())
+    return {
+        "logits": logits.detach(),
+        "loss": loss.detach(),
+        "grad_norm": global_grad_norm(params, pg),
+        "params": {n: gather_full(p, p.detach(), pg) for n, p in model.named_parameters()},
+        "grads": {n: gather_full(p, p.grad, pg) for n, p in model.named_parameters()},
+    }
+
+
+def _compare(ref: dict, out: dict) -> list[str]:
+    bad = []
+    for key in ("logits", "loss"):
+        if not torch.allclose(ref[key], out[key], rtol=1e-5, atol=1e-5):
+            bad.append(f"{key}: max diff {(ref[key] - out[key]).abs().max():.3e}")
+    if abs(ref["grad_norm"] - out["grad_norm"]) > 1e-5 * ref["grad_norm"]:
+        bad.append(f"grad norm {out['grad_norm']} != {ref['grad_norm']}")
+    for kind in ("params", "grads"):
+        if ref[kind].keys() != out[kind].keys():
+            bad.append(f"{kind} names differ: {sorted(ref[kind].keys() ^ out[kind].keys())}")
+            continue
+        for name, r in ref[kind].items():
+            o = out[kind][name]
+            if r.shape != o.shape or not torch.allclose(r, o, rtol=1e-4, atol=1e-6):
+                diff = (r - o).abs().max() if r.shape == o.shape else f"shape {tuple(o.shape)} vs {tuple(r.shape)}"
+                bad.append(f"{kind} {name}: {diff}")
+    return bad
+
+
+def _check_all_layouts(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    report = {}
+    for case, kw in CASES.items():
+        ref = _outputs(kw, groups_for(1, 0))
+        for tp in (2, 4):
+            report[(case, tp)] = _compare(ref, _outputs(kw, groups_for(world, rank, tp=tp)))
+    return report
+
+
+@pytest.fixture(scope="module")
+def reports() -> list[dict]:
+    return run_ranks(_check_all_layouts, 4)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tp_matches_serial_logits_loss_and_grads(reports, case, tp):
+    for rank, report in enumerate(reports):
+        assert report[(case, tp)] == [], f"rank {rank}: {report[(case, tp)]}"
