@@ -1,0 +1,54 @@
+"""Data pipeline: tokenizers, Megatron-format indexed datasets, GPT sample indices, blending.
+
+The training loop needs two calls::
+
+    tokenizer = build_tokenizer(cfg)
+    train, valid, test = build_datasets(cfg, seq_length=..., seed=..., num_samples=(n_train, n_valid, n_test),
+                                        tokenizer=tokenizer, is_builder=rank == 0, barrier=dist.barrier)
+
+Each dataset maps an index to ``{"text": int64 array of seq_length + 1 tokens}``; a split with no
+requested samples or no documents is None. This package does not import torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+# megalite.config imports DataConfig from here; importing it first keeps either import order working.
+import megalite.config  # noqa: F401
+from megalite.data.config import DataConfig
+from megalite.data.tokenizer import Tokenizer, build_tokenizer
+
+__all__ = ["DataConfig", "Tokenizer", "build_datasets", "build_tokenizer"]
+
+
+def build_datasets(cfg: DataConfig, *, seq_length: int, seed: int,
+                   num_samples: tuple[int | None, int | None, int | None], tokenizer: Tokenizer,
+                   is_builder: bool, barrier: Callable[[], None] | None) -> tuple:
+    """Train, valid and test datasets (each may be None).
+
+    With ``--mock-data``: synthetic samples (vocabulary ``tokenizer.vocab_size``); train uses ``seed``,
+    valid and test ``seed + 1`` and ``seed + 2`` so that they are not copies of the training samples.
+    Otherwise Megatron's ``--data-path``/``--split``/blend semantics. The process with ``is_builder``
+    (global rank 0) computes and caches the index arrays; then every process calls ``barrier()`` (if
+    given); then the others load the cache. Every process must call this.
+    """
+    if len(num_samples) != 3:
+        raise ValueError(f"num_samples needs (train, valid, test) counts, got {num_samples}")
+    if cfg.mock_data:
+        from megalite.data.mock import MockGPTDataset
+
+        return tuple(MockGPTDataset(n, seq_length, tokenizer.vocab_size, seed + i) if n else None
+                     for i, n in enumerate(num_samples))
+    per_split = [cfg.train_data_path, cfg.valid_data_path, cfg.test_data_path]
+    if cfg.data_path and any(per_split):
+        raise ValueError("use either --data-path (with --split) or --train/valid/test-data-path, not both")
+    if not cfg.data_path and not any(per_split):
+        raise ValueError("--data-path (or --train-data-path/--valid-data-path/--test-data-path) is "
+                         "required unless --mock-data is given")
+    from megalite.data.builder import build_gpt_datasets
+
+    return build_gpt_datasets(cfg.data_path, cfg.split, per_split, seq_length=seq_length, seed=seed,
+                              num_samples=num_samples, cache_path=cfg.data_cache_path,
+                              surplus=cfg.mid_level_dataset_surplus, is_builder=is_builder,
+                              barrier=barrier)
