@@ -15,6 +15,11 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = option(1, help="Pipeline-parallel size: stages the layers are cut into.")
     num_layers_per_virtual_pipeline_stage: int | None = option(
         None, help="Layers per virtual stage for the interleaved 1F1B schedule.")
+    pipeline_schedule: str = option("1f1b", help="Pipeline schedule (interleaved 1F1B when virtual stages are "
+                                    "used; GPipe for comparison).", choices=["1f1b", "gpipe"])
+    record_pipeline_timeline: str | None = option(
+        None, help="Write each rank's forward/backward start/end times of the last step to this directory "
+        "(JSON; plot with tools/plot_pipeline_timeline.py).")
     context_parallel_size: int = option(1, help="Context-parallel size (only 1 is supported).")
     sequence_parallel: bool = option(False, help="Shard norm/dropout activations along the sequence (needs TP>1).")
     rank_order: str = option("tp-cp-dp-pp", help="Rank layout order, leftmost axis varies fastest.",

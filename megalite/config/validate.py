@@ -74,13 +74,13 @@ def validate(cfg: "MegaliteConfig", world_size: int) -> None:
     if p.sequence_parallel and tp == 1:
         errors.append("--sequence-parallel needs --tensor-model-parallel-size > 1")
     _divides(errors, m.num_layers, "--num-layers", pp, "--pipeline-model-parallel-size")
-    from megalite.pipeline.validate import pipeline_errors
-
-    errors.extend(pipeline_errors(cfg))
 
     # Batches.
     if t.global_batch_size is None:
         t.global_batch_size = t.micro_batch_size * dp
+    from megalite.pipeline.validate import pipeline_errors
+
+    errors.extend(pipeline_errors(cfg, dp))
     if t.global_batch_size % (t.micro_batch_size * dp):
         errors.append(f"--global-batch-size ({t.global_batch_size}) must be divisible by --micro-batch-size "
                       f"({t.micro_batch_size}) x data-parallel size ({dp} = world {world_size} / "

@@ -135,6 +135,14 @@ class ProcessGroups:
             dist.broadcast(tensor, src=self.ranks[kind][src_index], group=self.groups[kind])
         return tensor
 
+    def isend(self, tensor: torch.Tensor, dst_index: int, tag: int) -> dist.Work:
+        """Non-blocking send to the pipeline rank ``dst_index`` (position in this rank's PP group)."""
+        self._count("pp", "send", tensor)
+        return dist.isend(tensor.contiguous(), dst=self.ranks["pp"][dst_index], tag=tag)
+
+    def irecv(self, tensor: torch.Tensor, src_index: int, tag: int) -> dist.Work:
+        return dist.irecv(tensor, src=self.ranks["pp"][src_index], tag=tag)
+
     def barrier(self) -> None:
         if self.layout.world_size > 1:
             dist.barrier()

@@ -1,11 +1,14 @@
 """pretrain(): the training loop. One iteration = one global batch = one optimizer step.
 
-sampler -> this DP rank's micro-batches -> forward/backward (schedule) -> finalize grads (TP partials,
-tied embeddings, DP average) -> global grad norm, clip -> AdamW step -> log / evaluate.
+sampler -> this DP rank's micro-batches -> pipeline schedule (forward/backward of this rank's chunks)
+-> finalize grads (TP partials, tied embeddings, DP average) -> global grad norm, clip -> AdamW step
+-> log / evaluate.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,7 +23,8 @@ from megalite.optimizer.adam import build_adam
 from megalite.optimizer.clip import clip_grads, global_grad_norm
 from megalite.optimizer.lr_schedule import LRSchedule
 from megalite.parallel.groups import ProcessGroups
-from megalite.pipeline.schedules import forward_backward_no_pipelining
+from megalite.pipeline.executor import PipelineRecord
+from megalite.pipeline.schedules import forward_backward
 from megalite.tensor_parallel.random import model_parallel_seed
 from megalite.training.batches import RunData, build_run_data, global_batch
 from megalite.training.flops import training_flops
@@ -33,32 +37,44 @@ class TrainResult:
     losses: list[float] = field(default_factory=list)  # lm loss of every iteration
     grad_norms: list[float] = field(default_factory=list)
     valid_losses: list[tuple[int, float]] = field(default_factory=list)
-    model: nn.Module | None = None
+    chunks: list[nn.Module] = field(default_factory=list)
 
 
-def lm_loss(model: nn.Module, mb: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Mean per-token loss of one micro-batch."""
-    per_token = model(mb["tokens"], labels=mb["labels"])
-    mask = mb["loss_mask"]
-    return (per_token.float() * mask).sum() / mask.sum()
-
-
-def _mean_over_dp(losses: list[torch.Tensor], pg: ProcessGroups) -> float:
-    t = torch.stack(losses).mean().reshape(1).float()
-    pg.all_reduce(t, "dp")
-    return float(t) / pg.dp_size
+def reported_loss(losses: list[torch.Tensor], pg: ProcessGroups) -> float:
+    """Mean micro-batch loss over DP, computed on the last stage and shared with every stage."""
+    t = torch.zeros(1, dtype=torch.float32, device=device.current_device())
+    if pg.is_last_stage:
+        t += torch.stack(losses).float().mean()
+        pg.all_reduce(t, "dp")
+        t /= pg.dp_size
+    pg.broadcast(t, "pp", src_index=pg.pp_size - 1)
+    return float(t)
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, dataset, start: int, cfg: MegaliteConfig, pg: ProcessGroups) -> float:
-    model.eval()
-    losses = []
+def evaluate(chunks: list[nn.Module], dataset, start: int, cfg: MegaliteConfig, pg: ProcessGroups) -> float:
+    for c in chunks:
+        c.eval()
+    losses: list[torch.Tensor] = []
     gbs = cfg.training.global_batch_size
     for k in range(cfg.training.eval_iters):
         mbs = global_batch(dataset, start + k * gbs, cfg, pg, device.current_device())
-        losses += forward_backward_no_pipelining(model, mbs, lm_loss, forward_only=True)
-    model.train()
-    return _mean_over_dp(losses, pg)
+        losses += forward_backward(chunks, mbs, pg, forward_only=True)
+    for c in chunks:
+        c.train()
+    return reported_loss(losses, pg)
+
+
+def _write_timeline(cfg: MegaliteConfig, pg: ProcessGroups, record: PipelineRecord, vp: int) -> None:
+    out = cfg.parallel.record_pipeline_timeline
+    os.makedirs(out, exist_ok=True)
+    p, t = cfg.parallel, cfg.training
+    with open(os.path.join(out, f"rank{pg.rank:05d}.json"), "w") as f:
+        json.dump({"rank": pg.rank, "pp_rank": pg.pp_rank, "pp": pg.pp_size, "tp_rank": pg.tp_rank,
+                   "dp_rank": pg.dp_rank, "vp": vp,
+                   "microbatches": t.global_batch_size // (t.micro_batch_size * pg.dp_size),
+                   "schedule": p.pipeline_schedule, "peak_live": record.peak_live,
+                   "timeline": record.timeline}, f)
 
 
 def pretrain(cfg: MegaliteConfig, pg: ProcessGroups, data: RunData | None = None,
@@ -66,16 +82,17 @@ def pretrain(cfg: MegaliteConfig, pg: ProcessGroups, data: RunData | None = None
     """Train for --train-iters iterations; every rank returns the logged losses."""
     t, o = cfg.training, cfg.optimizer
     log = log or (lambda s: print(s, flush=True))
-    say = log if pg.rank == pg.layout.world_size - 1 else (lambda s: None)  # last rank holds the loss
+    say = log if pg.rank == pg.layout.world_size - 1 else (lambda s: None)  # the last rank logs, as Megatron
     tracker = model_parallel_seed(t.seed, pg.tp_rank, pg.pp_rank)
     data = data or build_run_data(cfg, pg)
     vocab = data.tokenizer.vocab_size
-    model = build_model(cfg, pg, vocab, tracker)
-    model.train()
-    optimizer = build_adam([model], o)
+    chunks = build_model(cfg, pg, vocab, tracker)
+    for c in chunks:
+        c.train()
+    optimizer = build_adam(chunks, o)
     schedule = LRSchedule(o.lr, o.min_lr, o.lr_warmup_iters, o.lr_decay_iters or t.train_iters, o.lr_decay_style)
-    params = [p for p in model.parameters() if p.requires_grad]
-    result = TrainResult(model=model)
+    params = [p for c in chunks for p in c.parameters() if p.requires_grad]
+    result = TrainResult(chunks=chunks)
     dev = device.current_device()
     tokens_per_iter = t.global_batch_size * cfg.model.seq_length
     flops_per_iter = training_flops(cfg.model, vocab, cfg.model.seq_length, tokens_per_iter)
@@ -84,9 +101,10 @@ def pretrain(cfg: MegaliteConfig, pg: ProcessGroups, data: RunData | None = None
     window_start, window_iters = time.perf_counter(), 0
 
     for iteration in range(t.train_iters):
+        record = PipelineRecord() if cfg.parallel.record_pipeline_timeline else None
         microbatches = global_batch(data.train, consumed, cfg, pg, dev)
-        losses = forward_backward_no_pipelining(model, microbatches, lm_loss)
-        finalize_grads([model], pg)
+        losses = forward_backward(chunks, microbatches, pg, cfg.parallel.pipeline_schedule, record=record)
+        finalize_grads(chunks, pg)
         grad_norm = global_grad_norm(params, pg)
         clip_grads(params, o.clip_grad, grad_norm)
         lr = schedule(iteration)
@@ -95,10 +113,12 @@ def pretrain(cfg: MegaliteConfig, pg: ProcessGroups, data: RunData | None = None
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         consumed += t.global_batch_size
-        loss = _mean_over_dp(losses, pg)
+        loss = reported_loss(losses, pg)
         result.losses.append(loss)
         result.grad_norms.append(grad_norm)
         window_iters += 1
+        if record is not None:
+            _write_timeline(cfg, pg, record, len(chunks))
 
         step = iteration + 1
         if step % t.log_interval == 0 or step == t.train_iters:
@@ -111,13 +131,13 @@ def pretrain(cfg: MegaliteConfig, pg: ProcessGroups, data: RunData | None = None
                                       tflops / peak if peak else None))
             window_start, window_iters = time.perf_counter(), 0
         if data.valid is not None and t.eval_iters > 0 and step % t.eval_interval == 0 and step < t.train_iters:
-            vloss = evaluate(model, data.valid, valid_consumed, cfg, pg)
+            vloss = evaluate(chunks, data.valid, valid_consumed, cfg, pg)
             valid_consumed += t.eval_iters * t.global_batch_size
             result.valid_losses.append((step, vloss))
             say(format_validation_line(step, vloss))
             window_start = time.perf_counter()
     if data.valid is not None and t.eval_iters > 0:
-        vloss = evaluate(model, data.valid, valid_consumed, cfg, pg)
+        vloss = evaluate(chunks, data.valid, valid_consumed, cfg, pg)
         result.valid_losses.append((t.train_iters, vloss))
         say(format_validation_line(t.train_iters, vloss))
     return result

@@ -1,0 +1,28 @@
+"""megalite: a readable Megatron-style GPT pretraining framework."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megalite",
+    version="0.1.0",
+    description="Megatron-style GPT pretraining: tensor, pipeline and data parallelism you can read in an afternoon",
+    packages=find_packages(include=["megalite", "megalite.*"]),
+    python_requires=">=3.10",
+    # torch is deliberately unpinned: a GPU machine keeps the CUDA build it has (scripts/install.sh
+    # installs the CPU wheel only where no torch is present).
+    install_requires=[
+        "torch>=2.4",
+        "numpy",
+        "pyyaml",
+        "safetensors",
+        "tokenizers",
+        "sentencepiece",
+        "transformers",
+        "datasets",
+    ],
+    extras_require={
+        "logging": ["tensorboard", "wandb"],
+        "test": ["pytest", "ruff", "megatron-core", "tensorboard", "matplotlib"],
+    },
+    scripts=["pretrain_gpt.py"],
+)
