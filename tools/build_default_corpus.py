@@ -1,0 +1,42 @@
+"""Build the embedded default corpus (Python standard library source and docstrings) with its
+tokenizer and preprocessed data, with no network access.
+
+    python tools/build_default_corpus.py --output-dir corpus
+    python pretrain_gpt.py --data-path corpus/stdlib_text_document --tokenizer-type GPT2BPETokenizer \\
+        --vocab-file corpus/vocab.json --merge-file corpus/merges.txt ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megalite.data.default_corpus import VOCAB_SIZE, build_default_corpus, ensure_default_corpus  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--output-dir", default="corpus")
+    p.add_argument("--vocab-size", type=int, default=VOCAB_SIZE)
+    p.add_argument("--max-mb", type=float, default=None, help="stop after this much text (default: all)")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--force", action="store_true", help="rebuild even if the corpus exists")
+    args = p.parse_args(argv)
+    kwargs = dict(vocab_size=args.vocab_size, workers=args.workers,
+                  max_bytes=None if args.max_mb is None else int(args.max_mb * 2**20))
+    try:
+        paths = build_default_corpus(args.output_dir, **kwargs) if args.force else \
+            ensure_default_corpus(args.output_dir, **kwargs)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"--data-path {paths['data_path']} --tokenizer-type GPT2BPETokenizer "
+          f"--vocab-file {paths['vocab_file']} --merge-file {paths['merge_file']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""Train a tokenizer on local jsonl/text files (no hub needed).
+
+    python tools/train_tokenizer.py --input corpus.jsonl --output-dir tok --vocab-size 8192
+    python tools/train_tokenizer.py --input corpus.jsonl --type sentencepiece --output-dir tok
+
+Byte-level BPE writes vocab.json + merges.txt (use with --tokenizer-type GPT2BPETokenizer) and
+tokenizer.json (HuggingFaceTokenizer); SentencePiece writes tokenizer.model (SentencePieceTokenizer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megalite.data.tokenizer_training import iter_texts, train_bpe, train_sentencepiece  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--input", nargs="+", required=True, help="jsonl(.gz) or text files, or globs")
+    p.add_argument("--json-keys", nargs="+", default=["text"], help="jsonl keys holding the text")
+    p.add_argument("--output-dir", required=True)
+    p.add_argument("--type", choices=["bpe", "sentencepiece"], default="bpe")
+    p.add_argument("--vocab-size", type=int, default=8192)
+    p.add_argument("--min-frequency", type=int, default=2, help="BPE: least count of a merged pair")
+    p.add_argument("--sentencepiece-model-type", choices=["bpe", "unigram"], default="bpe")
+    args = p.parse_args(argv)
+    paths = []
+    for pattern in args.input:
+        found = sorted(glob.glob(pattern)) if any(c in pattern for c in "*?[") else [pattern]
+        missing = [f for f in found if not os.path.isfile(f)]
+        if not found or missing:
+            print(f"error: --input {missing[0] if missing else pattern}: no such file", file=sys.stderr)
+            return 1
+        paths += found
+    texts = iter_texts(paths, args.json_keys)
+    try:
+        if args.type == "bpe":
+            out = train_bpe(texts, args.vocab_size, args.output_dir, args.min_frequency)
+            print(f"wrote {out['vocab_file']}, {out['merge_file']}, {out['tokenizer_json']}")
+        else:
+            os.makedirs(args.output_dir, exist_ok=True)
+            model = train_sentencepiece(texts, args.vocab_size, os.path.join(args.output_dir, "tokenizer"),
+                                        args.sentencepiece_model_type)
+            print(f"wrote {model}")
+    except (ValueError, OSError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
