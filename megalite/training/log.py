@@ -16,7 +16,7 @@ def format_iteration_line(iteration: int, train_iters: int, consumed: int, elaps
         f"elapsed time per iteration (ms): {elapsed_ms:.1f}",
     ]
     if tflops is not None:
-        parts.append(f"throughput per GPU (TFLOP/s/GPU): {tflops:.1f}")
+        parts.append(f"throughput per GPU (TFLOP/s/GPU): {tflops:.3f}")
     if mfu is not None:
         parts.append(f"MFU: {100.0 * mfu:.1f}%")
     if tokens_per_s is not None:

@@ -1,0 +1,36 @@
+"""Promise, end to end through pretrain_gpt.py and torchrun: the log's lm loss equals the
+single-process run's within 1e-5 relative at every iteration (the issues' acceptance commands)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.cli_utils import losses, run_pretrain
+
+COMMON = ["--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "8", "--lr", "1e-3",
+          "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000", "--hidden-dropout", "0",
+          "--attention-dropout", "0", "--log-interval", "1", "--seed", "1234", "--eval-iters", "0"]
+GPT2 = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+        "--max-position-embeddings", "32"]
+LLAMA = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8", "--seq-length", "32",
+         "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--group-query-attention",
+         "--num-query-groups", "2", "--untie-embeddings-and-output-weights", "--disable-bias-linear"]
+PIPE = ["--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+        "--micro-batch-size", "1", "--global-batch-size", "8"]
+
+CASES = {
+    "gpt2_tp2": (GPT2, ["--tensor-model-parallel-size", "2"], 2),
+    "llama_gqa2_tp4": (LLAMA, ["--tensor-model-parallel-size", "4"], 4),
+    "pp4_interleaved": (PIPE, ["--pipeline-model-parallel-size", "4", "--num-layers-per-virtual-pipeline-stage", "1"],
+                        4),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_torchrun_matches_single_process(case):
+    model, layout, nproc = CASES[case]
+    serial = losses(run_pretrain(COMMON + model))
+    parallel = losses(run_pretrain(COMMON + model + layout, nproc=nproc))
+    assert sorted(parallel) == sorted(serial) == list(range(1, 9 if "pp" not in case else 9))
+    for it, (loss, _) in serial.items():
+        assert abs(parallel[it][0] - loss) <= 1e-5 * loss, f"iteration {it}: {parallel[it]} vs {loss}"
