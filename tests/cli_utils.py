@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.E+-]+) \|.*?grad norm: ([0-9.]+)")
+LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.E+-]+) \|(?:.*?grad norm: ([0-9.]+))?")
 
 
 def run_pretrain(args: list[str], nproc: int = 1, timeout: float = 300, env: dict | None = None
@@ -24,8 +24,9 @@ def run_pretrain(args: list[str], nproc: int = 1, timeout: float = 300, env: dic
 
 
 def losses(proc: subprocess.CompletedProcess) -> dict[int, tuple[float, float]]:
-    """{iteration: (lm loss, grad norm)} from the log lines; fails loudly if the run failed."""
+    """{iteration: (lm loss, grad norm or None on a skipped step)} from the log lines; fails loudly if
+    the run failed."""
     assert proc.returncode == 0, f"run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    found = {int(m[1]): (float(m[2]), float(m[3])) for m in LOSS.finditer(proc.stdout)}
+    found = {int(m[1]): (float(m[2]), float(m[3]) if m[3] else None) for m in LOSS.finditer(proc.stdout)}
     assert found, f"no log lines in:\n{proc.stdout[-2000:]}"
     return found

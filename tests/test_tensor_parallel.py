@@ -8,6 +8,7 @@ import torch
 
 from megalite.config.model import ModelConfig
 from megalite.distributed.finalize import finalize_grads
+from megalite.distributed.grad_buffer import GradBuffer
 from megalite.optimizer.clip import global_grad_norm
 from tests.harness import run_ranks
 from tests.tp_utils import GPT2, LLAMA_GQA, build, gather_full, groups_for
@@ -23,16 +24,17 @@ def _outputs(kw: dict, pg) -> dict:
     gen = torch.Generator().manual_seed(7)
     tokens = torch.randint(0, VOCAB, (3, cfg.seq_length + 1), generator=gen)
     logits = model(tokens[:, :-1])
+    buffers = [GradBuffer(list(model.parameters()), pg, grad_dtype=torch.float32, bucket_size=5000)]
     loss = model(tokens[:, :-1], labels=tokens[:, 1:]).mean()
     loss.backward()
-    finalize_grads([model], pg)
+    finalize_grads([model], buffers, pg)
     params = list(model.parameters())
     return {
         "logits": logits.detach(),
         "loss": loss.detach(),
         "grad_norm": global_grad_norm(params, pg),
         "params": {n: gather_full(p, p.detach(), pg) for n, p in model.named_parameters()},
-        "grads": {n: gather_full(p, p.grad, pg) for n, p in model.named_parameters()},
+        "grads": {n: gather_full(p, p.main_grad, pg) for n, p in model.named_parameters()},
     }
 
 

@@ -13,6 +13,7 @@ from typing import Any
 from megalite.config.flags import add_dataclass_flags, field_types
 from megalite.config.model import ModelConfig
 from megalite.config.parallel import ParallelConfig
+from megalite.config.precision import DDPConfig, PrecisionConfig
 from megalite.config.training import LoggingConfig, OptimizerConfig, TrainingConfig
 from megalite.data.config import DataConfig
 
@@ -21,6 +22,8 @@ SECTIONS: dict[str, type] = {
     "parallel": ParallelConfig,
     "training": TrainingConfig,
     "optimizer": OptimizerConfig,
+    "precision": PrecisionConfig,
+    "ddp": DDPConfig,
     "data": DataConfig,
     "logging": LoggingConfig,
 }
@@ -34,6 +37,8 @@ class MegaliteConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    ddp: DDPConfig = field(default_factory=DDPConfig)
     data: DataConfig = field(default_factory=DataConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 

@@ -96,6 +96,22 @@ def validate(cfg: "MegaliteConfig", world_size: int) -> None:
     if o.clip_grad < 0:
         errors.append("--clip-grad must be >= 0")
 
+    # Precision and data parallelism.
+    pr, dd = cfg.precision, cfg.ddp
+    if pr.fp16 and pr.bf16:
+        errors.append("--fp16 and --bf16 are exclusive")
+    if pr.loss_scale is not None and not pr.fp16:
+        errors.append("--loss-scale applies to --fp16 only")
+    if pr.min_loss_scale <= 0 or pr.initial_loss_scale < pr.min_loss_scale:
+        errors.append(f"need 0 < --min-loss-scale ({pr.min_loss_scale}) <= --initial-loss-scale "
+                      f"({pr.initial_loss_scale})")
+    if pr.hysteresis < 1 or pr.loss_scale_window < 1:
+        errors.append("--hysteresis and --loss-scale-window must be >= 1")
+    if dd.overlap_param_gather and not dd.use_distributed_optimizer:
+        errors.append("--overlap-param-gather needs --use-distributed-optimizer")
+    if dd.ddp_bucket_size is not None and dd.ddp_bucket_size <= 0:
+        errors.append("--ddp-bucket-size must be positive")
+
     # Data.
     has_paths = bool(d.data_path or d.train_data_path)
     if d.mock_data and has_paths:

@@ -1,8 +1,9 @@
-"""The true global gradient norm, counting each gradient exactly once, and clipping by it.
+"""Which gradient elements count in the true global norm: each gradient exactly once.
 
 A replicated parameter's gradient is the same on every TP rank and counts on one of them (its
-ShardSpec decides); the last stage's copy of a tied embedding is not counted again; the squared norms
-are summed over the model-parallel (TP x PP) group. So the norm is the same number in every layout.
+ShardSpec decides, down to the K/V rows that ranks sharing a GQA group all hold); the last stage's copy
+of a tied embedding is not counted again. Squared norms are then summed over the model-parallel group
+(and over DP when the optimizer is sharded), so the norm is the same number in every layout.
 """
 
 from __future__ import annotations
@@ -13,23 +14,30 @@ from torch import nn
 from megalite.parallel.groups import ProcessGroups
 
 
+def counted_ranges(param: nn.Parameter, pg: ProcessGroups, lo: int, hi: int) -> list[tuple[int, int]]:
+    """Ranges, relative to ``lo``, of the slice [lo, hi) of ``param``'s flat gradient that count."""
+    if getattr(param, "tied_embedding_copy", False) and not pg.is_first_stage:
+        return []
+    out = []
+    for s, e in param.shard_spec.counted_ranges(tuple(param.shape), pg.tp_rank, pg.tp_size):
+        s, e = max(s, lo), min(e, hi)
+        if s < e:
+            out.append((s - lo, e - lo))
+    return out
+
+
 @torch.no_grad()
 def global_grad_norm(params: list[nn.Parameter], pg: ProcessGroups) -> float:
-    device = params[0].device if params else torch.device("cpu")
-    total = torch.zeros((), dtype=torch.float32, device=device)
+    """The global L2 norm of whole-parameter gradients (``main_grad`` if present, else ``grad``)."""
+    total = torch.zeros((), dtype=torch.float32)
     for p in params:
-        if p.grad is None or getattr(p, "tied_embedding_copy", False) and not pg.is_first_stage:
+        g = getattr(p, "main_grad", None)
+        g = p.grad if g is None else g
+        if g is None:
             continue
-        total += p.shard_spec.grad_sq_norm(p.grad, pg.tp_rank, pg.tp_size)
+        flat = g.reshape(-1).float().cpu()
+        for s, e in counted_ranges(p, pg, 0, flat.numel()):
+            total += flat[s:e].square().sum()
+    total = total.to(next(iter(params)).device) if params else total
     pg.all_reduce(total, "mp")
     return float(total.sqrt())
-
-
-@torch.no_grad()
-def clip_grads(params: list[nn.Parameter], max_norm: float, norm: float) -> None:
-    """Scale gradients so their global norm is at most ``max_norm`` (given the computed ``norm``)."""
-    if max_norm <= 0 or norm <= max_norm or not torch.isfinite(torch.tensor(norm)):
-        return
-    coeff = max_norm / (norm + 1e-6)
-    grads = [p.grad for p in params if p.grad is not None]
-    torch._foreach_mul_(grads, coeff)

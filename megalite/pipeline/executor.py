@@ -51,8 +51,10 @@ def _release(t: torch.Tensor) -> None:
 
 def run_table(table: Sequence[Action], chunks: Sequence[nn.Module], microbatches: Sequence[dict],
               forward_step: ForwardStep, pg: ProcessGroups, recv_shape: tuple[int, ...], dtype: torch.dtype,
-              forward_only: bool = False, record: PipelineRecord | None = None) -> list[torch.Tensor]:
+              forward_only: bool = False, record: PipelineRecord | None = None, loss_scale: float = 1.0,
+              last_backward: Callable[[int], None] | None = None) -> list[torch.Tensor]:
     """Execute this rank's ``table``; returns the (detached) losses of the last stage's micro-batches."""
+    final_backward = {a.chunk: i for i, a in enumerate(table) if a.kind == "B"}
     p, r, vp = pg.pp_size, pg.pp_rank, len(chunks)
     m = len(microbatches)
     last_stage = p * vp - 1
@@ -72,7 +74,7 @@ def run_table(table: Sequence[Action], chunks: Sequence[nn.Module], microbatches
         t = t.detach().contiguous()
         sends.append((pg.isend(t, dst, _tag(kind, chunk, mb, vp)), t))
 
-    for action in table:
+    for index, action in enumerate(table):
         start = time.perf_counter() - t0
         c, mb = action.chunk, action.microbatch
         stage = c * p + r
@@ -84,7 +86,7 @@ def run_table(table: Sequence[Action], chunks: Sequence[nn.Module], microbatches
                 out = forward_step(chunks[c], microbatches[mb], hidden)
             if stage == last_stage:
                 losses.append(out.detach())
-                out = out / m
+                out = out * (loss_scale / m)
             else:
                 send(out, "F", c + (1 if r == p - 1 else 0), mb, (r + 1) % p)
             if not forward_only:
@@ -97,6 +99,8 @@ def run_table(table: Sequence[Action], chunks: Sequence[nn.Module], microbatches
         else:
             hidden, out = inputs.pop((c, mb)), outputs.pop((c, mb))
             grad = None if stage == last_stage else recv("B", c, mb, (r + 1) % p)
+            if last_backward is not None and final_backward[c] == index:
+                last_backward(c)
             _backward(out, grad)
             if stage > 0:
                 send(hidden.grad, "B", c - (1 if r == 0 else 0), mb, (r - 1) % p)

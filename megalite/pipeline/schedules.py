@@ -6,7 +6,7 @@ each rank holds several model chunks. The same executor runs all of them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -28,10 +28,13 @@ def lm_forward_step(chunk: nn.Module, mb: dict[str, torch.Tensor], hidden: torch
 
 
 def forward_backward(chunks: Sequence[GPTModel], microbatches: Sequence[dict], pg: ProcessGroups,
-                     schedule: str = "1f1b", forward_only: bool = False,
-                     record: PipelineRecord | None = None) -> list[torch.Tensor]:
+                     schedule: str = "1f1b", forward_only: bool = False, record: PipelineRecord | None = None,
+                     loss_scale: float = 1.0, last_backward: Callable[[int], None] | None = None
+                     ) -> list[torch.Tensor]:
     """Run all micro-batches of a step; gradients accumulate in the chunks' parameters (each loss
-    scaled by 1/m). Returns the last stage's per-micro-batch losses (empty on other stages)."""
+    scaled by loss_scale/m). ``last_backward(chunk)`` is called before a chunk's last backward, so its
+    gradient buckets can start reducing while that backward runs. Returns the last stage's unscaled
+    per-micro-batch losses (empty on other stages)."""
     spec = ScheduleSpec(pg.pp_size, len(chunks), len(microbatches), schedule)
     table = forward_only_table(spec) if forward_only else rank_table(spec, pg.pp_rank)
     first = chunks[0]
@@ -39,4 +42,5 @@ def forward_backward(chunks: Sequence[GPTModel], microbatches: Sequence[dict], p
     seq = mb.shape[1] // (pg.tp_size if first.sequence_parallel else 1)
     recv_shape = (seq, mb.shape[0], first.cfg.hidden_size)
     dtype = next(first.parameters()).dtype
-    return run_table(table, chunks, microbatches, lm_forward_step, pg, recv_shape, dtype, forward_only, record)
+    return run_table(table, chunks, microbatches, lm_forward_step, pg, recv_shape, dtype, forward_only, record,
+                     loss_scale, last_backward)

@@ -14,6 +14,13 @@ import torch
 from megalite.parallel.groups import ProcessGroups
 
 
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
 @dataclass(frozen=True)
 class ShardSpec:
     """Split along ``dim`` into ``size`` contiguous parts, or replicate when ``dim`` is None.
@@ -45,11 +52,12 @@ class ShardSpec:
         return torch.cat([torch.cat([pr[c] for pr in per_rank], dim=self.dim) for c in range(self.chunks)],
                          dim=self.dim)
 
-    def grad_sq_norm(self, grad: torch.Tensor, rank: int, size: int) -> torch.Tensor:
-        """This rank's share of the squared global norm: a replicated gradient counts on rank 0 only."""
+    def counted_ranges(self, shape: tuple[int, ...], rank: int, size: int) -> list[tuple[int, int]]:
+        """Flat element ranges of this rank's shard that count in the global grad norm: a replicated
+        gradient is the same on every TP rank and counts on rank 0 only."""
         if self.dim is None and rank != 0:
-            return grad.new_zeros((), dtype=torch.float32)
-        return grad.float().square().sum()
+            return []
+        return [(0, _numel(shape))]
 
     def finalize_grad(self, grad: torch.Tensor, pg: ProcessGroups) -> None:
         if self.partial_grad:
@@ -115,12 +123,13 @@ class QKVShardSpec(ShardSpec):
             out += [p[:q_local] for p in mine] + [mine[0][q_local:]]
         return torch.cat(out, dim=0)
 
-    def grad_sq_norm(self, grad: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    def counted_ranges(self, shape: tuple[int, ...], rank: int, size: int) -> list[tuple[int, int]]:
+        """The query rows always count; a shared group's K/V copy counts on its first rank only."""
         rep = self._replicas(size)
         if rep == 1 or rank % rep == 0:
-            return grad.float().square().sum()
+            return [(0, _numel(shape))]
         q_local = self.heads // size * self.head_dim
-        return grad[:q_local].float().square().sum()
+        return [(0, q_local * (_numel(shape) // shape[0]))]
 
     def finalize_grad(self, grad: torch.Tensor, pg: ProcessGroups) -> None:
         """Sum the K/V gradient copies of ranks that share a group: each rank writes its copy into its

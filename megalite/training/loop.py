@@ -8,6 +8,7 @@ sampler -> this DP rank's micro-batches -> pipeline schedule (forward/backward o
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from collections.abc import Callable
@@ -18,10 +19,10 @@ from torch import nn
 
 from megalite import device
 from megalite.config.arguments import MegaliteConfig
-from megalite.distributed.finalize import finalize_grads
-from megalite.optimizer.adam import build_adam
-from megalite.optimizer.clip import clip_grads, global_grad_norm
+from megalite.distributed.finalize import finalize_grads, tied_embedding_params
+from megalite.distributed.grad_buffer import GradBuffer
 from megalite.optimizer.lr_schedule import LRSchedule
+from megalite.optimizer.optimizer import MegaliteOptimizer
 from megalite.parallel.groups import ProcessGroups
 from megalite.pipeline.executor import PipelineRecord
 from megalite.pipeline.schedules import forward_backward
@@ -35,9 +36,21 @@ from megalite.training.setup import build_model
 @dataclass
 class TrainResult:
     losses: list[float] = field(default_factory=list)  # lm loss of every iteration
-    grad_norms: list[float] = field(default_factory=list)
+    grad_norms: list[float | None] = field(default_factory=list)  # None on a skipped (overflow) step
+    loss_scales: list[float] = field(default_factory=list)
+    skipped_iterations: int = 0
+    nan_iterations: int = 0
     valid_losses: list[tuple[int, float]] = field(default_factory=list)
     chunks: list[nn.Module] = field(default_factory=list)
+    optimizer: MegaliteOptimizer | None = None
+
+
+def build_buffers(chunks: list[nn.Module], cfg: MegaliteConfig, pg: ProcessGroups) -> list[GradBuffer]:
+    """One contiguous gradient buffer per model chunk (a tied embedding in a bucket of its own)."""
+    grad_dtype = torch.bfloat16 if cfg.ddp.grad_reduce_in_bf16 else torch.float32
+    return [GradBuffer(list(c.parameters()), pg, grad_dtype=grad_dtype, bucket_size=cfg.ddp.ddp_bucket_size,
+                       distributed=cfg.ddp.use_distributed_optimizer, overlap=cfg.ddp.overlap_grad_reduce,
+                       separate=tied_embedding_params([c])) for c in chunks]
 
 
 def reported_loss(losses: list[torch.Tensor], pg: ProcessGroups) -> float:
@@ -86,13 +99,19 @@ def pretrain(cfg: MegaliteConfig, pg: ProcessGroups, data: RunData | None = None
     tracker = model_parallel_seed(t.seed, pg.tp_rank, pg.pp_rank)
     data = data or build_run_data(cfg, pg)
     vocab = data.tokenizer.vocab_size
-    chunks = build_model(cfg, pg, vocab, tracker)
+    dtype = cfg.precision.params_dtype
+    chunks = build_model(cfg, pg, vocab, tracker, dtype)
+    buffers = build_buffers(chunks, cfg, pg)
+    optimizer = MegaliteOptimizer(buffers, cfg, pg)
     for c in chunks:
         c.train()
-    optimizer = build_adam(chunks, o)
+        c.register_forward_pre_hook(lambda *_: optimizer.wait_param_gather())
     schedule = LRSchedule(o.lr, o.min_lr, o.lr_warmup_iters, o.lr_decay_iters or t.train_iters, o.lr_decay_style)
-    params = [p for c in chunks for p in c.parameters() if p.requires_grad]
-    result = TrainResult(chunks=chunks)
+    result = TrainResult(chunks=chunks, optimizer=optimizer)
+
+    def last_backward(chunk: int) -> None:  # let this chunk's buckets start reducing during its backward
+        buffers[chunk].last_microbatch = True
+
     dev = device.current_device()
     tokens_per_iter = t.global_batch_size * cfg.model.seq_length
     flops_per_iter = training_flops(cfg.model, vocab, cfg.model.seq_length, tokens_per_iter)
@@ -103,19 +122,23 @@ def pretrain(cfg: MegaliteConfig, pg: ProcessGroups, data: RunData | None = None
     for iteration in range(t.train_iters):
         record = PipelineRecord() if cfg.parallel.record_pipeline_timeline else None
         microbatches = global_batch(data.train, consumed, cfg, pg, dev)
-        losses = forward_backward(chunks, microbatches, pg, cfg.parallel.pipeline_schedule, record=record)
-        finalize_grads(chunks, pg)
-        grad_norm = global_grad_norm(params, pg)
-        clip_grads(params, o.clip_grad, grad_norm)
+        optimizer.zero_grad()
+        for b in buffers:
+            b.last_microbatch = False
+        loss_scale = optimizer.loss_scale
+        losses = forward_backward(chunks, microbatches, pg, cfg.parallel.pipeline_schedule, record=record,
+                                  loss_scale=loss_scale, last_backward=last_backward)
+        finalize_grads(chunks, buffers, pg)
         lr = schedule(iteration)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        step_result = optimizer.step(lr, o.clip_grad)
+        grad_norm = step_result.grad_norm
         consumed += t.global_batch_size
         loss = reported_loss(losses, pg)
+        result.skipped_iterations += step_result.skipped
+        result.nan_iterations += not math.isfinite(loss)
         result.losses.append(loss)
         result.grad_norms.append(grad_norm)
+        result.loss_scales.append(loss_scale)
         window_iters += 1
         if record is not None:
             _write_timeline(cfg, pg, record, len(chunks))
@@ -125,9 +148,10 @@ def pretrain(cfg: MegaliteConfig, pg: ProcessGroups, data: RunData | None = None
             device.synchronize()
             elapsed = (time.perf_counter() - window_start) / window_iters
             tflops = flops_per_iter / elapsed / world / 1e12
-            peak = cfg.logging.peak_tflops or device.peak_tflops(torch.float32)
+            peak = cfg.logging.peak_tflops or device.peak_tflops(dtype)
             say(format_iteration_line(step, t.train_iters, consumed, elapsed * 1e3, lr, t.global_batch_size,
-                                      loss, 1.0, grad_norm, 0, 0, tokens_per_iter / elapsed, tflops,
+                                      loss, loss_scale, grad_norm, result.skipped_iterations,
+                                      result.nan_iterations, tokens_per_iter / elapsed, tflops,
                                       tflops / peak if peak else None))
             window_start, window_iters = time.perf_counter(), 0
         if data.valid is not None and t.eval_iters > 0 and step % t.eval_interval == 0 and step < t.train_iters:

@@ -1,0 +1,49 @@
+"""Mixed precision, data-parallel reduction and distributed-optimizer flags (Megatron-LM names)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megalite.config.flags import option
+
+
+@dataclass(kw_only=True)
+class PrecisionConfig:
+    """Mixed precision: fp16 with dynamic loss scaling, or bf16; fp32 main params either way."""
+
+    fp16: bool = option(False, help="fp16 params and activations, fp32 main params, dynamic loss scaling.")
+    bf16: bool = option(False, help="bf16 params and activations, fp32 main params and gradients.")
+    loss_scale: float | None = option(None, help="Constant loss scale (fp16); default: dynamic scaling.")
+    initial_loss_scale: float = option(2.0**32, help="Initial dynamic loss scale.")
+    min_loss_scale: float = option(1.0, help="Dynamic loss scale never goes below this.")
+    loss_scale_window: int = option(1000, help="Clean iterations before the dynamic loss scale doubles.")
+    hysteresis: int = option(2, help="Overflowing iterations tolerated before the loss scale halves.")
+    loss_scale_collapse_iters: int = option(
+        20, help="Stop the run when this many consecutive iterations overflow with the loss scale already at "
+        "--min-loss-scale (the model trains nothing then).")
+
+    @property
+    def params_dtype(self) -> torch.dtype:
+        return torch.float16 if self.fp16 else torch.bfloat16 if self.bf16 else torch.float32
+
+
+@dataclass(kw_only=True)
+class DDPConfig:
+    """Data parallelism: gradient buffers, buckets, overlap, and the sharded (distributed) optimizer."""
+
+    use_distributed_optimizer: bool = option(
+        False, help="Shard fp32 main params and Adam moments over data-parallel ranks (reduce-scatter grads, "
+        "all-gather params).")
+    overlap_grad_reduce: bool = option(
+        False, help="Start each gradient bucket's reduction during the last micro-batch's backward.")
+    overlap_param_gather: bool = option(
+        False, help="With the distributed optimizer, all-gather updated params asynchronously and wait for "
+        "them only before the next forward.")
+    ddp_bucket_size: int | None = option(
+        None, help="Gradient bucket size in elements; default max(40M, 1M x data-parallel size).")
+    grad_reduce_in_bf16: bool = option(
+        False, help="Accumulate and reduce gradients in bf16 (halves DP traffic; less exact).")
+    optimizer_cpu_offload: bool = option(
+        False, help="Keep fp32 main params and Adam moments in host memory and step there (GPU runs).")

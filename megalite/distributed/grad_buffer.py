@@ -1,0 +1,172 @@
+"""Contiguous gradient (and parameter) buffers cut into buckets, reduced over data parallelism.
+
+Every parameter's gradient is a view into one flat buffer (``param.main_grad``; for fp32 models also
+``param.grad``, so autograd accumulates in place across micro-batches). Buckets are contiguous ranges of
+the buffer in backward order; during the last micro-batch's backward a bucket's reduction starts as soon
+as its last gradient is ready (``--overlap-grad-reduce``); otherwise all buckets are reduced when the
+step finishes. Either way the buffer is reduced once per step, not per micro-batch.
+
+With the distributed optimizer each bucket is padded to a multiple of the DP size and reduce-scattered:
+DP rank r owns the r-th contiguous shard of every bucket. Parameters live in a matching flat buffer so
+the updated shards can be all-gathered straight into the model's weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megalite.parallel.groups import ProcessGroups
+
+
+@dataclass
+class Bucket:
+    start: int
+    end: int
+    params: list[nn.Parameter]
+    ready: set = field(default_factory=set)
+    work: object = None
+    shard_out: torch.Tensor | None = None
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+
+def default_bucket_size(dp: int) -> int:
+    return max(40_000_000, 1_000_000 * dp)
+
+
+class GradBuffer:
+    """One model chunk's gradient buffer and its DP reduction."""
+
+    def __init__(self, params: list[nn.Parameter], pg: ProcessGroups, *, grad_dtype: torch.dtype,
+                 bucket_size: int | None = None, distributed: bool = False, overlap: bool = False,
+                 separate: list[nn.Parameter] | None = None) -> None:
+        """``separate``: parameters that get a bucket of their own at the start of the buffer (a tied
+        embedding, so that both of its copies shard identically over DP)."""
+        self.pg, self.distributed, self.overlap = pg, distributed, overlap
+        self.dp = pg.dp_size
+        bucket_size = bucket_size or default_bucket_size(self.dp)
+        align = self.dp if distributed else 1
+        separate = [p for p in (separate or []) if p.requires_grad]
+        rest = [p for p in reversed(params) if p.requires_grad and all(p is not s for s in separate)]
+        groups: list[list[nn.Parameter]] = [[p] for p in separate]
+        current: list[nn.Parameter] = []
+        for p in rest:  # backward order: the last layers' grads are ready first
+            current.append(p)
+            if sum(q.numel() for q in current) >= bucket_size:
+                groups.append(current)
+                current = []
+        if current:
+            groups.append(current)
+
+        self.ranges: dict[nn.Parameter, tuple[int, int]] = {}
+        self.buckets: list[Bucket] = []
+        offset = 0
+        for group in groups:
+            start = offset
+            for p in group:
+                self.ranges[p] = (offset, offset + p.numel())
+                offset += p.numel()
+            offset = -(-offset // align) * align  # pad so every DP rank's shard is equal
+            self.buckets.append(Bucket(start, offset, group))
+        self.numel = offset
+        device = params[0].device if params else torch.device("cpu")
+        self.grad_data = torch.zeros(self.numel, dtype=grad_dtype, device=device)
+        self.param_data: torch.Tensor | None = None
+        if distributed:  # params become views of one flat buffer, the target of the all-gather
+            self.param_data = torch.zeros(self.numel, dtype=params[0].dtype, device=device)
+            for p, (s, e) in self.ranges.items():
+                self.param_data[s:e].copy_(p.data.view(-1))
+                p.data = self.param_data[s:e].view(p.shape)
+        self.bucket_of: dict[nn.Parameter, Bucket] = {}
+        for b in self.buckets:
+            for p in b.params:
+                self.bucket_of[p] = b
+        for p, (s, e) in self.ranges.items():
+            p.main_grad = self.grad_data[s:e].view(p.shape)
+            if p.dtype == grad_dtype:
+                p.grad = p.main_grad  # autograd accumulates into the buffer in place
+            p.register_post_accumulate_grad_hook(self._hook)
+        self.last_microbatch = True
+
+    # ---- ownership (distributed optimizer) ----------------------------------------------------
+    def shard_range(self, bucket: Bucket) -> tuple[int, int]:
+        """Buffer range of this DP rank's shard of ``bucket``."""
+        if not self.distributed:
+            return bucket.start, bucket.end
+        size = bucket.numel // self.dp
+        start = bucket.start + self.pg.dp_rank * size
+        return start, start + size
+
+    def owned_region(self, param: nn.Parameter) -> tuple[int, int] | None:
+        """The part [lo, hi) of ``param``'s flat elements whose update this rank owns (None: none)."""
+        s, e = self.ranges[param]
+        lo, hi = self.shard_range(self.bucket_of[param])
+        lo, hi = max(s, lo), min(e, hi)
+        return (lo - s, hi - s) if lo < hi else None
+
+    # ---- gradient accumulation and reduction --------------------------------------------------
+    def _hook(self, p: nn.Parameter) -> None:
+        if p.grad is not None and p.grad.data_ptr() != p.main_grad.data_ptr():  # low precision: add into fp32
+            p.main_grad.add_(p.grad)
+            p.grad = None
+        if self.overlap and self.last_microbatch:
+            bucket = self.bucket_of[p]
+            bucket.ready.add(id(p))
+            if len(bucket.ready) == len(bucket.params):
+                self._start(bucket)
+
+    def _start(self, bucket: Bucket) -> None:
+        if bucket.work is not None or self.dp == 1:
+            return
+        data = self.grad_data[bucket.start:bucket.end]
+        data.mul_(1.0 / self.dp)
+        if self.distributed:
+            bucket.shard_out = torch.empty(bucket.numel // self.dp, dtype=data.dtype, device=data.device)
+            self.pg.comm_bytes[("dp", "grad_reduce_scatter")] += data.numel() * data.element_size()
+            bucket.work = dist.reduce_scatter_single(bucket.shard_out, data, group=self.pg.groups["dp"],
+                                                     async_op=True)
+        else:
+            self.pg.comm_bytes[("dp", "grad_all_reduce")] += data.numel() * data.element_size()
+            bucket.work = dist.all_reduce(data, group=self.pg.groups["dp"], async_op=True)
+
+    def start_grad_sync(self) -> None:
+        """Launch the reduction of every bucket not yet launched."""
+        for b in self.buckets:
+            self._start(b)
+
+    def finish_grad_sync(self) -> None:
+        """Wait for every bucket's reduction (launching any that are left)."""
+        self.start_grad_sync()
+        for b in self.buckets:
+            if b.work is not None:
+                b.work.wait()
+                if b.shard_out is not None:
+                    lo, hi = self.shard_range(b)
+                    self.grad_data[lo:hi].copy_(b.shard_out)
+            b.work, b.shard_out = None, None
+            b.ready.clear()
+
+    def zero_grad(self) -> None:
+        self.grad_data.zero_()
+        for p in self.ranges:
+            p.grad = p.main_grad if p.dtype == self.grad_data.dtype else None
+
+    # ---- parameter all-gather (distributed optimizer) -----------------------------------------
+    def start_param_gather(self) -> list:
+        """All-gather every bucket's updated shards into the parameter buffer (async handles)."""
+        works = []
+        if not self.distributed or self.dp == 1:
+            return works
+        for b in self.buckets:
+            lo, hi = self.shard_range(b)
+            shard = self.param_data[lo:hi].clone()
+            out = self.param_data[b.start:b.end]
+            self.pg.comm_bytes[("dp", "param_all_gather")] += shard.numel() * shard.element_size() * self.dp
+            works.append(dist.all_gather_single(out, shard, group=self.pg.groups["dp"], async_op=True))
+        return works

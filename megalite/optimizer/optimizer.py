@@ -1,0 +1,144 @@
+"""The training optimizer: fp32 main params, loss-scale handling, the true global grad norm, clipping,
+AdamW, and the distributed (sharded) variant — one class, since sharding only changes which slice of
+each parameter this rank updates.
+
+For each parameter, this rank owns a flat slice (all of it, or with --use-distributed-optimizer its part
+of the DP shard of the gradient buffer). The fp32 main copy of that slice (an alias of the model weight
+for fp32 models without offload), its gradient view and its Adam moments are all this rank keeps.
+Bytes per parameter (mixed precision): 2 + 4 + 12 = 18, or 2 + 4 + 12/d when sharded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megalite import device
+from megalite.config.arguments import MegaliteConfig
+from megalite.distributed.grad_buffer import GradBuffer
+from megalite.optimizer.adam import apex_fused_adam
+from megalite.optimizer.clip import counted_ranges
+from megalite.optimizer.loss_scaler import ConstantLossScaler, DynamicLossScaler
+from megalite.parallel.groups import ProcessGroups
+
+
+@dataclass
+class Entry:
+    param: nn.Parameter
+    lo: int
+    hi: int
+    main: torch.Tensor  # fp32 slice being optimized
+    alias: bool  # main is the model weight itself
+    counted: list[tuple[int, int]]  # ranges of [0, hi - lo) that count in the grad norm
+
+
+@dataclass
+class StepResult:
+    skipped: bool
+    grad_norm: float | None
+
+
+def make_loss_scaler(cfg: MegaliteConfig):
+    pr = cfg.precision
+    if not pr.fp16:
+        return None
+    if pr.loss_scale is not None:
+        return ConstantLossScaler(pr.loss_scale)
+    return DynamicLossScaler(pr.initial_loss_scale, pr.min_loss_scale, pr.loss_scale_window, pr.hysteresis,
+                             pr.loss_scale_collapse_iters)
+
+
+class MegaliteOptimizer:
+    def __init__(self, buffers: list[GradBuffer], cfg: MegaliteConfig, pg: ProcessGroups) -> None:
+        o = cfg.optimizer
+        self.buffers, self.pg, self.cfg = buffers, pg, cfg
+        self.distributed = cfg.ddp.use_distributed_optimizer and pg.dp_size > 1
+        self.scaler = make_loss_scaler(cfg)
+        offload = cfg.ddp.optimizer_cpu_offload and device.has_cuda()
+        self.entries: list[Entry] = []
+        decay, no_decay = [], []
+        for buf in buffers:
+            for p in buf.ranges:
+                region = buf.owned_region(p)
+                if region is None:
+                    continue
+                lo, hi = region
+                flat = p.data.view(-1)[lo:hi]
+                alias = p.dtype == torch.float32 and not offload
+                main = flat if alias else flat.detach().to(torch.float32, copy=True)
+                if offload:
+                    main = main.cpu().pin_memory() if device.has_cuda() else main.cpu()
+                self.entries.append(Entry(p, lo, hi, main, alias, counted_ranges(p, pg, lo, hi)))
+                (no_decay if p.ndim == 1 else decay).append(main)
+        groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        kw = dict(lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps)
+        fused = apex_fused_adam() if not offload else None
+        if fused is not None:
+            self.adam = fused(groups, adam_w_mode=True, **kw)
+        elif device.has_cuda() and not offload:
+            self.adam = torch.optim.AdamW(groups, fused=True, **kw)
+        else:
+            self.adam = torch.optim.AdamW(groups, foreach=True, **kw)
+        self.pending_gathers: list = []
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    def zero_grad(self) -> None:
+        for b in self.buffers:
+            b.zero_grad()
+
+    def _reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        """Over the model-parallel group, and over DP too when each DP rank holds a different shard."""
+        self.pg.all_reduce(t, "mp", op=op)
+        if self.distributed:
+            self.pg.all_reduce(t, "dp", op=op)
+        return t
+
+    @torch.no_grad()
+    def step(self, lr: float, clip_grad: float) -> StepResult:
+        grads = []
+        for e in self.entries:
+            g = e.param.main_grad.view(-1)[e.lo:e.hi]
+            if g.dtype != torch.float32 or g.device != e.main.device:
+                g = g.to(e.main.device, torch.float32)
+            e.main.grad = g
+            grads.append(g)
+        dev = self.entries[0].main.device if self.entries else device.current_device()
+        if self.scaler is not None:
+            torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
+            found = torch.zeros(1, device=dev)
+            for g in grads:
+                found = torch.maximum(found, (~torch.isfinite(g)).any().float().reshape(1))
+            found_inf = bool(self._reduce(found.to(device.current_device()), dist.ReduceOp.MAX).item())
+            self.scaler.update(found_inf)
+            if found_inf:
+                return StepResult(True, None)
+        sq = torch.zeros(1, dtype=torch.float32, device=dev)
+        for e, g in zip(self.entries, grads):
+            for s, t in e.counted:
+                sq += g[s:t].square().sum()
+        norm = float(self._reduce(sq.to(device.current_device())).sqrt())
+        if clip_grad > 0 and norm > clip_grad and norm == norm:
+            torch._foreach_mul_(grads, clip_grad / (norm + 1e-6))
+        for group in self.adam.param_groups:
+            group["lr"] = lr
+        self.adam.step()
+        for e in self.entries:
+            if not e.alias:
+                e.param.data.view(-1)[e.lo:e.hi].copy_(e.main)
+            e.main.grad = None
+        for b in self.buffers:
+            self.pending_gathers += b.start_param_gather()
+        if not self.cfg.ddp.overlap_param_gather:
+            self.wait_param_gather()
+        return StepResult(False, norm)
+
+    def wait_param_gather(self) -> None:
+        for w in self.pending_gathers:
+            w.wait()
+        self.pending_gathers = []

@@ -1,0 +1,117 @@
+"""Promises of data parallelism and the optimizer:
+- DP in {2, 4}, with and without the distributed optimizer, with TP=2 and with PP=2, with overlapped
+  reduction and small buckets, give the single-process loss curve and grad norm (fp32, rel <= 1e-5);
+- the gradient buffer is reduced once per step (bytes = buffer size), not once per micro-batch;
+- an overflow on one rank only makes every rank skip the step together."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megalite.config import validate
+from megalite.config.arguments import MegaliteConfig
+from megalite.config.model import ModelConfig
+from megalite.distributed.finalize import finalize_grads
+from megalite.distributed.grad_buffer import GradBuffer
+from megalite.optimizer.optimizer import MegaliteOptimizer
+from megalite.training.loop import pretrain
+from tests.harness import run_ranks
+from tests.tp_utils import GPT2, LLAMA_GQA, build, groups_for, mock_data
+
+VOCAB = 500
+ITERS = 10
+MODEL = {**LLAMA_GQA, "num_layers": 4, "hidden_size": 32, "untie_embeddings_and_output_weights": False}
+# name -> (tp, pp, extra flags)
+LAYOUTS = {
+    "dp4": (1, 1, {}),
+    "dp4_distopt": (1, 1, {"use_distributed_optimizer": True}),
+    "dp4_distopt_overlap_small_buckets": (1, 1, {"use_distributed_optimizer": True, "overlap_grad_reduce": True,
+                                                 "overlap_param_gather": True, "ddp_bucket_size": 3000}),
+    "dp4_overlap_small_buckets": (1, 1, {"overlap_grad_reduce": True, "ddp_bucket_size": 3000}),
+    "tp2_dp2_distopt": (2, 1, {"use_distributed_optimizer": True}),
+    "pp2_dp2_distopt_overlap": (1, 2, {"use_distributed_optimizer": True, "overlap_grad_reduce": True,
+                                       "ddp_bucket_size": 5000}),
+    "pp2_dp2": (1, 2, {}),
+}
+
+
+def make_cfg(tp: int = 1, pp: int = 1, **extra) -> MegaliteConfig:
+    return MegaliteConfig.from_flat(dict(
+        MODEL, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, micro_batch_size=1,
+        global_batch_size=8, train_iters=ITERS, lr=3e-3, lr_warmup_iters=2, log_interval=5, eval_iters=0,
+        eval_interval=1000, mock_data=True, vocab_size=VOCAB, seed=1234, **extra))
+
+
+def _run(rank: int, world: int) -> dict:
+    data = mock_data(VOCAB, MODEL["seq_length"], 1234, ITERS * 8)
+    quiet = lambda s: None  # noqa: E731
+    cfg = make_cfg()
+    validate(cfg, 1)
+    ref = pretrain(cfg, groups_for(1, 0), data=data, log=quiet)
+    out = {"serial": (ref.losses, ref.grad_norms)}
+    for name, (tp, pp, extra) in LAYOUTS.items():
+        cfg = make_cfg(tp, pp, **extra)
+        validate(cfg, world)
+        pg = groups_for(world, rank, tp=tp, pp=pp)
+        res = pretrain(cfg, pg, data=data, log=quiet)
+        out[name] = (res.losses, res.grad_norms)
+        if name == "dp4":
+            grad_bytes = sum(b.grad_data.numel() * 4 for b in res.optimizer.buffers)
+            out["dp_bytes"] = (pg.comm_bytes[("dp", "grad_all_reduce")], grad_bytes * ITERS)
+        if name == "dp4_distopt":
+            param_bytes = sum(b.param_data.numel() * 4 for b in res.optimizer.buffers)
+            out["dp_bytes_distopt"] = (pg.comm_bytes[("dp", "grad_reduce_scatter")] + pg.comm_bytes[("dp", "param_all_gather")],
+                                       2 * param_bytes * ITERS)
+    return out
+
+
+@pytest.fixture(scope="module")
+def curves() -> list[dict]:
+    return run_ranks(_run, 4, timeout=400)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_dp_loss_curve_and_grad_norm_match_serial(curves, layout):
+    for rank, c in enumerate(curves):
+        for i, name in enumerate(("loss", "grad norm")):
+            got, want = c[layout][i], c["serial"][i]
+            worst = max(abs(a - b) / abs(b) for a, b in zip(got, want))
+            assert worst <= 1e-5, f"rank {rank} {layout} {name}: {got} vs serial {want}"
+
+
+def test_gradient_buffer_reduced_once_per_step(curves):
+    # 8 micro-batches per step at DP=1, 2 per DP rank at DP=4: still one reduction of the buffer per step.
+    for c in curves:
+        measured, expected = c["dp_bytes"]
+        assert measured == expected
+        measured, expected = c["dp_bytes_distopt"]
+        assert measured == expected  # reduce-scatter + all-gather move the same volume as one all-reduce
+
+
+def _overflow_on_one_rank(rank: int, world: int) -> dict:
+    pg = groups_for(world, rank, tp=2)
+    cfg = make_cfg(2, 1, fp16=True, initial_loss_scale=1024.0, hysteresis=2, use_distributed_optimizer=True)
+    model = build(ModelConfig(**GPT2), pg, VOCAB)
+    buffers = [GradBuffer(list(model.parameters()), pg, grad_dtype=torch.float32, distributed=True)]
+    opt = MegaliteOptimizer(buffers, cfg, pg)
+    before = [p.detach().clone() for p in model.parameters()]
+    results = []
+    for step in range(3):
+        for b in buffers:
+            b.grad_data.fill_(1.0)
+            if rank == 3 and step < 2:
+                b.grad_data[-1] = float("inf")  # only rank 3 overflows, in the shard DP rank 1 owns
+        finalize_grads([model], buffers, pg)
+        r = opt.step(1e-3, 1.0)
+        results.append((r.skipped, opt.loss_scale))
+    unchanged_after_skips = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    return {"results": results, "unchanged": unchanged_after_skips}
+
+
+def test_overflow_on_one_rank_skips_everywhere():
+    out = run_ranks(_overflow_on_one_rank, 4)
+    for rank, o in enumerate(out):
+        # two skipped steps (hysteresis 2 halves the scale on the second), then a real step
+        assert o["results"] == [(True, 1024.0), (True, 512.0), (False, 512.0)], f"rank {rank}: {o['results']}"
+        assert not o["unchanged"], "the third step must update the parameters"
