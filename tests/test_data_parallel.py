@@ -61,8 +61,8 @@ def _run(rank: int, world: int) -> dict:
             out["dp_bytes"] = (pg.comm_bytes[("dp", "grad_all_reduce")], grad_bytes * ITERS)
         if name == "dp4_distopt":
             param_bytes = sum(b.param_data.numel() * 4 for b in res.optimizer.buffers)
-            out["dp_bytes_distopt"] = (pg.comm_bytes[("dp", "grad_reduce_scatter")] + pg.comm_bytes[("dp", "param_all_gather")],
-                                       2 * param_bytes * ITERS)
+            moved = pg.comm_bytes[("dp", "grad_reduce_scatter")] + pg.comm_bytes[("dp", "param_all_gather")]
+            out["dp_bytes_distopt"] = (moved, 2 * param_bytes * ITERS)
     return out
 
 
