@@ -63,3 +63,18 @@ def test_simulator_reports_deadlock():
     tables[1] = list(reversed(tables[1]))  # backward before its forward: can never run
     with pytest.raises(RuntimeError, match="deadlocks"):
         simulate(tables, 2, 1)
+
+
+def test_timeline_tool_draws_table_and_reports_bubble(tmp_path):
+    import importlib.util
+
+    from tests.cli_utils import ROOT
+
+    spec = importlib.util.spec_from_file_location("plot_tl", ROOT / "tools" / "plot_pipeline_timeline.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    events = tool.from_table(4, 2, 8, "1f1b")
+    assert tool.bubble(events) == pytest.approx(3 / 16)
+    out = tmp_path / "t.png"
+    assert tool.main(["--pp", "4", "--vp", "2", "--microbatches", "8", "--output", str(out)]) == 0
+    assert out.read_bytes()[:4] == b"\x89PNG"

@@ -25,7 +25,8 @@ ForwardStep = Callable[[nn.Module, dict, torch.Tensor | None], torch.Tensor]
 
 @dataclass
 class PipelineRecord:
-    """What one step did on this rank: timeline of actions and peak live activations."""
+    """What one step did on this rank: (kind, chunk, micro-batch, start, end) of each action in wall-clock
+    seconds (comparable across the ranks of a machine), and the peak number of live activations."""
 
     timeline: list[tuple[str, int, int, float, float]] = field(default_factory=list)
     peak_live: int = 0
@@ -63,7 +64,6 @@ def run_table(table: Sequence[Action], chunks: Sequence[nn.Module], microbatches
     outputs: dict[tuple[int, int], torch.Tensor] = {}
     sends: list[tuple[object, torch.Tensor]] = []
     losses: list[torch.Tensor] = []
-    t0 = time.perf_counter()
 
     def recv(kind: str, chunk: int, mb: int, src: int) -> torch.Tensor:
         buf = torch.empty(recv_shape, dtype=dtype, device=device)
@@ -75,13 +75,13 @@ def run_table(table: Sequence[Action], chunks: Sequence[nn.Module], microbatches
         sends.append((pg.isend(t, dst, _tag(kind, chunk, mb, vp)), t))
 
     for index, action in enumerate(table):
-        start = time.perf_counter() - t0
         c, mb = action.chunk, action.microbatch
         stage = c * p + r
         if action.kind == "F":
             hidden = None
             if stage > 0:  # from the previous virtual stage: rank r-1, or the last rank's previous chunk
                 hidden = recv("F", c, mb, (r - 1) % p).requires_grad_(not forward_only)
+            start = time.time()  # compute starts once the input has arrived: waiting is bubble
             with torch.set_grad_enabled(not forward_only):
                 out = forward_step(chunks[c], microbatches[mb], hidden)
             if stage == last_stage:
@@ -99,13 +99,14 @@ def run_table(table: Sequence[Action], chunks: Sequence[nn.Module], microbatches
         else:
             hidden, out = inputs.pop((c, mb)), outputs.pop((c, mb))
             grad = None if stage == last_stage else recv("B", c, mb, (r + 1) % p)
+            start = time.time()
             if last_backward is not None and final_backward[c] == index:
                 last_backward(c)
             _backward(out, grad)
             if stage > 0:
                 send(hidden.grad, "B", c - (1 if r == 0 else 0), mb, (r - 1) % p)
         if record is not None:
-            record.timeline.append((action.kind, c, mb, start, time.perf_counter() - t0))
+            record.timeline.append((action.kind, c, mb, start, time.time()))
         sends = [(w, t) for w, t in sends if not w.is_completed()]
     for work, _ in sends:
         work.wait()
