@@ -68,9 +68,11 @@ class Attention(nn.Module):
         qkv = self.qkv(x)  # [s, b, groups_local * (q_per_group + 2) * d]
         s, b = qkv.shape[:2]
         qkv = qkv.view(s, b, self.groups_local, self.q_per_group + 2, self.head_dim)
-        q = qkv[:, :, :, : self.q_per_group].reshape(s, b, self.heads_local, self.head_dim)
-        k = qkv[:, :, :, self.q_per_group]  # [s, b, groups_local, d]
-        v = qkv[:, :, :, self.q_per_group + 1]
+        # One split (its backward is a single concat) rather than slice + two selects (each of whose
+        # backwards zero-fills a full qkv-sized buffer that is then summed).
+        q, k, v = qkv.split([self.q_per_group, 1, 1], dim=3)
+        q = q.reshape(s, b, self.heads_local, self.head_dim)  # a view when q_per_group == 1
+        k, v = k.squeeze(3), v.squeeze(3)  # [s, b, groups_local, d]
         if rope_angles is not None:
             q, k = apply_rope(q, rope_angles), apply_rope(k, rope_angles)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
