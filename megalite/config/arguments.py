@@ -14,7 +14,7 @@ from megalite.config.flags import add_dataclass_flags, field_types
 from megalite.config.model import ModelConfig
 from megalite.config.parallel import ParallelConfig
 from megalite.config.precision import DDPConfig, PrecisionConfig
-from megalite.config.training import LoggingConfig, OptimizerConfig, TrainingConfig
+from megalite.config.training import CheckpointConfig, LoggingConfig, OptimizerConfig, TrainingConfig
 from megalite.data.config import DataConfig
 
 SECTIONS: dict[str, type] = {
@@ -25,6 +25,7 @@ SECTIONS: dict[str, type] = {
     "precision": PrecisionConfig,
     "ddp": DDPConfig,
     "data": DataConfig,
+    "checkpoint": CheckpointConfig,
     "logging": LoggingConfig,
 }
 
@@ -40,6 +41,7 @@ class MegaliteConfig:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     ddp: DDPConfig = field(default_factory=DDPConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def to_dict(self) -> dict[str, Any]:

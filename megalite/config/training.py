@@ -49,3 +49,17 @@ class LoggingConfig:
     log_throughput: bool = option(True, help="Report tokens/s and TFLOP/s on the log line.",
                                   flag="--no-log-throughput")
     peak_tflops: float | None = option(None, help="Device peak TFLOP/s for MFU; default: known GPU table.")
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    """Checkpoints: where to save and load, how often, and what to restore."""
+
+    save: str | None = option(None, help="Directory to save checkpoints to.")
+    load: str | None = option(None, help="Directory to load the latest checkpoint from (any layout). When it "
+                              "equals --save and holds no checkpoint yet, training starts fresh.")
+    save_interval: int | None = option(None, help="Save every this many iterations (and at the end).")
+    no_load_optim: bool = option(False, help="Load weights only; start the optimizer fresh.")
+    no_load_rng: bool = option(False, help="Do not restore the RNG states.")
+    finetune: bool = option(False, help="Load weights only and start at iteration 0 (new optimizer, new data "
+                            "position).")

@@ -112,6 +112,15 @@ def validate(cfg: "MegaliteConfig", world_size: int) -> None:
     if dd.ddp_bucket_size is not None and dd.ddp_bucket_size <= 0:
         errors.append("--ddp-bucket-size must be positive")
 
+    # Checkpoints.
+    ck = cfg.checkpoint
+    if ck.save_interval is not None and ck.save_interval <= 0:
+        errors.append("--save-interval must be positive")
+    if ck.save_interval and not ck.save:
+        errors.append("--save-interval needs --save")
+    if ck.finetune and not ck.load:
+        errors.append("--finetune needs --load")
+
     # Data.
     has_paths = bool(d.data_path or d.train_data_path)
     if d.mock_data and has_paths:

@@ -30,6 +30,7 @@ from megalite.tensor_parallel.random import model_parallel_seed
 from megalite.training.batches import RunData, build_run_data, global_batch
 from megalite.training.flops import training_flops
 from megalite.training.log import format_iteration_line, format_validation_line
+from megalite.training.resume import maybe_load, save
 from megalite.training.setup import build_model
 
 
@@ -112,16 +113,17 @@ def pretrain(cfg: MegaliteConfig, pg: ProcessGroups, data: RunData | None = None
     def last_backward(chunk: int) -> None:  # let this chunk's buckets start reducing during its backward
         buffers[chunk].last_microbatch = True
 
+    ts = maybe_load(cfg, chunks, optimizer, pg, tracker, vocab, say)
     dev = device.current_device()
     tokens_per_iter = t.global_batch_size * cfg.model.seq_length
     flops_per_iter = training_flops(cfg.model, vocab, cfg.model.seq_length, tokens_per_iter)
     world = pg.layout.world_size
-    consumed, valid_consumed = 0, 0
+    ck = cfg.checkpoint
     window_start, window_iters = time.perf_counter(), 0
 
-    for iteration in range(t.train_iters):
+    while ts.iteration < t.train_iters:
         record = PipelineRecord() if cfg.parallel.record_pipeline_timeline else None
-        microbatches = global_batch(data.train, consumed, cfg, pg, dev)
+        microbatches = global_batch(data.train, ts.consumed_samples, cfg, pg, dev)
         optimizer.zero_grad()
         for b in buffers:
             b.last_microbatch = False
@@ -129,13 +131,14 @@ def pretrain(cfg: MegaliteConfig, pg: ProcessGroups, data: RunData | None = None
         losses = forward_backward(chunks, microbatches, pg, cfg.parallel.pipeline_schedule, record=record,
                                   loss_scale=loss_scale, last_backward=last_backward)
         finalize_grads(chunks, buffers, pg)
-        lr = schedule(iteration)
+        lr = schedule(ts.iteration)
         step_result = optimizer.step(lr, o.clip_grad)
         grad_norm = step_result.grad_norm
-        consumed += t.global_batch_size
+        ts.iteration += 1
+        ts.consumed_samples += t.global_batch_size
         loss = reported_loss(losses, pg)
-        result.skipped_iterations += step_result.skipped
-        result.nan_iterations += not math.isfinite(loss)
+        ts.skipped_iterations += step_result.skipped
+        ts.nan_iterations += not math.isfinite(loss)
         result.losses.append(loss)
         result.grad_norms.append(grad_norm)
         result.loss_scales.append(loss_scale)
@@ -143,25 +146,33 @@ def pretrain(cfg: MegaliteConfig, pg: ProcessGroups, data: RunData | None = None
         if record is not None:
             _write_timeline(cfg, pg, record, len(chunks))
 
-        step = iteration + 1
+        step = ts.iteration
         if step % t.log_interval == 0 or step == t.train_iters:
             device.synchronize()
             elapsed = (time.perf_counter() - window_start) / window_iters
             tflops = flops_per_iter / elapsed / world / 1e12
             peak = cfg.logging.peak_tflops or device.peak_tflops(dtype)
-            say(format_iteration_line(step, t.train_iters, consumed, elapsed * 1e3, lr, t.global_batch_size,
-                                      loss, loss_scale, grad_norm, result.skipped_iterations,
-                                      result.nan_iterations, tokens_per_iter / elapsed, tflops,
+            say(format_iteration_line(step, t.train_iters, ts.consumed_samples, elapsed * 1e3, lr,
+                                      t.global_batch_size, loss, loss_scale, grad_norm, ts.skipped_iterations,
+                                      ts.nan_iterations, tokens_per_iter / elapsed, tflops,
                                       tflops / peak if peak else None))
             window_start, window_iters = time.perf_counter(), 0
         if data.valid is not None and t.eval_iters > 0 and step % t.eval_interval == 0 and step < t.train_iters:
-            vloss = evaluate(chunks, data.valid, valid_consumed, cfg, pg)
-            valid_consumed += t.eval_iters * t.global_batch_size
+            vloss = evaluate(chunks, data.valid, ts.valid_consumed, cfg, pg)
+            ts.valid_consumed += t.eval_iters * t.global_batch_size
             result.valid_losses.append((step, vloss))
             say(format_validation_line(step, vloss))
             window_start = time.perf_counter()
-    if data.valid is not None and t.eval_iters > 0:
-        vloss = evaluate(chunks, data.valid, valid_consumed, cfg, pg)
+        exiting = bool(t.exit_interval and step % t.exit_interval == 0)
+        if ck.save and (step == t.train_iters or exiting or (ck.save_interval and step % ck.save_interval == 0)):
+            save(cfg, ts, chunks, optimizer, pg, tracker, vocab, say)
+            window_start = time.perf_counter()
+        if exiting:
+            say(f" exiting at iteration {step} (--exit-interval {t.exit_interval})")
+            break
+    result.skipped_iterations, result.nan_iterations = ts.skipped_iterations, ts.nan_iterations
+    if data.valid is not None and t.eval_iters > 0 and ts.iteration == t.train_iters:
+        vloss = evaluate(chunks, data.valid, ts.valid_consumed, cfg, pg)
         result.valid_losses.append((t.train_iters, vloss))
         say(format_validation_line(t.train_iters, vloss))
     return result

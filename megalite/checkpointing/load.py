@@ -1,0 +1,96 @@
+"""load_checkpoint(): restore a checkpoint of any layout into this rank's model chunks and optimizer.
+
+Each parameter is rebuilt full from the saved TP shards and cut for the current layout, so loading
+into the saving layout and into any other valid one are the same code path. A model config that
+differs from the checkpoint's is refused with every differing flag named.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from megalite.checkpointing.paths import rng_filename
+from megalite.checkpointing.reader import CheckpointError, CheckpointReader
+from megalite.checkpointing.save import named_params
+from megalite.parallel.groups import ProcessGroups
+
+# Model fields that change what the weights mean; the rest (dropout, init, padding) may differ.
+SHAPE_FIELDS = ["num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                "kv_channels", "position_embedding_type", "rotary_base", "rotary_percent", "normalization",
+                "swiglu", "untie_embeddings_and_output_weights", "disable_bias_linear", "add_qkv_bias",
+                "max_position_embeddings", "vocab_size"]
+
+
+class CheckpointMismatch(ValueError):
+    """The checkpoint's model differs from the one the flags describe."""
+
+
+@dataclass
+class LoadedState:
+    iteration: int
+    state: dict[str, Any] = field(default_factory=dict)
+    same_layout: bool = True
+
+
+def check_config(saved: dict[str, Any], current: dict[str, Any], where: str) -> None:
+    diffs = [f"--{k.replace('_', '-')}: checkpoint {saved.get(k)!r}, flags {current.get(k)!r}"
+             for k in SHAPE_FIELDS if k in saved and saved.get(k) != current.get(k)]
+    if diffs:
+        raise CheckpointMismatch(f"{where}: the checkpoint's model differs from the flags:\n  " + "\n  ".join(diffs))
+
+
+@torch.no_grad()
+def load_checkpoint(load_dir: str, chunks: list[nn.Module], optimizer: Any, pg: ProcessGroups,
+                    model_config: dict[str, Any], *, load_optim: bool = True, load_rng: bool = True
+                    ) -> tuple[LoadedState, dict[str, torch.Tensor] | None]:
+    """Load weights (and optimizer state) into this rank's chunks. Returns the saved training state and,
+    when the layout is unchanged and ``load_rng``, this rank's RNG states."""
+    reader = CheckpointReader(load_dir)
+    check_config(reader.config, model_config, f"--load {load_dir}")
+    lay = reader.meta["layout"]
+    same = (lay["tp"], lay["pp"], lay["dp"], lay["vp"], lay["world_size"]) == (
+        pg.tp_size, pg.pp_size, pg.dp_size, len(chunks), pg.layout.world_size)
+    for _, key, p in named_params(chunks):
+        full = reader.full_param(key, p.shard_spec)
+        p.copy_(p.shard_spec.shard(full, pg.tp_rank, pg.tp_size).view(p.shape).to(p.dtype))
+    if load_optim and optimizer is not None:
+        if not reader.has_optimizer():
+            raise CheckpointError(f"--load {load_dir}: the checkpoint has no optimizer state; use --no-load-optim "
+                                  "(or --finetune) to load the weights only")
+        _load_optimizer(reader, chunks, optimizer, pg)
+    rng = None
+    if load_rng and same:
+        from safetensors.torch import load_file
+
+        path = f"{reader.dir}/{rng_filename(pg.rank)}"
+        try:
+            rng = load_file(path)
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"RNG state {path} is missing or corrupt ({e}); use --no-load-rng to skip it"
+                                  ) from None
+    return LoadedState(reader.iteration, dict(reader.state), same), rng
+
+
+def _load_optimizer(reader: CheckpointReader, chunks: list[nn.Module], optimizer: Any, pg: ProcessGroups) -> None:
+    key_of = {id(p): key for _, key, p in named_params(chunks)}
+    step = reader.optimizer_step()
+    for e in optimizer.entries:
+        key = key_of[id(e.param)]
+        spec = e.param.shard_spec
+        values = {}
+        for f in ("main", "exp_avg", "exp_avg_sq"):
+            full = reader.full_optim(key, f, spec)
+            values[f] = spec.shard(full, pg.tp_rank, pg.tp_size).reshape(-1)[e.lo:e.hi]
+        e.main.copy_(values["main"])
+        if not e.alias:  # the weight is the low-precision copy of the fp32 main param
+            e.param.data.view(-1)[e.lo:e.hi].copy_(e.main)
+        state = optimizer.adam.state[e.main]
+        state["step"] = torch.tensor(step, dtype=torch.float32)
+        state["exp_avg"] = values["exp_avg"].to(e.main.device).clone()
+        state["exp_avg_sq"] = values["exp_avg_sq"].to(e.main.device).clone()
+    if step == 0:
+        optimizer.adam.state.clear()

@@ -1,0 +1,123 @@
+"""Read a checkpoint of any layout back as full (layout-free) tensors, one parameter at a time.
+
+Files are opened lazily with safetensors (no pickle, nothing executed). A parameter's full tensor is
+rebuilt from its TP shards with the parameter's ShardSpec; an optimizer tensor from the flat slices
+the DP ranks owned. A missing or unreadable file raises an error naming it.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from megalite.checkpointing.paths import iter_dirname, optim_filename, read_tracker, shard_dirname
+from megalite.tensor_parallel.sharding import ShardSpec
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint file is missing, corrupt or inconsistent; the message names the file."""
+
+
+class CheckpointReader:
+    def __init__(self, load_dir: str, iteration: int | None = None) -> None:
+        self.iteration = read_tracker(load_dir) if iteration is None else iteration
+        self.dir = os.path.join(load_dir, iter_dirname(self.iteration))
+        meta_path = os.path.join(self.dir, "metadata.json")
+        if not os.path.isfile(meta_path):
+            raise CheckpointError(f"{meta_path} is missing: the tracker points at an incomplete checkpoint")
+        try:
+            self.meta: dict[str, Any] = json.load(open(meta_path))
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{meta_path} is corrupt: {e}") from None
+        lay = self.meta["layout"]
+        self.tp, self.pp, self.dp = lay["tp"], lay["pp"], lay["dp"]
+        self._handles: dict[str, Any] = {}
+        self._regions: dict[str, dict[str, list]] = {}
+        self._stage_of: dict[str, int] = {}
+        for pp in range(self.pp):
+            for key in self._open(self._model_path(0, pp)).keys():
+                self._stage_of[key] = pp
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return self.meta["config"]
+
+    @property
+    def state(self) -> dict[str, Any]:
+        return self.meta["state"]
+
+    def keys(self) -> list[str]:
+        return list(self._stage_of)
+
+    def _model_path(self, tp: int, pp: int) -> str:
+        return os.path.join(self.dir, shard_dirname(tp, pp), "model.safetensors")
+
+    def _open(self, path: str):
+        if path not in self._handles:
+            if not os.path.isfile(path):
+                raise CheckpointError(f"checkpoint shard {path} is missing (saved with TP={self.tp}, PP={self.pp})")
+            try:
+                self._handles[path] = safe_open(path, framework="pt")
+            except Exception as e:  # noqa: BLE001 - safetensors raises several kinds
+                raise CheckpointError(f"checkpoint shard {path} is corrupt or truncated: {e}") from None
+        return self._handles[path]
+
+    def _get(self, path: str, key: str) -> torch.Tensor:
+        try:
+            return self._open(path).get_tensor(key)
+        except CheckpointError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"checkpoint shard {path}: cannot read {key}: {e}") from None
+
+    def stage_of(self, key: str) -> int:
+        if key not in self._stage_of:
+            raise CheckpointError(f"checkpoint {self.dir} has no parameter {key}")
+        return self._stage_of[key]
+
+    def full_param(self, key: str, spec: ShardSpec) -> torch.Tensor:
+        """The full tensor of parameter ``key``, from the TP shards it was saved in."""
+        pp = self.stage_of(key)
+        return spec.unshard([self._get(self._model_path(tp, pp), key) for tp in range(self.tp)])
+
+    def _optim_files(self, tp: int, pp: int) -> list[str]:
+        files = sorted(glob.glob(os.path.join(self.dir, shard_dirname(tp, pp), "optim_dp_*.safetensors")))
+        if not files:
+            raise CheckpointError(f"no optimizer state in {os.path.join(self.dir, shard_dirname(tp, pp))} "
+                                  f"(expected {optim_filename(0)}); load with --no-load-optim to skip it")
+        return files
+
+    def has_optimizer(self) -> bool:
+        return bool(glob.glob(os.path.join(self.dir, shard_dirname(0, 0), "optim_dp_*.safetensors")))
+
+    def optimizer_step(self) -> float:
+        meta = json.loads(self._open(self._optim_files(0, 0)[0]).metadata()["meta"])
+        return meta["step"]
+
+    def full_optim(self, key: str, field: str, spec: ShardSpec) -> torch.Tensor:
+        """Full tensor of ``field`` (main, exp_avg, exp_avg_sq) of parameter ``key``: each TP shard is
+        reassembled from the flat slices its DP ranks owned, then the shards are unsharded."""
+        pp = self.stage_of(key)
+        parts = []
+        for tp in range(self.tp):
+            local = None
+            for path in self._optim_files(tp, pp):
+                if path not in self._regions:
+                    self._regions[path] = json.loads(self._open(path).metadata()["meta"])["regions"]
+                regions = self._regions[path]
+                if key not in regions:
+                    continue
+                lo, hi, shape = regions[key]
+                if local is None:
+                    local = torch.zeros(int(torch.tensor(shape).prod()) if shape else 1, dtype=torch.float32)
+                    local_shape = shape
+                local[lo:hi] = self._get(path, f"{key}/{field}")
+            if local is None:
+                raise CheckpointError(f"optimizer state of {key} missing from {self.dir}/{shard_dirname(tp, pp)}")
+            parts.append(local.view(local_shape))
+        return spec.unshard(parts)

@@ -1,0 +1,80 @@
+"""Checkpoint glue for the training loop: what a run saves besides weights (position in the data,
+loss scaler, counters, RNG) and how a run picks up from --load."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from megalite import device
+from megalite.checkpointing import load_checkpoint, save_checkpoint
+from megalite.checkpointing.paths import TRACKER
+from megalite.config.arguments import MegaliteConfig
+from megalite.optimizer.optimizer import MegaliteOptimizer
+from megalite.parallel.groups import ProcessGroups
+from megalite.tensor_parallel.random import RNGTracker
+
+
+@dataclass
+class TrainState:
+    iteration: int = 0  # optimizer steps done
+    consumed_samples: int = 0
+    valid_consumed: int = 0
+    skipped_iterations: int = 0
+    nan_iterations: int = 0
+
+
+def model_config_dict(cfg: MegaliteConfig, vocab_size: int) -> dict:
+    return {**dataclasses.asdict(cfg.model), "vocab_size": vocab_size}
+
+
+def rng_states(tracker: RNGTracker) -> dict[str, torch.Tensor]:
+    states = {"cpu": torch.get_rng_state(), "device": device.get_rng_state()}
+    states.update({f"tracker/{k}": v for k, v in tracker.get_states().items()})
+    return states
+
+
+def restore_rng(tracker: RNGTracker, states: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(states["cpu"])
+    device.set_rng_state(states["device"])
+    tracker.set_states({k.split("/", 1)[1]: v for k, v in states.items() if k.startswith("tracker/")})
+
+
+def maybe_load(cfg: MegaliteConfig, chunks: list[nn.Module], optimizer: MegaliteOptimizer, pg: ProcessGroups,
+               tracker: RNGTracker, vocab_size: int, say: Callable[[str], None]) -> TrainState:
+    ck = cfg.checkpoint
+    if not ck.load:
+        return TrainState()
+    if ck.load == ck.save and not os.path.isfile(os.path.join(ck.load, TRACKER)):
+        say(f" no checkpoint in {ck.load} yet ({TRACKER} absent): starting from iteration 0")
+        return TrainState()
+    weights_only = ck.finetune or ck.no_load_optim
+    loaded, rng = load_checkpoint(ck.load, chunks, optimizer, pg, model_config_dict(cfg, vocab_size),
+                                  load_optim=not weights_only, load_rng=not (ck.no_load_rng or ck.finetune))
+    if ck.finetune:
+        say(f" loaded weights of iteration {loaded.iteration} from {ck.load} for finetuning")
+        return TrainState()
+    if rng is not None:
+        restore_rng(tracker, rng)
+    s = loaded.state
+    if optimizer.scaler is not None and "loss_scaler" in s and not weights_only:
+        optimizer.scaler.load_state_dict(s["loss_scaler"])
+    say(f" loaded checkpoint from {ck.load} at iteration {loaded.iteration}"
+        + ("" if loaded.same_layout else " (resharded into this layout)"))
+    return TrainState(loaded.iteration, s.get("consumed_samples", 0), s.get("valid_consumed", 0),
+                      s.get("skipped_iterations", 0), s.get("nan_iterations", 0))
+
+
+def save(cfg: MegaliteConfig, ts: TrainState, chunks: list[nn.Module], optimizer: MegaliteOptimizer,
+         pg: ProcessGroups, tracker: RNGTracker, vocab_size: int, say: Callable[[str], None]) -> None:
+    state = dataclasses.asdict(ts)
+    if optimizer.scaler is not None:
+        state["loss_scaler"] = optimizer.scaler.state_dict()
+    path = save_checkpoint(cfg.checkpoint.save, ts.iteration, chunks, optimizer, pg,
+                           model_config_dict(cfg, vocab_size), state, rng_states(tracker))
+    say(f" saved checkpoint at iteration {ts.iteration} to {path}")
