@@ -1,0 +1,420 @@
+"""Hugging Face conversion: megalite's full (layout-free) tensors <-> transformers models.
+
+Two families, chosen from the model config:
+
+- GPT-2 style (learned positions, LayerNorm, exact GELU, no GQA) <-> ``GPT2LMHeadModel``. HF's Conv1D
+  stores weights [in, out] (transposed), and ``c_attn`` is all query heads, then all keys, then all
+  values.
+- Llama style (RoPE rotate-half, RMSNorm, SwiGLU, optional GQA) <-> ``LlamaForCausalLM`` with separate
+  q/k/v projections and gate/up projections.
+
+megalite's fused QKV weight is Megatron's per-group interleave (DESIGN.md §4): for each of the
+``groups`` KV groups, its ``heads / groups`` query heads, then its key head, then its value head,
+``head_dim`` rows each. ``split_qkv`` undoes it and ``fuse_qkv`` rebuilds it. Query head j of HF uses
+KV head j // (heads / groups), which is the group whose block holds it here, so GQA maps head for head.
+
+HF's vocab is the true vocab (megalite's full tensors hold it; shards are padded). Biases HF needs and
+megalite lacks are written as zeros (exactly the same function); on import, zero o_proj biases of a
+Llama with only attention biases map back to megalite's ``--add-qkv-bias``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from megalite.checkpointing.offline import config_dict, model_config
+from megalite.config.model import ModelConfig
+
+GPT2_GELUS = {"gelu": 0.0, "gelu_new": 1e-3, "gelu_pytorch_tanh": 1e-3, "gelu_fast": 1e-3}
+SUPPORTED = "GPT2LMHeadModel (model_type gpt2) or LlamaForCausalLM (model_type llama)"
+
+
+class HFConversionError(ValueError):
+    """A model or folder that cannot be converted; the message says which feature or file."""
+
+
+# ---- the QKV interleave -----------------------------------------------------------------------
+
+
+def split_qkv(fused: torch.Tensor, heads: int, groups: int, head_dim: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """megalite's per-group [q_g..., k_g, v_g] rows -> (q [heads*d, ...], k [groups*d, ...], v)."""
+    rest = fused.shape[1:]
+    x = fused.reshape(groups, heads // groups + 2, head_dim, *rest)
+    q = x[:, :-2].reshape(heads * head_dim, *rest)
+    k = x[:, -2].reshape(groups * head_dim, *rest)
+    v = x[:, -1].reshape(groups * head_dim, *rest)
+    return q.contiguous(), k.contiguous(), v.contiguous()
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, groups: int, head_dim: int
+             ) -> torch.Tensor:
+    """Inverse of split_qkv: separate q/k/v rows -> megalite's per-group interleave."""
+    rest = q.shape[1:]
+    per = heads // groups
+    blocks = [q.reshape(groups, per, head_dim, *rest), k.reshape(groups, 1, head_dim, *rest),
+              v.reshape(groups, 1, head_dim, *rest)]
+    return torch.cat(blocks, dim=1).reshape((heads + 2 * groups) * head_dim, *rest).contiguous()
+
+
+# ---- which HF architecture --------------------------------------------------------------------
+
+
+def architecture(cfg: ModelConfig) -> str:
+    """'gpt2' or 'llama' for a megalite model config, or an error listing what does not fit."""
+    groups = cfg.num_query_groups or cfg.num_attention_heads
+    gpt2 = {"--position-embedding-type learned_absolute": cfg.position_embedding_type == "learned_absolute",
+            "--normalization LayerNorm": cfg.normalization == "LayerNorm",
+            "no --swiglu (GELU MLP)": not cfg.swiglu,
+            "no grouped-query attention": groups == cfg.num_attention_heads,
+            "--kv-channels = hidden / heads": cfg.kv_channels * cfg.num_attention_heads == cfg.hidden_size}
+    llama = {"--position-embedding-type rope": cfg.position_embedding_type == "rope",
+             "--normalization RMSNorm": cfg.normalization == "RMSNorm",
+             "--swiglu": cfg.swiglu,
+             "--rotary-percent 1.0": cfg.rotary_percent == 1.0}
+    if all(gpt2.values()):
+        return "gpt2"
+    if all(llama.values()):
+        return "llama"
+    raise HFConversionError(
+        "this model has no Hugging Face equivalent: GPT2LMHeadModel needs "
+        + ", ".join(gpt2) + f" (missing: {', '.join(k for k, ok in gpt2.items() if not ok)}); LlamaForCausalLM "
+        "needs " + ", ".join(llama) + f" (missing: {', '.join(k for k, ok in llama.items() if not ok)})")
+
+
+def _rope_theta(value: float) -> int | float:
+    return int(value) if float(value).is_integer() else float(value)
+
+
+# ---- configs ------------------------------------------------------------------------------------
+
+
+def to_hf_config(config: dict[str, Any], eod: int | None = None):
+    """transformers config (GPT2Config or LlamaConfig) of a megalite model config dict."""
+    from transformers import GPT2Config, LlamaConfig
+
+    cfg, vocab = model_config(config)
+    arch = architecture(cfg)
+    tied = cfg.tied_embeddings
+    if arch == "gpt2":
+        return GPT2Config(vocab_size=vocab, n_positions=cfg.max_position_embeddings, n_embd=cfg.hidden_size,
+                          n_layer=cfg.num_layers, n_head=cfg.num_attention_heads,
+                          n_inner=None if cfg.ffn_hidden_size == 4 * cfg.hidden_size else cfg.ffn_hidden_size,
+                          activation_function="gelu", resid_pdrop=cfg.hidden_dropout, embd_pdrop=cfg.hidden_dropout,
+                          attn_pdrop=cfg.attention_dropout, layer_norm_epsilon=cfg.norm_epsilon,
+                          initializer_range=cfg.init_method_std, tie_word_embeddings=tied,
+                          bos_token_id=eod, eos_token_id=eod, architectures=["GPT2LMHeadModel"])
+    groups = cfg.num_query_groups or cfg.num_attention_heads
+    return LlamaConfig(vocab_size=vocab, hidden_size=cfg.hidden_size, intermediate_size=cfg.ffn_hidden_size,
+                       num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_attention_heads,
+                       num_key_value_heads=groups, head_dim=cfg.kv_channels, hidden_act="silu",
+                       max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.norm_epsilon,
+                       rope_parameters={"rope_type": "default", "rope_theta": float(cfg.rotary_base)},
+                       attention_bias=cfg.add_bias_linear or cfg.add_qkv_bias, mlp_bias=cfg.add_bias_linear,
+                       attention_dropout=cfg.attention_dropout, initializer_range=cfg.init_method_std,
+                       tie_word_embeddings=tied, bos_token_id=None, eos_token_id=eod,
+                       architectures=["LlamaForCausalLM"])
+
+
+def hf_architecture(hf_config, where: str) -> str:
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type in ("gpt2", "llama"):
+        return model_type
+    archs = getattr(hf_config, "architectures", None)
+    raise HFConversionError(f"{where}: unsupported architecture (model_type {model_type!r}, architectures "
+                            f"{archs}); from-hf reads {SUPPORTED}")
+
+
+def from_hf_config(hf_config, where: str = "config.json", qkv_bias_only: bool = False) -> dict[str, Any]:
+    """megalite model config dict (incl. vocab_size) of a GPT-2 or Llama transformers config.
+
+    ``qkv_bias_only``: a Llama with attention_bias whose o_proj biases are all zero (see module doc)."""
+    c = hf_config
+    arch = hf_architecture(c, where)
+    if arch == "gpt2":
+        act = c.activation_function
+        if act not in GPT2_GELUS:
+            raise HFConversionError(f"{where}: activation_function {act!r} is not supported (megalite uses exact "
+                                    "GELU; gelu, gelu_new, gelu_pytorch_tanh are accepted)")
+        if GPT2_GELUS[act]:
+            warnings.warn(f"{where}: activation_function {act!r} is the tanh approximation of GELU; megalite "
+                          f"computes exact GELU, so logits will differ by about {GPT2_GELUS[act]:g}", stacklevel=2)
+        if not c.scale_attn_weights or c.scale_attn_by_inverse_layer_idx:
+            raise HFConversionError(f"{where}: only attention scaled by 1/sqrt(head_dim) is supported "
+                                    "(scale_attn_weights=true, scale_attn_by_inverse_layer_idx=false)")
+        cfg = ModelConfig(num_layers=c.n_layer, hidden_size=c.n_embd, ffn_hidden_size=c.n_inner or 4 * c.n_embd,
+                          num_attention_heads=c.n_head, seq_length=c.n_positions,
+                          max_position_embeddings=c.n_positions, position_embedding_type="learned_absolute",
+                          normalization="LayerNorm", norm_epsilon=c.layer_norm_epsilon, swiglu=False,
+                          untie_embeddings_and_output_weights=not c.tie_word_embeddings,
+                          hidden_dropout=c.resid_pdrop, attention_dropout=c.attn_pdrop,
+                          init_method_std=c.initializer_range)
+        return config_dict(cfg, c.vocab_size)
+    if c.hidden_act != "silu":
+        raise HFConversionError(f"{where}: hidden_act {c.hidden_act!r} is not supported (SwiGLU needs silu)")
+    rope = dict(getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {})
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise HFConversionError(f"{where}: rope_type {rope_type!r} (RoPE scaling) is not supported; megalite "
+                                "implements plain RoPE")
+    theta = rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))
+    if c.attention_bias and not c.mlp_bias and not qkv_bias_only:
+        raise HFConversionError(f"{where}: attention_bias without mlp_bias (and non-zero o_proj biases) has no "
+                                "megalite equivalent (--add-qkv-bias biases q/k/v only; biases everywhere need "
+                                "mlp_bias too)")
+    if c.mlp_bias and not c.attention_bias:
+        raise HFConversionError(f"{where}: mlp_bias without attention_bias has no megalite equivalent")
+    heads, groups = c.num_attention_heads, c.num_key_value_heads or c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    cfg = ModelConfig(num_layers=c.num_hidden_layers, hidden_size=c.hidden_size,
+                      ffn_hidden_size=c.intermediate_size, num_attention_heads=heads,
+                      group_query_attention=groups != heads, num_query_groups=groups, kv_channels=head_dim,
+                      seq_length=c.max_position_embeddings, max_position_embeddings=c.max_position_embeddings,
+                      position_embedding_type="rope", rotary_base=_rope_theta(theta), normalization="RMSNorm",
+                      norm_epsilon=c.rms_norm_eps, swiglu=True,
+                      untie_embeddings_and_output_weights=not c.tie_word_embeddings,
+                      disable_bias_linear=not c.mlp_bias, add_qkv_bias=bool(c.attention_bias and not c.mlp_bias),
+                      hidden_dropout=0.0, attention_dropout=c.attention_dropout, init_method_std=c.initializer_range)
+    return config_dict(cfg, c.vocab_size)
+
+
+# ---- tensors ------------------------------------------------------------------------------------
+
+
+def to_hf_state_dict(config: dict[str, Any], get: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF state dict (GPT2LMHeadModel or LlamaForCausalLM names) from megalite full tensors
+    ``get(key)``. A tied model has no ``lm_head.weight`` entry (HF ties it to the embedding)."""
+    cfg, _ = model_config(config)
+    arch = architecture(cfg)
+    heads, groups, d = cfg.num_attention_heads, cfg.num_query_groups or cfg.num_attention_heads, cfg.kv_channels
+    has_bias, has_qkv_bias = cfg.add_bias_linear, cfg.add_bias_linear or cfg.add_qkv_bias
+    out: dict[str, torch.Tensor] = {}
+
+    def bias(key: str, n: int, present: bool, like: torch.Tensor) -> torch.Tensor:
+        return get(key) if present else torch.zeros(n, dtype=like.dtype)
+
+    if arch == "gpt2":
+        out["transformer.wte.weight"] = get("embedding.word.weight")
+        out["transformer.wpe.weight"] = get("embedding.position.weight")
+        for i in range(cfg.num_layers):
+            m, h = f"layers.{i}.", f"transformer.h.{i}."
+            for ours, theirs in (("input_norm", "ln_1"), ("pre_mlp_norm", "ln_2")):
+                out[h + theirs + ".weight"] = get(m + ours + ".weight")
+                out[h + theirs + ".bias"] = get(m + ours + ".bias")
+            w = get(m + "attention.qkv.weight")
+            out[h + "attn.c_attn.weight"] = torch.cat(split_qkv(w, heads, groups, d)).t().contiguous()
+            b = bias(m + "attention.qkv.bias", w.shape[0], has_qkv_bias, w)
+            out[h + "attn.c_attn.bias"] = torch.cat(split_qkv(b, heads, groups, d))
+            for ours, theirs in (("attention.proj", "attn.c_proj"), ("mlp.fc1", "mlp.c_fc"),
+                                 ("mlp.fc2", "mlp.c_proj")):
+                w = get(m + ours + ".weight")
+                out[h + theirs + ".weight"] = w.t().contiguous()  # Conv1D: [in, out]
+                out[h + theirs + ".bias"] = bias(m + ours + ".bias", w.shape[0], has_bias, w)
+        out["transformer.ln_f.weight"] = get("final_norm.weight")
+        out["transformer.ln_f.bias"] = get("final_norm.bias")
+    else:
+        out["model.embed_tokens.weight"] = get("embedding.word.weight")
+        for i in range(cfg.num_layers):
+            m, h = f"layers.{i}.", f"model.layers.{i}."
+            out[h + "input_layernorm.weight"] = get(m + "input_norm.weight")
+            out[h + "post_attention_layernorm.weight"] = get(m + "pre_mlp_norm.weight")
+            w = get(m + "attention.qkv.weight")
+            for name, t in zip(("q_proj", "k_proj", "v_proj"), split_qkv(w, heads, groups, d)):
+                out[h + f"self_attn.{name}.weight"] = t
+            if has_qkv_bias:
+                b = get(m + "attention.qkv.bias")
+                for name, t in zip(("q_proj", "k_proj", "v_proj"), split_qkv(b, heads, groups, d)):
+                    out[h + f"self_attn.{name}.bias"] = t
+            w = get(m + "attention.proj.weight")
+            out[h + "self_attn.o_proj.weight"] = w
+            if has_qkv_bias:  # HF's attention_bias covers o_proj too: zeros when megalite has none
+                out[h + "self_attn.o_proj.bias"] = bias(m + "attention.proj.bias", w.shape[0], has_bias, w)
+            gate, up = get(m + "mlp.fc1.weight").chunk(2, dim=0)
+            out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = gate.contiguous(), up.contiguous()
+            out[h + "mlp.down_proj.weight"] = get(m + "mlp.fc2.weight")
+            if has_bias:
+                gate_b, up_b = get(m + "mlp.fc1.bias").chunk(2)
+                out[h + "mlp.gate_proj.bias"], out[h + "mlp.up_proj.bias"] = gate_b.contiguous(), up_b.contiguous()
+                out[h + "mlp.down_proj.bias"] = get(m + "mlp.fc2.bias")
+        out["model.norm.weight"] = get("final_norm.weight")
+    if not cfg.tied_embeddings:
+        out["lm_head.weight"] = get("output_layer.weight")
+    return out
+
+
+def from_hf_state_dict(config: dict[str, Any], sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """megalite full tensors (layout-free keys) from an HF state dict, for the megalite ``config``
+    that from_hf_config made. Keys are checked: a missing HF tensor raises naming it."""
+    cfg, _ = model_config(config)
+    arch = architecture(cfg)
+    heads, groups, d = cfg.num_attention_heads, cfg.num_query_groups or cfg.num_attention_heads, cfg.kv_channels
+
+    def get(key: str) -> torch.Tensor:
+        if key not in sd:
+            raise HFConversionError(f"the Hugging Face weights have no tensor {key}")
+        return sd[key]
+
+    out: dict[str, torch.Tensor] = {}
+    if arch == "gpt2":
+        out["embedding.word.weight"] = get("transformer.wte.weight")
+        out["embedding.position.weight"] = get("transformer.wpe.weight")
+        for i in range(cfg.num_layers):
+            m, h = f"layers.{i}.", f"transformer.h.{i}."
+            for ours, theirs in (("input_norm", "ln_1"), ("pre_mlp_norm", "ln_2")):
+                out[m + ours + ".weight"] = get(h + theirs + ".weight")
+                out[m + ours + ".bias"] = get(h + theirs + ".bias")
+            q, k, v = get(h + "attn.c_attn.weight").t().chunk(3, dim=0)
+            out[m + "attention.qkv.weight"] = fuse_qkv(q, k, v, heads, groups, d)
+            q, k, v = get(h + "attn.c_attn.bias").chunk(3)
+            out[m + "attention.qkv.bias"] = fuse_qkv(q, k, v, heads, groups, d)
+            for ours, theirs in (("attention.proj", "attn.c_proj"), ("mlp.fc1", "mlp.c_fc"),
+                                 ("mlp.fc2", "mlp.c_proj")):
+                out[m + ours + ".weight"] = get(h + theirs + ".weight").t().contiguous()
+                out[m + ours + ".bias"] = get(h + theirs + ".bias")
+        out["final_norm.weight"] = get("transformer.ln_f.weight")
+        out["final_norm.bias"] = get("transformer.ln_f.bias")
+    else:
+        out["embedding.word.weight"] = get("model.embed_tokens.weight")
+        for i in range(cfg.num_layers):
+            m, h = f"layers.{i}.", f"model.layers.{i}."
+            out[m + "input_norm.weight"] = get(h + "input_layernorm.weight")
+            out[m + "pre_mlp_norm.weight"] = get(h + "post_attention_layernorm.weight")
+            qkv = [get(h + f"self_attn.{n}.weight") for n in ("q_proj", "k_proj", "v_proj")]
+            out[m + "attention.qkv.weight"] = fuse_qkv(*qkv, heads, groups, d)
+            if cfg.add_bias_linear or cfg.add_qkv_bias:
+                qkv = [get(h + f"self_attn.{n}.bias") for n in ("q_proj", "k_proj", "v_proj")]
+                out[m + "attention.qkv.bias"] = fuse_qkv(*qkv, heads, groups, d)
+            out[m + "attention.proj.weight"] = get(h + "self_attn.o_proj.weight")
+            out[m + "mlp.fc1.weight"] = torch.cat([get(h + "mlp.gate_proj.weight"), get(h + "mlp.up_proj.weight")])
+            out[m + "mlp.fc2.weight"] = get(h + "mlp.down_proj.weight")
+            if cfg.add_bias_linear:
+                out[m + "attention.proj.bias"] = get(h + "self_attn.o_proj.bias")
+                out[m + "mlp.fc1.bias"] = torch.cat([get(h + "mlp.gate_proj.bias"), get(h + "mlp.up_proj.bias")])
+                out[m + "mlp.fc2.bias"] = get(h + "mlp.down_proj.bias")
+        out["final_norm.weight"] = get("model.norm.weight")
+    if not cfg.tied_embeddings:
+        out["output_layer.weight"] = get("lm_head.weight")
+    return out
+
+
+# ---- folders ------------------------------------------------------------------------------------
+
+
+def model_class(hf_config):
+    from transformers import GPT2LMHeadModel, LlamaForCausalLM
+
+    return GPT2LMHeadModel if hf_config.model_type == "gpt2" else LlamaForCausalLM
+
+
+def save_hf_model(out_dir: str, hf_config, state_dict: dict[str, torch.Tensor]) -> None:
+    """Write ``config.json`` + safetensors with transformers' save_pretrained. The model is built on
+    the meta device and takes the tensors as they are (no random init, no copy); a strict load checks
+    that every name and shape is what transformers expects."""
+    cls = model_class(hf_config)
+    with torch.device("meta"):
+        model = cls(hf_config)
+    if hf_config.tie_word_embeddings:  # the tied head is the embedding
+        embed = "transformer.wte.weight" if hf_config.model_type == "gpt2" else "model.embed_tokens.weight"
+        state_dict = {**state_dict, "lm_head.weight": state_dict[embed]}
+    dtypes = {t.dtype for t in state_dict.values()}
+    try:
+        model.load_state_dict(state_dict, strict=True, assign=True)
+    except RuntimeError as e:
+        raise HFConversionError(f"the converted tensors do not fit {cls.__name__}: {e}") from None
+    if hf_config.tie_word_embeddings:
+        model.tie_weights()
+    if len(dtypes) == 1:
+        model.config.dtype = next(iter(dtypes))
+    model.save_pretrained(out_dir, safe_serialization=True)
+
+
+def read_hf_config(folder: str):
+    """The transformers config of a local GPT-2 or Llama folder (nothing downloaded)."""
+    from transformers import AutoConfig
+
+    cfg_path = os.path.join(folder, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise HFConversionError(f"--load {folder}: no config.json there; expected a local transformers model "
+                                "folder (save_pretrained output)")
+    try:
+        json.load(open(cfg_path))
+    except json.JSONDecodeError as e:
+        raise HFConversionError(f"{cfg_path} is not valid JSON: {e}") from None
+    try:
+        hf_config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - unknown model types raise several kinds
+        raise HFConversionError(f"{cfg_path}: transformers cannot read it ({e}); from-hf reads {SUPPORTED}"
+                                ) from None
+    hf_architecture(hf_config, cfg_path)
+    return hf_config
+
+
+def read_hf_weights(folder: str, hf_config) -> dict[str, torch.Tensor]:
+    """State dict of a local folder via from_pretrained with local files only (safetensors, or .bin,
+    which transformers reads with weights_only)."""
+    if not any(f.endswith((".safetensors", ".bin")) for f in os.listdir(folder)):
+        raise HFConversionError(f"--load {folder}: no weights there (model.safetensors or pytorch_model.bin)")
+    model = model_class(hf_config).from_pretrained(folder, local_files_only=True, dtype="auto")
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def qkv_bias_only(hf_config, sd: Mapping[str, torch.Tensor]) -> bool:
+    """A Llama with attention_bias, no mlp_bias and all-zero o_proj biases is megalite's --add-qkv-bias."""
+    if hf_config.model_type != "llama" or not hf_config.attention_bias or hf_config.mlp_bias:
+        return False
+    return all(not sd[k].any() for k in sd if k.endswith("self_attn.o_proj.bias"))
+
+
+# ---- tokenizers (best effort: the model is what matters) ------------------------------------------
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                   "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja")
+
+
+def copy_tokenizer_files(src_dir: str, dst_dir: str) -> list[str]:
+    """Copy the tokenizer files of a transformers folder; returns the names copied."""
+    names = [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(src_dir, n))]
+    if names:
+        os.makedirs(dst_dir, exist_ok=True)
+        for n in names:
+            shutil.copyfile(os.path.join(src_dir, n), os.path.join(dst_dir, n))
+    return names
+
+
+def save_tokenizer(out_dir: str, tokenizer_type: str, vocab_file: str | None = None, merge_file: str | None = None,
+                   tokenizer_model: str | None = None) -> int | None:
+    """Write a transformers tokenizer for megalite's ``--tokenizer-type`` files into ``out_dir``; returns
+    its end-of-document id (HF's eos). The tokenizers-based types are saved from the very
+    ``tokenizers.Tokenizer`` megalite encodes with, so both sides split text the same way."""
+    from types import SimpleNamespace
+
+    from megalite.data.tokenizer import build_tokenizer
+
+    if tokenizer_type == "NullTokenizer":
+        return None
+    if tokenizer_type == "HuggingFaceTokenizer" and tokenizer_model and os.path.isdir(tokenizer_model):
+        from transformers import AutoTokenizer
+
+        hf_tok = AutoTokenizer.from_pretrained(tokenizer_model, local_files_only=True)
+        hf_tok.save_pretrained(out_dir)
+        return hf_tok.eos_token_id
+    tok = build_tokenizer(SimpleNamespace(tokenizer_type=tokenizer_type, vocab_file=vocab_file,
+                                          merge_file=merge_file, tokenizer_model=tokenizer_model, vocab_size=None))
+    if tokenizer_type == "SentencePieceTokenizer":  # transformers converts the .model when it loads
+        shutil.copyfile(tokenizer_model, os.path.join(out_dir, "tokenizer.model"))
+        with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+            json.dump({"tokenizer_class": "LlamaTokenizer", "add_bos_token": False, "add_eos_token": False}, f)
+        return tok.eod
+    from transformers import PreTrainedTokenizerFast
+
+    eod_text = tok._tok.id_to_token(tok.eod)
+    PreTrainedTokenizerFast(tokenizer_object=tok._tok, eos_token=eod_text, bos_token=eod_text,
+                            unk_token=eod_text).save_pretrained(out_dir)
+    return tok.eod

@@ -1,0 +1,220 @@
+"""Offline checkpoint conversion: reshard a megalite checkpoint, export it to Hugging Face, import one.
+
+    # a checkpoint of any layout -> another (TP, PP, VP) layout, optimizer state included
+    python tools/convert_checkpoint.py reshard --load ckpt --save ckpt_tp4 \\
+        --tensor-model-parallel-size 4 --pipeline-model-parallel-size 1
+
+    # -> a transformers folder (config.json + model.safetensors [+ tokenizer]): GPT2LMHeadModel or
+    #    LlamaForCausalLM, whichever the model is
+    python tools/convert_checkpoint.py to-hf --load ckpt --save hf_out \\
+        [--tokenizer-type GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt]
+
+    # a local transformers folder (GPT-2 or Llama family) -> a megalite checkpoint to continue pretraining
+    python tools/convert_checkpoint.py from-hf --load hf_folder --save ckpt \\
+        --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
+
+Nothing is downloaded. Every output appears only once complete. See docs/checkpoints.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from megalite.checkpointing.hf import (  # noqa: E402
+    HFConversionError,
+    architecture,
+    copy_tokenizer_files,
+    from_hf_config,
+    from_hf_state_dict,
+    qkv_bias_only,
+    read_hf_config,
+    read_hf_weights,
+    save_hf_model,
+    save_tokenizer,
+    to_hf_config,
+    to_hf_state_dict,
+)
+from megalite.checkpointing.offline import (  # noqa: E402
+    FullCheckpoint,
+    layout_errors,
+    model_config,
+    reshard,
+    write_checkpoint,
+)
+from megalite.checkpointing.paths import TRACKER  # noqa: E402
+from megalite.checkpointing.reader import CheckpointError  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+TOKENIZER_DIR = "tokenizer"  # from-hf keeps the HF tokenizer files here, to-hf exports them again
+FLAG_FIELDS = ["num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "group_query_attention",
+               "num_query_groups", "kv_channels", "max_position_embeddings", "position_embedding_type",
+               "rotary_base", "normalization", "norm_epsilon", "swiglu", "untie_embeddings_and_output_weights",
+               "disable_bias_linear", "add_qkv_bias"]
+
+
+def model_flags(config: dict) -> str:
+    """The pretrain_gpt.py model flags that describe a checkpoint's model."""
+    out = []
+    for k in FLAG_FIELDS:
+        v = config.get(k)
+        flag = "--" + k.replace("_", "-")
+        if isinstance(v, bool):
+            out += [flag] if v else []
+        elif v is not None and not (k == "num_query_groups" and not config.get("group_query_attention")):
+            out += [flag, str(v)]
+    return " ".join(out)
+
+
+def _open_checkpoint(load: str, iteration: int | None) -> FullCheckpoint:
+    if os.path.isdir(load) and not os.path.isfile(os.path.join(load, TRACKER)) and os.path.isfile(
+            os.path.join(load, "config.json")):
+        raise CheckpointError(f"--load {load} is a Hugging Face folder, not a megalite checkpoint (no {TRACKER}); "
+                              "use the from-hf command to import it")
+    return FullCheckpoint(load, iteration)
+
+
+def _replace_dir(staged: str, final: str) -> None:
+    """Move a finished folder into place (the old one, if any, only after the new one is complete)."""
+    if os.path.exists(final):
+        old = final.rstrip("/") + ".old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(staged, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(staged, final)
+
+
+def cmd_reshard(a: argparse.Namespace) -> None:
+    path = reshard(a.load, a.save, a.tensor_model_parallel_size, a.pipeline_model_parallel_size,
+                   a.num_layers_per_virtual_pipeline_stage, iteration=a.iteration, with_optimizer=not a.no_optim)
+    print(f"wrote {path} (TP={a.tensor_model_parallel_size} PP={a.pipeline_model_parallel_size}"
+          + (f" VP layers={a.num_layers_per_virtual_pipeline_stage}" if a.num_layers_per_virtual_pipeline_stage
+             else "") + ")")
+
+
+def _tokenizer_source(a: argparse.Namespace, ckpt: FullCheckpoint) -> dict | None:
+    """Tokenizer flags given here, else one the checkpoint names (metadata) or holds (from-hf)."""
+    if a.tokenizer_type:
+        return {"tokenizer_type": a.tokenizer_type, "vocab_file": a.vocab_file, "merge_file": a.merge_file,
+                "tokenizer_model": a.tokenizer_model}
+    named = ckpt.reader.meta.get("tokenizer")
+    if named and named.get("tokenizer_type"):
+        return named
+    held = os.path.join(a.load, TOKENIZER_DIR)
+    if os.path.isdir(held):
+        return {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": held}
+    return None
+
+
+def cmd_to_hf(a: argparse.Namespace) -> None:
+    ckpt = _open_checkpoint(a.load, a.iteration)
+    cfg, _ = model_config(ckpt.config)
+    arch = architecture(cfg)  # fail before reading any tensor
+    if os.path.exists(a.save) and os.listdir(a.save) and not a.overwrite:
+        raise FileExistsError(f"--save {a.save} exists and is not empty; choose a new folder or pass --overwrite")
+    staged = a.save.rstrip("/") + ".incomplete"
+    shutil.rmtree(staged, ignore_errors=True)
+    os.makedirs(staged)
+    eod, tok = None, _tokenizer_source(a, ckpt)
+    if tok:
+        try:
+            eod = save_tokenizer(staged, **{k: tok.get(k) for k in
+                                            ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model")})
+        except Exception as e:  # noqa: BLE001 - best effort: the model is what matters
+            print(f"warning: tokenizer not exported ({type(e).__name__}: {e})", file=sys.stderr)
+    dtype = DTYPES[a.dtype] if a.dtype else None
+    get = (lambda k: ckpt.param(k).to(dtype)) if dtype else ckpt.param
+    save_hf_model(staged, to_hf_config(ckpt.config, eod), to_hf_state_dict(ckpt.config, get))
+    _replace_dir(staged, a.save)
+    print(f"wrote {a.save}: {'GPT2LMHeadModel' if arch == 'gpt2' else 'LlamaForCausalLM'} from iteration "
+          f"{ckpt.iteration} of {a.load} (saved at TP={ckpt.layout['tp']} PP={ckpt.layout['pp']})"
+          + (", with tokenizer" if os.path.isfile(os.path.join(a.save, "tokenizer_config.json")) else ""))
+
+
+def cmd_from_hf(a: argparse.Namespace) -> None:
+    if os.path.isfile(os.path.join(a.load, TRACKER)):
+        raise HFConversionError(f"--load {a.load} is a megalite checkpoint; from-hf reads a transformers folder")
+    where = os.path.join(a.load, "config.json")
+    hf_config = read_hf_config(a.load)
+    config = from_hf_config(hf_config, where, qkv_bias_only=True)  # every config check before the weights
+    errors = layout_errors(model_config(config)[0], a.tensor_model_parallel_size, a.pipeline_model_parallel_size,
+                           a.num_layers_per_virtual_pipeline_stage)
+    if errors:
+        raise ValueError(f"{where}: this model cannot be cut into TP={a.tensor_model_parallel_size} "
+                         f"PP={a.pipeline_model_parallel_size}:\n  " + "\n  ".join(errors))
+    sd = read_hf_weights(a.load, hf_config)
+    config = from_hf_config(hf_config, where, qkv_bias_only(hf_config, sd))
+    params = from_hf_state_dict(config, sd)
+    dtype = DTYPES[a.dtype] if a.dtype else None
+    note = {"tool": "convert_checkpoint.py from-hf", "source": os.path.abspath(a.load),
+            "architecture": type(hf_config).__name__}
+    path = write_checkpoint(a.save, config, params.__getitem__, tp=a.tensor_model_parallel_size,
+                            pp=a.pipeline_model_parallel_size,
+                            layers_per_virtual_stage=a.num_layers_per_virtual_pipeline_stage, note=note, dtype=dtype)
+    tok = copy_tokenizer_files(a.load, os.path.join(a.save, TOKENIZER_DIR))
+    print(f"wrote {path} (TP={a.tensor_model_parallel_size} PP={a.pipeline_model_parallel_size}, "
+          f"vocab {config['vocab_size']}). Continue pretraining with:\n  --load {a.save} --finetune "
+          f"{model_flags(config)}"
+          + (f" --tokenizer-type HuggingFaceTokenizer --tokenizer-model {os.path.join(a.save, TOKENIZER_DIR)}"
+             if tok else ""))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def layout(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--tensor-model-parallel-size", type=int, default=1)
+        sp.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+        sp.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+
+    r = sub.add_parser("reshard", help="write a checkpoint at another TP/PP/VP layout (optimizer state included)")
+    r.add_argument("--load", required=True, help="checkpoint directory (holding latest_checkpointed_iteration.txt)")
+    r.add_argument("--save", required=True, help="output checkpoint directory (not --load)")
+    r.add_argument("--iteration", type=int, default=None, help="iteration to read (default: the tracker's)")
+    r.add_argument("--no-optim", action="store_true", help="weights only")
+    layout(r)
+    r.set_defaults(func=cmd_reshard)
+
+    t = sub.add_parser("to-hf", help="export to a transformers folder (GPT2LMHeadModel or LlamaForCausalLM)")
+    t.add_argument("--load", required=True, help="checkpoint directory")
+    t.add_argument("--save", required=True, help="output transformers folder")
+    t.add_argument("--iteration", type=int, default=None)
+    t.add_argument("--dtype", choices=list(DTYPES), default=None, help="cast weights (default: as saved)")
+    t.add_argument("--overwrite", action="store_true", help="replace a non-empty --save folder")
+    t.add_argument("--tokenizer-type", default=None, help="tokenizer to export (megalite's --tokenizer-type)")
+    t.add_argument("--vocab-file", default=None)
+    t.add_argument("--merge-file", default=None)
+    t.add_argument("--tokenizer-model", default=None)
+    t.set_defaults(func=cmd_to_hf)
+
+    f = sub.add_parser("from-hf", help="import a local transformers folder (GPT-2 or Llama family)")
+    f.add_argument("--load", required=True, help="transformers folder (config.json + weights)")
+    f.add_argument("--save", required=True, help="output checkpoint directory")
+    f.add_argument("--dtype", choices=list(DTYPES), default=None, help="cast weights (default: as stored)")
+    layout(f)
+    f.set_defaults(func=cmd_from_hf)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except (CheckpointError, HFConversionError, ValueError, OSError) as e:
+        print(f"convert_checkpoint.py {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
