@@ -12,6 +12,7 @@ import multiprocessing as mp
 import os
 import queue
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -63,18 +64,27 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 2
         p.start()
     out: dict[int, Any] = {}
     errors: list[str] = []
+    deadline = time.monotonic() + timeout
     try:
-        for _ in range(world):
+        while len(out) < world and not errors:
             try:
-                rank, ok, value = results.get(timeout=timeout)
+                rank, ok, value = results.get(timeout=1.0)
             except queue.Empty:
                 missing = sorted(set(range(world)) - set(out))
-                raise TimeoutError(f"ranks {missing} gave no result within {timeout:.0f} s") from None
+                dead = [r for r in missing if not procs[r].is_alive()]
+                if dead:  # died without reporting (killed, crashed interpreter, failed to start)
+                    time.sleep(0.5)  # a result it queued just before exiting may still be in flight
+                    if results.empty():
+                        codes = {r: procs[r].exitcode for r in dead}
+                        raise RuntimeError(f"ranks {dead} exited without a result (exit codes {codes})") from None
+                    continue
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"ranks {missing} gave no result within {timeout:.0f} s") from None
+                continue
             if ok:
                 out[rank] = value
             else:
                 errors.append(f"--- rank {rank} failed:\n{value}")
-                break
     finally:
         for p in procs:
             p.join(timeout=5 if not errors else 0.5)

@@ -37,6 +37,13 @@ class ModelConfig:
                                     "std / sqrt(2 * num_layers).")
     make_vocab_size_divisible_by: int = option(
         128, help="Pad the vocabulary to a multiple of this times the tensor-parallel size.")
+    recompute_granularity: str | None = option(
+        None, help="Recompute activations in backward: 'full' layers, or 'selective' (core attention only).",
+        choices=["full", "selective"])
+    recompute_method: str = option("uniform", help="With full recompute: 'uniform' recomputes groups of "
+                                   "--recompute-num-layers layers, 'block' the first --recompute-num-layers "
+                                   "layers of each pipeline stage.", choices=["uniform", "block"])
+    recompute_num_layers: int = option(1, help="Layers per recomputed group (uniform) or per stage (block).")
     attention_backend: str = option("auto", help="Core attention kernel: torch SDPA ('auto'/'sdpa') or the "
                                     "unfused reference ('unfused').", choices=["auto", "sdpa", "unfused"])
 

@@ -61,6 +61,8 @@ def validate(cfg: "MegaliteConfig", world_size: int) -> None:
     for flag, value in [("--hidden-dropout", m.hidden_dropout), ("--attention-dropout", m.attention_dropout)]:
         if not 0.0 <= value < 1.0:
             errors.append(f"{flag} must be in [0, 1), got {value}")
+    if m.recompute_num_layers <= 0:
+        errors.append("--recompute-num-layers must be positive")
     if m.make_vocab_size_divisible_by <= 0:
         errors.append("--make-vocab-size-divisible-by must be positive")
 

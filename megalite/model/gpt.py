@@ -23,13 +23,21 @@ from megalite.tensor_parallel.layers import (
     ColumnParallelLinear,
     ReplicatedEmbedding,
     VocabParallelEmbedding,
+    linear_gathering_sequence,
     padded_vocab_size,
 )
-from megalite.tensor_parallel.mappings import copy_to_tp, gather_from_sp, gather_from_tp, scatter_to_sp
+from megalite.tensor_parallel.mappings import copy_to_tp, gather_from_tp, scatter_to_sp
 from megalite.tensor_parallel.random import RNGTracker
+from megalite.tensor_parallel.recompute import recompute
 from megalite.tensor_parallel.sharding import VocabShardSpec
 
 TIED_EMBEDDING = "embedding.word.weight"
+
+
+def _run(layers: list[nn.Module], x: torch.Tensor, angles: torch.Tensor | None) -> torch.Tensor:
+    for layer in layers:
+        x = layer(x, angles)
+    return x
 
 
 class Embedding(nn.Module):
@@ -65,7 +73,7 @@ class GPTModel(nn.Module):
                  sequence_parallel: bool = False, dtype: torch.dtype = torch.float32,
                  device: torch.device | None = None) -> None:
         super().__init__()
-        self.cfg, self.pg, self.vocab_size = cfg, pg, vocab_size
+        self.cfg, self.pg, self.vocab_size, self.tracker = cfg, pg, vocab_size, tracker
         self.pre_process, self.post_process, self.sequence_parallel = pre_process, post_process, sequence_parallel
         self.padded_vocab = padded_vocab_size(vocab_size, cfg.make_vocab_size_divisible_by, pg.tp_size)
         layer_numbers = list(range(cfg.num_layers)) if layer_numbers is None else list(layer_numbers)
@@ -104,12 +112,32 @@ class GPTModel(nn.Module):
             self._rope_cache = (seq_len, rope_frequencies(seq_len, rot, self.cfg.rotary_base, device))
         return self._rope_cache[1]
 
+    def _run_layers(self, x: torch.Tensor, angles: torch.Tensor | None) -> torch.Tensor:
+        """The layers, with full recomputation where configured: 'uniform' checkpoints groups of
+        --recompute-num-layers layers, 'block' the first --recompute-num-layers layers of this chunk."""
+        layers = list(self.layers.values())
+        cfg = self.cfg
+        if cfg.recompute_granularity != "full" or not self.training:
+            for layer in layers:
+                x = layer(x, angles)
+            return x
+        n = cfg.recompute_num_layers
+        if cfg.recompute_method == "uniform":
+            for i in range(0, len(layers), n):
+                group = layers[i:i + n]
+                x = recompute(lambda h, a, g=group: _run(g, h, a), self.tracker, x, angles)
+            return x
+        for i, layer in enumerate(layers):
+            x = recompute(layer, self.tracker, x, angles) if i < n else layer(x, angles)
+        return x
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """This rank's vocab columns of the logits, [s, b, v_pad/tp], from final hidden states."""
         hidden = self.final_norm(hidden)
         if self.output_layer is None:
-            x = gather_from_sp(hidden, self.pg) if self.sequence_parallel else copy_to_tp(hidden, self.pg)
-            return F.linear(x, self.embedding.word.weight)
+            if self.sequence_parallel:
+                return linear_gathering_sequence(hidden, self.embedding.word.weight, None, self.pg)
+            return F.linear(copy_to_tp(hidden, self.pg), self.embedding.word.weight)
         return self.output_layer(hidden)
 
     def forward(self, tokens: torch.Tensor | None = None, labels: torch.Tensor | None = None,
@@ -121,8 +149,7 @@ class GPTModel(nn.Module):
         x = self.embedding(tokens) if self.pre_process else hidden
         seq_len = x.shape[0] * (self.pg.tp_size if self.sequence_parallel else 1)
         angles = self._rope(seq_len, x.device)
-        for layer in self.layers.values():
-            x = layer(x, angles)
+        x = self._run_layers(x, angles)
         if not self.post_process:
             return x
         logits = self.logits(x)

@@ -19,6 +19,7 @@ from megalite.model.rope import apply_rope
 from megalite.parallel.groups import ProcessGroups
 from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megalite.tensor_parallel.random import RNGTracker
+from megalite.tensor_parallel.recompute import recompute
 from megalite.tensor_parallel.sharding import QKVShardSpec, ShardSpec
 
 
@@ -64,6 +65,10 @@ class Attention(nn.Module):
                                       bias=cfg.add_bias_linear, sequence_parallel=sequence_parallel,
                                       dtype=dtype, device=device)
 
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float) -> torch.Tensor:
+        with self.tracker.fork() if p > 0 else contextlib.nullcontext():
+            return core_attention(q, k, v, p, self.cfg.attention_backend)
+
     def forward(self, x: torch.Tensor, rope_angles: torch.Tensor | None) -> torch.Tensor:
         qkv = self.qkv(x)  # [s, b, groups_local * (q_per_group + 2) * d]
         s, b = qkv.shape[:2]
@@ -77,8 +82,10 @@ class Attention(nn.Module):
             q, k = apply_rope(q, rope_angles), apply_rope(k, rope_angles)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
         p = self.cfg.attention_dropout if self.training else 0.0
-        with self.tracker.fork() if p > 0 else contextlib.nullcontext():
-            ctx = core_attention(q, k, v, p, self.cfg.attention_backend)
+        if self.cfg.recompute_granularity == "selective":  # the s^2 attention activations dominate memory
+            ctx = recompute(self._core, self.tracker, q, k, v, p)
+        else:
+            ctx = self._core(q, k, v, p)
         ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.heads_local * self.head_dim)
         return self.proj(ctx)
 

@@ -13,7 +13,6 @@ from torch import nn
 from megalite.parallel.groups import ProcessGroups
 from megalite.tensor_parallel.mappings import (
     copy_to_tp,
-    gather_from_sp,
     gather_from_tp,
     reduce_from_tp,
     reduce_scatter_to_sp,
@@ -29,6 +28,34 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:
     """Megatron's padding: the next multiple of divisible_by x tp."""
     multiple = divisible_by * tp_size
     return -(-vocab_size // multiple) * multiple
+
+
+class _GatherLinear(torch.autograd.Function):
+    """Sequence-parallel input -> all-gather -> GEMM, saving only the local sequence shard for backward
+    (the gathered input is gathered again in backward): the activation saving SP exists for."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pg: ProcessGroups):
+        ctx.pg, ctx.has_bias = pg, bias is not None
+        ctx.save_for_backward(x, weight)
+        return F.linear(pg.all_gather(x, "tp", dim=0), weight, bias)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        full = ctx.pg.all_gather(x, "tp", dim=0)
+        grad_x = ctx.pg.reduce_scatter(g.matmul(weight), "tp", dim=0)
+        grad_w = g.reshape(-1, g.shape[-1]).t().matmul(full.reshape(-1, full.shape[-1]))
+        grad_b = g.reshape(-1, g.shape[-1]).sum(0) if ctx.has_bias else None
+        return grad_x, grad_w, grad_b, None
+
+
+def linear_gathering_sequence(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                              pg: ProcessGroups) -> torch.Tensor:
+    """F.linear of the all-gathered sequence-parallel input [s/tp, b, in] -> [s, b, out/tp]."""
+    if pg.tp_size == 1:
+        return F.linear(x, weight, bias)
+    return _GatherLinear.apply(x, weight, bias, pg)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -56,8 +83,11 @@ class ColumnParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
-        x = gather_from_sp(x, self.pg) if self.sequence_parallel else copy_to_tp(x, self.pg)
-        y = F.linear(x, self.weight if weight is None else weight, self.bias)
+        w = self.weight if weight is None else weight
+        if self.sequence_parallel:
+            y = linear_gathering_sequence(x, w, self.bias, self.pg)
+        else:
+            y = F.linear(copy_to_tp(x, self.pg), w, self.bias)
         return gather_from_tp(y, self.pg) if self.gather_output else y
 
 
