@@ -123,16 +123,20 @@ def cmd_to_hf(a: argparse.Namespace) -> None:
     staged = a.save.rstrip("/") + ".incomplete"
     shutil.rmtree(staged, ignore_errors=True)
     os.makedirs(staged)
-    eod, tok = None, _tokenizer_source(a, ckpt)
-    if tok:
-        try:
-            eod = save_tokenizer(staged, **{k: tok.get(k) for k in
-                                            ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model")})
-        except Exception as e:  # noqa: BLE001 - best effort: the model is what matters
-            print(f"warning: tokenizer not exported ({type(e).__name__}: {e})", file=sys.stderr)
-    dtype = DTYPES[a.dtype] if a.dtype else None
-    get = (lambda k: ckpt.param(k).to(dtype)) if dtype else ckpt.param
-    save_hf_model(staged, to_hf_config(ckpt.config, eod), to_hf_state_dict(ckpt.config, get))
+    try:
+        eod, tok = None, _tokenizer_source(a, ckpt)
+        if tok:
+            try:
+                eod = save_tokenizer(staged, **{k: tok.get(k) for k in
+                                                ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model")})
+            except Exception as e:  # noqa: BLE001 - best effort: the model is what matters
+                print(f"warning: tokenizer not exported ({type(e).__name__}: {e})", file=sys.stderr)
+        dtype = DTYPES[a.dtype] if a.dtype else None
+        get = (lambda k: ckpt.param(k).to(dtype)) if dtype else ckpt.param
+        save_hf_model(staged, to_hf_config(ckpt.config, eod), to_hf_state_dict(ckpt.config, get))
+    except BaseException:
+        shutil.rmtree(staged, ignore_errors=True)
+        raise
     _replace_dir(staged, a.save)
     print(f"wrote {a.save}: {'GPT2LMHeadModel' if arch == 'gpt2' else 'LlamaForCausalLM'} from iteration "
           f"{ckpt.iteration} of {a.load} (saved at TP={ckpt.layout['tp']} PP={ckpt.layout['pp']})"

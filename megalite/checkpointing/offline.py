@@ -191,11 +191,18 @@ def write_checkpoint(save_dir: str, config: dict[str, Any], get_param: Callable[
         raise ValueError(f"cannot write {save_dir} at TP={tp} PP={pp}:\n  " + "\n  ".join(errors))
     vp = num_chunks(cfg.num_layers, pp, layers_per_virtual_stage)
     stages = stage_params(config, tp, pp, vp)
+    created = not os.path.exists(save_dir)
     staged = staging_dir(save_dir, iteration)
     shutil.rmtree(staged, ignore_errors=True)
     os.makedirs(staged)
-    for pp_rank, stored in enumerate(stages):
-        _write_stage(staged, pp_rank, stored, tp, get_param, optimizer, dtype)
+    try:
+        for pp_rank, stored in enumerate(stages):
+            _write_stage(staged, pp_rank, stored, tp, get_param, optimizer, dtype)
+    except BaseException:  # a bad source shard or an interrupt: leave nothing behind
+        shutil.rmtree(staged, ignore_errors=True)
+        if created and not os.listdir(save_dir):
+            os.rmdir(save_dir)
+        raise
     meta = {"format_version": FORMAT_VERSION, "megalite_version": __version__, "iteration": iteration,
             "layout": {"world_size": None, "tp": tp, "pp": pp, "dp": 1, "vp": vp, "order": "tp-cp-dp-pp",
                        "distributed_optimizer": False},
