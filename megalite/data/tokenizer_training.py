@@ -69,12 +69,14 @@ def train_bpe(texts: Iterable[str], vocab_size: int, output_dir: str,
 
 def train_sentencepiece(texts: Iterable[str], vocab_size: int, output_prefix: str,
                         model_type: str = "bpe") -> str:
-    """Train a SentencePiece model (with eos, byte fallback); returns ``{output_prefix}.model``."""
+    """Train a SentencePiece model; returns ``{output_prefix}.model``. Text is kept as is (no
+    normalisation, whitespace preserved, unknown characters as bytes) so code round-trips exactly."""
     import sentencepiece as spm
 
     lines = (line for text in texts for line in text.splitlines() if line.strip())
     spm.SentencePieceTrainer.train(
         sentence_iterator=lines, model_prefix=output_prefix, vocab_size=vocab_size, model_type=model_type,
         byte_fallback=True, character_coverage=1.0, num_threads=1, minloglevel=2,
+        normalization_rule_name="identity", remove_extra_whitespaces=False, allow_whitespace_only_pieces=True,
         unk_id=0, bos_id=1, eos_id=2, pad_id=-1, hard_vocab_limit=False)
     return output_prefix + ".model"
