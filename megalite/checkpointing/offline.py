@@ -27,11 +27,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 
 from megalite import __version__
 from megalite.checkpointing.paths import commit, optim_filename, shard_dirname, staging_dir
 from megalite.checkpointing.reader import CheckpointError, CheckpointReader
-from megalite.checkpointing.save import FORMAT_VERSION, _save, named_params
+from megalite.checkpointing.save import FORMAT_VERSION, named_params
 from megalite.config.model import ModelConfig
 from megalite.model.gpt import GPTModel
 from megalite.parallel.groups import GROUP_AXES, ProcessGroups
@@ -214,6 +215,21 @@ def write_checkpoint(save_dir: str, config: dict[str, Any], get_param: Callable[
         f.flush()
         os.fsync(f.fileno())
     return commit(save_dir, iteration)
+
+
+def _owned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` if it is a whole, contiguous tensor of its own (safetensors refuses shared storage), else a copy."""
+    t = t.detach()
+    whole = t._base is None and t.is_contiguous() and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    return t if whole else t.clone(memory_format=torch.contiguous_format)
+
+
+def _save(tensors: dict[str, torch.Tensor], path: str, metadata: dict[str, str]) -> None:
+    """Like save.py's writer (durable before the commit), copying only tensors that share storage."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    save_file({k: _owned(v) for k, v in tensors.items()}, path, metadata=metadata)
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
 
 
 def _write_stage(staged: str, pp_rank: int, stored: Iterable[StoredParam], tp: int,

@@ -113,8 +113,12 @@ class CheckpointReader:
                 if key not in regions:
                     continue
                 lo, hi, shape = regions[key]
+                numel = int(torch.tensor(shape).prod()) if shape else 1
+                if local is None and (lo, hi) == (0, numel):  # one file holds all of it: no copy
+                    local, local_shape = self._get(path, f"{key}/{field}"), shape
+                    break
                 if local is None:
-                    local = torch.zeros(int(torch.tensor(shape).prod()) if shape else 1, dtype=torch.float32)
+                    local = torch.zeros(numel, dtype=torch.float32)
                     local_shape = shape
                 local[lo:hi] = self._get(path, f"{key}/{field}")
             if local is None:
