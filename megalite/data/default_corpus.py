@@ -70,7 +70,7 @@ def iter_documents(max_bytes: int | None = None, root: str | None = None) -> Ite
     for rel in stdlib_files(root):
         with open(os.path.join(root, rel), encoding="utf-8", errors="replace") as f:
             source = f.read()
-        docs = [{"text": source, "source": rel, "kind": "source"}]
+        docs = [{"text": source, "source": rel, "kind": "source"}] if source.strip() else []
         prose = _docstrings(source)
         if prose:
             docs.append({"text": "\n\n".join(prose), "source": rel, "kind": "docstrings"})

@@ -69,7 +69,7 @@ _STATE: dict = {}
 
 
 def _init_worker(tokenizer_fields: dict, json_keys: list[str], append_eod: bool) -> None:
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    """Per-process state: the tokenizer and what to encode."""
     cfg = _Config()
     for k in ("tokenizer_type", "vocab_size", "vocab_file", "merge_file", "tokenizer_model"):
         setattr(cfg, k, tokenizer_fields.get(k))
@@ -250,8 +250,19 @@ def _run(opts, sources, writers, log) -> PreprocessResult:
     skipped: list[tuple[str, int, str]] = []
     next_log = opts.log_interval
     ctx = _mp_context()
-    with ctx.Pool(opts.workers, initializer=_init_worker,
-                  initargs=(opts.tokenizer, opts.json_keys, opts.append_eod)) as pool:
+    # One tokenizer thread per worker: the workers are the parallelism. Set while the workers start
+    # (they inherit it), then restored so the caller's own tokenizer keeps its threads.
+    previous = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        pool = ctx.Pool(opts.workers, initializer=_init_worker,
+                        initargs=(opts.tokenizer, opts.json_keys, opts.append_eod))
+    finally:
+        if previous is None:
+            del os.environ["TOKENIZERS_PARALLELISM"]
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = previous
+    with pool:
         for enc in _ordered_results(iter_chunks(sources, opts.json_keys), pool, opts.workers):
             if enc.bad and not opts.skip_bad_lines:
                 src, row, reason = enc.bad[0]
