@@ -129,17 +129,20 @@ class IndexedDataset:
                 f"{ipath}: document index must start at 0 and end at the sequence count {nseq}")
         if np.any(np.diff(docs) < 0):
             raise CorruptDatasetError(f"{ipath}: document index is not non-decreasing")
-        if nseq == 0:
-            return
-        if lengths.min() < 0:
-            raise CorruptDatasetError(f"{ipath}: negative sequence length")
-        expected = np.zeros(nseq, dtype=np.int64)
-        np.cumsum(lengths[:-1].astype(np.int64) * self.dtype.itemsize, out=expected[1:])
-        if not np.array_equal(expected, self.sequence_pointers):
-            bad = int(np.flatnonzero(expected != self.sequence_pointers)[0])
-            raise CorruptDatasetError(
-                f"{ipath}: sequence pointer {bad} is {int(self.sequence_pointers[bad])}, "
-                f"lengths say {int(expected[bad])}")
+        # Pointers must be the running byte sum of the lengths; checked in blocks to bound memory.
+        start_ptr, block = 0, 1 << 22
+        for lo in range(0, nseq, block):
+            lens = lengths[lo:lo + block].astype(np.int64)
+            if lens.min() < 0:
+                raise CorruptDatasetError(f"{ipath}: negative sequence length")
+            ends = np.cumsum(lens * self.dtype.itemsize) + start_ptr
+            expected = np.concatenate(([start_ptr], ends[:-1]))
+            got = self.sequence_pointers[lo:lo + block]
+            if not np.array_equal(expected, got):
+                bad = int(np.flatnonzero(expected != got)[0])
+                raise CorruptDatasetError(f"{ipath}: sequence pointer {lo + bad} is {int(got[bad])}, "
+                                          f"lengths say {int(expected[bad])}")
+            start_ptr = int(ends[-1])
 
     # Pickling re-opens the files instead of copying the memory maps (DataLoader workers, spawn).
     def __getstate__(self) -> dict:
