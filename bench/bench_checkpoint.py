@@ -183,7 +183,8 @@ def main() -> None:
             ("reshard TP2 -> TP1 PP2 (written)", med(conv["reshard"]), conv["reshard_bytes"]),
             ("to-hf (written)", med(conv["to_hf"]), conv["to_hf_bytes"])]
     print(f"checkpoint: GPT-2 style h={args.hidden_size} L={args.num_layers} vocab={args.vocab}, "
-          f"TP={args.tp} on {args.world} ranks, {nbytes / 1e9:.3f} GB (weights + optimizer), under {root}")
+          f"TP={args.tp} on {args.world} ranks, {nbytes / 1e9:.3f} GB (weights + optimizer), under {root}; "
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     print(f"{'':36s} {'seconds':>8s} {'GB/s':>7s}")
     for name, sec, b in rows:
         print(f"{name:36s} {sec:8.3f} {b / sec / 1e9:7.2f}")
