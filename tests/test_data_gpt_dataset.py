@@ -4,6 +4,7 @@ helper; indices are cached under a hash of their inputs, built once by the build
 
 from __future__ import annotations
 
+import datetime
 import os
 
 import numpy as np
@@ -221,3 +222,47 @@ def test_bad_data_flags_name_the_problem():
         ours(data_path=[a], split="1,2,3,4")
     with pytest.raises(PermissionError, match="--data-cache-path"):
         ours(data_path=[a], cache="/proc/megalite-no-such-dir")
+
+
+def _rank_main(rank: int, world: int, port: int, cache: str, data_path: list[str], out) -> None:
+    import torch.distributed as dist
+
+    import megalite.data.gpt_indices as indices
+
+    try:
+        if rank != 0:  # a non-builder must never compute indices
+            def forbidden(*a, **k):
+                raise AssertionError("non-builder rank built indices")
+            indices.build_gpt_indices = forbidden
+            indices.blending_indices = forbidden
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=60))
+        datasets = ours(data_path=data_path, split="90,10,0", sizes=(64, 8, 0), cache=cache,
+                        is_builder=rank == 0, barrier=dist.barrier)
+        samples = [None if d is None else [d[i]["text"].tolist() for i in range(len(d))] for d in datasets]
+        out.put((rank, samples))
+        dist.destroy_process_group()
+    except BaseException as e:  # report instead of hanging the parent
+        out.put((rank, repr(e)))
+
+
+def test_two_ranks_with_a_real_barrier_share_one_build():
+    import multiprocessing
+    import socket
+
+    a, b, _ = random_datasets()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    cache = scratch_dir("cache-dist")
+    blend = ["0.4", a, "0.6", b]
+    procs = [ctx.Process(target=_rank_main, args=(r, 2, port, cache, blend, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = dict(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+    assert all(isinstance(v, list) for v in results.values()), results
+    assert results[0] == results[1]
