@@ -184,6 +184,7 @@ class Trainer:
         self.finished: list[int] = []
         for c in self.chunks:
             c.train()
+            c.register_forward_pre_hook(lambda *_: self.optimizer.wait_param_gather())
 
     def step(self, iteration: int) -> float:
         t = self.cfg.training
