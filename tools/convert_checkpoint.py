@@ -95,6 +95,7 @@ def _replace_dir(staged: str, final: str) -> None:
 def cmd_reshard(a: argparse.Namespace) -> None:
     path = reshard(a.load, a.save, a.tensor_model_parallel_size, a.pipeline_model_parallel_size,
                    a.num_layers_per_virtual_pipeline_stage, iteration=a.iteration, with_optimizer=not a.no_optim)
+    copy_tokenizer_files(os.path.join(a.load, TOKENIZER_DIR), os.path.join(a.save, TOKENIZER_DIR))
     print(f"wrote {path} (TP={a.tensor_model_parallel_size} PP={a.pipeline_model_parallel_size}"
           + (f" VP layers={a.num_layers_per_virtual_pipeline_stage}" if a.num_layers_per_virtual_pipeline_stage
              else "") + ")")
