@@ -58,8 +58,10 @@ def optimizer_tensors(chunks: list[nn.Module], optimizer: Any) -> tuple[dict[str
 
 
 def save_checkpoint(save_dir: str, iteration: int, chunks: list[nn.Module], optimizer: Any, pg: ProcessGroups,
-                    config: dict, state: dict[str, Any], rng_states: dict[str, torch.Tensor]) -> str:
-    """Write iteration ``iteration``; returns the committed directory. All ranks must call it."""
+                    config: dict, state: dict[str, Any], rng_states: dict[str, torch.Tensor],
+                    extra_meta: dict[str, Any] | None = None) -> str:
+    """Write iteration ``iteration``; returns the committed directory. All ranks must call it.
+    ``extra_meta`` (e.g. the tokenizer the run used) is stored in metadata.json."""
     staged = staging_dir(save_dir, iteration)
     if pg.rank == 0:
         shutil.rmtree(staged, ignore_errors=True)
@@ -80,7 +82,7 @@ def save_checkpoint(save_dir: str, iteration: int, chunks: list[nn.Module], opti
                 "layout": {"world_size": layout.world_size, "tp": layout.tp, "pp": layout.pp, "dp": layout.dp,
                            "vp": len(chunks), "order": layout.order,
                            "distributed_optimizer": bool(optimizer is not None and optimizer.distributed)},
-                "config": config, "state": state, "device": device.device_type()}
+                "config": config, "state": state, "device": device.device_type(), **(extra_meta or {})}
         with open(os.path.join(staged, "metadata.json"), "w") as f:
             json.dump(meta, f, indent=1, default=str)
     pg.barrier()

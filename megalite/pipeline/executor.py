@@ -84,6 +84,7 @@ def run_table(table: Sequence[Action], chunks: Sequence[nn.Module], microbatches
             start = time.time()  # compute starts once the input has arrived: waiting is bubble
             with torch.set_grad_enabled(not forward_only):
                 out = forward_step(chunks[c], microbatches[mb], hidden)
+            end = time.time()  # compute only: the send and bookkeeping below are not busy time
             if stage == last_stage:
                 losses.append(out.detach())
                 out = out * (loss_scale / m)
@@ -103,10 +104,11 @@ def run_table(table: Sequence[Action], chunks: Sequence[nn.Module], microbatches
             if last_backward is not None and final_backward[c] == index:
                 last_backward(c)
             _backward(out, grad)
+            end = time.time()
             if stage > 0:
                 send(hidden.grad, "B", c - (1 if r == 0 else 0), mb, (r - 1) % p)
         if record is not None:
-            record.timeline.append((action.kind, c, mb, start, time.time()))
+            record.timeline.append((action.kind, c, mb, start, end))
         sends = [(w, t) for w, t in sends if not w.is_completed()]
     for work, _ in sends:
         work.wait()

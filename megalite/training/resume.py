@@ -75,6 +75,10 @@ def save(cfg: MegaliteConfig, ts: TrainState, chunks: list[nn.Module], optimizer
     state = dataclasses.asdict(ts)
     if optimizer.scaler is not None:
         state["loss_scaler"] = optimizer.scaler.state_dict()
+    d = cfg.data
+    files = {"vocab_file": d.vocab_file, "merge_file": d.merge_file, "tokenizer_model": d.tokenizer_model}
+    tokenizer = {"tokenizer_type": d.tokenizer_type, "vocab_size": d.vocab_size,
+                 **{k: os.path.abspath(v) if v else None for k, v in files.items()}}
     path = save_checkpoint(cfg.checkpoint.save, ts.iteration, chunks, optimizer, pg,
-                           model_config_dict(cfg, vocab_size), state, rng_states(tracker))
+                           model_config_dict(cfg, vocab_size), state, rng_states(tracker), {"tokenizer": tokenizer})
     say(f" saved checkpoint at iteration {ts.iteration} to {path}")
