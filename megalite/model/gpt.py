@@ -52,10 +52,10 @@ class Embedding(nn.Module):
         self.position = (ReplicatedEmbedding(cfg.max_position_embeddings, cfg.hidden_size, dtype, device)
                          if cfg.position_embedding_type == "learned_absolute" else None)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, position_offset: int = 0) -> torch.Tensor:
         x = self.word(tokens)  # [s, b, h], summed over TP
         if self.position is not None:
-            x = x + self.position.weight[: tokens.shape[1]].unsqueeze(1)
+            x = x + self.position.weight[position_offset: position_offset + tokens.shape[1]].unsqueeze(1)
         if self.sequence_parallel:
             x = scatter_to_sp(x, self.pg)
         p = self.cfg.hidden_dropout if self.training else 0.0
@@ -104,13 +104,16 @@ class GPTModel(nn.Module):
     def output_weight(self) -> torch.Tensor:
         return self.embedding.word.weight if self.output_layer is None else self.output_layer.weight
 
-    def _rope(self, seq_len: int, device: torch.device) -> torch.Tensor | None:
+    def _rope(self, seq_len: int, device: torch.device, offset: int = 0) -> torch.Tensor | None:
+        """Angles of positions offset..offset+seq_len-1 (each position's angles do not depend on how
+        many positions were computed, so a longer cached table is sliced)."""
         if self.cfg.position_embedding_type != "rope":
             return None
-        if self._rope_cache is None or self._rope_cache[0] != seq_len or self._rope_cache[1].device != device:
+        end = offset + seq_len
+        if self._rope_cache is None or self._rope_cache[0] < end or self._rope_cache[1].device != device:
             rot = int(self.cfg.kv_channels * self.cfg.rotary_percent)
-            self._rope_cache = (seq_len, rope_frequencies(seq_len, rot, self.cfg.rotary_base, device))
-        return self._rope_cache[1]
+            self._rope_cache = (end, rope_frequencies(end, rot, self.cfg.rotary_base, device))
+        return self._rope_cache[1][offset:end]
 
     def _run_layers(self, x: torch.Tensor, angles: torch.Tensor | None) -> torch.Tensor:
         """The layers, with full recomputation where configured: 'uniform' checkpoints groups of
@@ -141,15 +144,22 @@ class GPTModel(nn.Module):
         return self.output_layer(hidden)
 
     def forward(self, tokens: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-                hidden: torch.Tensor | None = None) -> torch.Tensor:
+                hidden: torch.Tensor | None = None, kv_cache=None) -> torch.Tensor:
         """First stage: tokens [b, s]; other stages: ``hidden`` [s, b, h] from the previous stage.
 
         Returns the per-token loss [b, s] when ``labels`` is given on the last stage, the full logits
-        [b, s, vocab] on the last stage without labels, else the hidden states for the next stage."""
-        x = self.embedding(tokens) if self.pre_process else hidden
+        [b, s, vocab] on the last stage without labels, else the hidden states for the next stage.
+        ``kv_cache`` (inference, see megalite/inference/kv_cache.py): the new tokens sit at positions
+        ``kv_cache.offset`` onwards and attend to the cached keys/values of ``kv_cache.layer(number)``."""
+        offset = 0 if kv_cache is None else kv_cache.offset
+        x = self.embedding(tokens, offset) if self.pre_process else hidden
         seq_len = x.shape[0] * (self.pg.tp_size if self.sequence_parallel else 1)
-        angles = self._rope(seq_len, x.device)
-        x = self._run_layers(x, angles)
+        angles = self._rope(seq_len, x.device, offset)
+        if kv_cache is None:
+            x = self._run_layers(x, angles)
+        else:
+            for number, layer in self.layers.items():
+                x = layer(x, angles, kv_cache.layer(int(number)))
         if not self.post_process:
             return x
         logits = self.logits(x)

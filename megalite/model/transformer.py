@@ -25,15 +25,22 @@ from megalite.tensor_parallel.sharding import QKVShardSpec, ShardSpec
 
 def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, backend: str
                    ) -> torch.Tensor:
-    """Causal attention. q [b, nq, s, d]; k, v [b, nkv, s, d] with nq a multiple of nkv (GQA)."""
+    """Causal attention. q [b, nq, s, d]; k, v [b, nkv, t, d] with nq a multiple of nkv (GQA).
+
+    t >= s: with a KV cache the s queries are the last s of the t positions (query i sees keys
+    0..t-s+i); t == s is plain causal self-attention."""
+    past = k.shape[2] - q.shape[2]
     if backend in ("auto", "sdpa"):
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
-                                              enable_gqa=q.shape[1] != k.shape[1])
+        gqa = q.shape[1] != k.shape[1]
+        if past == 0:
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=gqa)
+        allowed = None if q.shape[2] == 1 else torch.ones(
+            q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril(past)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p, enable_gqa=gqa)
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     scores = (q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5
-    s = q.shape[2]
-    mask = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
+    mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).triu(1 + past)
     probs = scores.masked_fill(mask, float("-inf")).softmax(dim=-1)
     return F.dropout(probs, dropout_p) @ v
 
@@ -69,7 +76,9 @@ class Attention(nn.Module):
         with self.tracker.fork() if p > 0 else contextlib.nullcontext():
             return core_attention(q, k, v, p, self.cfg.attention_backend)
 
-    def forward(self, x: torch.Tensor, rope_angles: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope_angles: torch.Tensor | None, kv_cache=None) -> torch.Tensor:
+        """``kv_cache`` (inference): an object whose ``update(k, v)`` appends this step's keys and values
+        [b, groups_local, s, d] and returns all of them so far (see megalite/inference/kv_cache.py)."""
         qkv = self.qkv(x)  # [s, b, groups_local * (q_per_group + 2) * d]
         s, b = qkv.shape[:2]
         qkv = qkv.view(s, b, self.groups_local, self.q_per_group + 2, self.head_dim)
@@ -81,6 +90,8 @@ class Attention(nn.Module):
         if rope_angles is not None:
             q, k = apply_rope(q, rope_angles), apply_rope(k, rope_angles)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
+        if kv_cache is not None:
+            k, v = kv_cache.update(k, v)  # [b, groups_local, past + s, d]
         p = self.cfg.attention_dropout if self.training else 0.0
         if self.cfg.recompute_granularity == "selective":  # the s^2 attention activations dominate memory
             ctx = recompute(self._core, self.tracker, q, k, v, p)
@@ -135,6 +146,6 @@ class TransformerLayer(nn.Module):
         with self.tracker.fork() if self.sequence_parallel else contextlib.nullcontext():
             return F.dropout(x, p, training=True)
 
-    def forward(self, x: torch.Tensor, rope_angles: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self._dropout(self.attention(self.input_norm(x), rope_angles))
+    def forward(self, x: torch.Tensor, rope_angles: torch.Tensor | None = None, kv_cache=None) -> torch.Tensor:
+        x = x + self._dropout(self.attention(self.input_norm(x), rope_angles, kv_cache))
         return x + self._dropout(self.mlp(self.pre_mlp_norm(x)))
