@@ -1,0 +1,59 @@
+"""KV cache for incremental decoding: each attention layer keeps the keys and values it has computed.
+
+A step feeds only the new tokens (at positions ``offset`` onwards); each layer appends its new keys and
+values [b, groups_local, s_new, d] to preallocated buffers and attends over everything so far. Under
+TP a rank caches only its own KV groups; under PP a rank caches only its own layers (the cache is keyed
+by global layer number, like the parameters), so the cache is sharded exactly like the model.
+
+The model reads ``offset`` and calls ``layer(number).update(k, v)``; the caller ``advance``s the offset
+after every rank has run its layers for the step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class LayerKVCache:
+    """One layer's keys and values: [b, groups_local, capacity, d] buffers, the first ``length`` filled."""
+
+    def __init__(self, owner: KVCache) -> None:
+        self.owner = owner
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store this step's k, v [b, g, s, d] at positions offset..offset+s-1; return all of [0, offset+s)."""
+        start, s = self.owner.offset, k.shape[2]
+        end = start + s
+        if self.k is None:
+            shape = (k.shape[0], k.shape[1], self.owner.capacity, k.shape[3])
+            self.k = k.new_empty(shape)
+            self.v = v.new_empty(shape)
+        if end > self.k.shape[2]:
+            raise ValueError(f"KV cache holds {self.k.shape[2]} positions; step needs {end}")
+        if k.shape[0] != self.k.shape[0]:
+            raise ValueError(f"KV cache was built for batch {self.k.shape[0]}, got {k.shape[0]}")
+        self.k[:, :, start:end] = k
+        self.v[:, :, start:end] = v
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
+class KVCache:
+    """The cache of every layer this rank holds, for sequences of up to ``capacity`` positions."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.offset = 0  # positions already cached (the next token's position)
+        self._layers: dict[int, LayerKVCache] = {}
+
+    def layer(self, number: int) -> LayerKVCache:
+        if number not in self._layers:
+            self._layers[number] = LayerKVCache(self)
+        return self._layers[number]
+
+    def advance(self, steps: int) -> None:
+        """Called once the step's new positions are stored in every layer of this rank."""
+        if self.offset + steps > self.capacity:
+            raise ValueError(f"KV cache overflow: {self.offset} + {steps} > capacity {self.capacity}")
+        self.offset += steps
