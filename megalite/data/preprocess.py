@@ -20,6 +20,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -61,19 +62,13 @@ class PreprocessResult:
     seconds: float
 
 
-class _Config:
-    pass
-
-
 _STATE: dict = {}
 
 
 def _init_worker(tokenizer_fields: dict, json_keys: list[str], append_eod: bool) -> None:
     """Per-process state: the tokenizer and what to encode."""
-    cfg = _Config()
-    for k in ("tokenizer_type", "vocab_size", "vocab_file", "merge_file", "tokenizer_model"):
-        setattr(cfg, k, tokenizer_fields.get(k))
-    tok = build_tokenizer(cfg)
+    names = ("tokenizer_type", "vocab_size", "vocab_file", "merge_file", "tokenizer_model")
+    tok = build_tokenizer(SimpleNamespace(**{k: tokenizer_fields.get(k) for k in names}))
     _STATE.update(tokenizer=tok, keys=json_keys, append_eod=append_eod, dtype=token_dtype(tok.vocab_size))
 
 
