@@ -24,4 +24,19 @@ class ParallelConfig:
     sequence_parallel: bool = option(False, help="Shard norm/dropout activations along the sequence (needs TP>1).")
     rank_order: str = option("tp-cp-dp-pp", help="Rank layout order, leftmost axis varies fastest.",
                              choices=["tp-cp-dp-pp", "tp-cp-pp-dp"])
+    use_tp_pp_dp_mapping: bool = option(
+        False, help="Megatron's alternative rank order tp-cp-pp-dp (pipeline stages inside a node, data "
+        "parallelism outermost) instead of --rank-order.")
+    hierarchical_dp_reduce: bool = option(
+        False, help="Reduce gradients over data parallelism in three steps: reduce-scatter inside each node, "
+        "all-reduce of the shard across nodes, all-gather inside the node (same sum; 1/k of the inter-node "
+        "bytes with k DP ranks per node). Nodes are LOCAL_WORLD_SIZE consecutive ranks.")
+    print_layout: bool = option(
+        False, help="Rank 0 prints which ranks form which TP/DP/PP group on which node at start-up "
+        "(tools/show_layout.py prints the same without a run).")
     distributed_timeout_minutes: float = option(10.0, help="Timeout of every collective, in minutes.")
+
+    @property
+    def layout_order(self) -> str:
+        """The rank order the layout is built with."""
+        return "tp-cp-pp-dp" if self.use_tp_pp_dp_mapping else self.rank_order

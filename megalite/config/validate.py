@@ -20,8 +20,30 @@ def _divides(errors: list[str], a: int, a_flag: str, b: int, b_flag: str) -> Non
         errors.append(f"{a_flag} ({a}) must be divisible by {b_flag} ({b})")
 
 
-def validate(cfg: "MegaliteConfig", world_size: int) -> None:
+def _hierarchical_errors(cfg: "MegaliteConfig", world_size: int, local_world_size: int | None) -> list[str]:
+    """--hierarchical-dp-reduce needs every node to hold the same number of each DP group's ranks."""
+    from megalite.parallel.layout import RankLayout
+    from megalite.training.setup import launcher_env
+
+    if local_world_size is None:
+        _, env_world, _, env_local = launcher_env()
+        local_world_size = env_local if env_world == world_size else world_size
+    p = cfg.parallel
+    layout = RankLayout(world_size, p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+                        p.context_parallel_size, p.layout_order, local_world_size)
+    try:
+        layout.dp_node_groups()
+    except ValueError as e:
+        return [f"--hierarchical-dp-reduce: {e}; change --tensor-model-parallel-size/--pipeline-model-parallel-size"
+                f", --use-tp-pp-dp-mapping or --nproc-per-node, or drop the flag"]
+    return []
+
+
+def validate(cfg: "MegaliteConfig", world_size: int, local_world_size: int | None = None) -> None:
     """Raise ConfigError listing every violated rule for a run on ``world_size`` ranks.
+
+    ``local_world_size``: ranks per node; default the launcher's LOCAL_WORLD_SIZE when its WORLD_SIZE is
+    ``world_size``, else one node.
 
     Fills in derived defaults (global batch size) on success.
     """
@@ -76,6 +98,8 @@ def validate(cfg: "MegaliteConfig", world_size: int) -> None:
     if p.sequence_parallel and tp == 1:
         errors.append("--sequence-parallel needs --tensor-model-parallel-size > 1")
     _divides(errors, m.num_layers, "--num-layers", pp, "--pipeline-model-parallel-size")
+    if p.hierarchical_dp_reduce and world_size % (tp * pp * cp) == 0:
+        errors.extend(_hierarchical_errors(cfg, world_size, local_world_size))
 
     # Batches.
     if t.global_batch_size is None:

@@ -9,6 +9,12 @@ step finishes. Either way the buffer is reduced once per step, not per micro-bat
 With the distributed optimizer each bucket is padded to a multiple of the DP size and reduce-scattered:
 DP rank r owns the r-th contiguous shard of every bucket. Parameters live in a matching flat buffer so
 the updated shards can be all-gathered straight into the model's weights.
+
+With ``--hierarchical-dp-reduce`` (``pg.hierarchical_dp``) a DP group of k ranks on each of n nodes
+reduces in steps: reduce-scatter over the k ranks inside the node, then over the n nodes only the
+1/k shard crosses the network (all-reduce; or a reduce-scatter, with the distributed optimizer), then
+an all-gather inside the node (all-reduce path only). The first step overlaps with backward like the
+flat reduction; the rest runs in ``finish_grad_sync``. Same sum, different addition order.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ class Bucket:
     ready: set = field(default_factory=set)
     work: object = None
     shard_out: torch.Tensor | None = None
+    intra_out: torch.Tensor | None = None  # hierarchical: this rank's part after the intra-node step
 
     @property
     def numel(self) -> int:
@@ -50,8 +57,9 @@ class GradBuffer:
         embedding, so that both of its copies shard identically over DP)."""
         self.pg, self.distributed, self.overlap = pg, distributed, overlap
         self.dp = pg.dp_size
+        self.hierarchical = pg.hierarchical_dp and self.dp > 1
         bucket_size = bucket_size or default_bucket_size(self.dp)
-        align = self.dp if distributed else 1
+        align = self.dp if distributed else pg.size("dp_intra") if self.hierarchical else 1
         separate = [p for p in (separate or []) if p.requires_grad]
         rest = [p for p in reversed(params) if p.requires_grad and all(p is not s for s in separate)]
         groups: list[list[nn.Parameter]] = [[p] for p in separate]
@@ -126,7 +134,9 @@ class GradBuffer:
             return
         data = self.grad_data[bucket.start:bucket.end]
         data.mul_(1.0 / self.dp)
-        if self.distributed:
+        if self.hierarchical:
+            self._start_hierarchical(bucket, data)
+        elif self.distributed:
             bucket.shard_out = torch.empty(bucket.numel // self.dp, dtype=data.dtype, device=data.device)
             self.pg.comm_bytes[("dp", "grad_reduce_scatter")] += data.numel() * data.element_size()
             bucket.work = dist.reduce_scatter_single(bucket.shard_out, data, group=self.pg.groups["dp"],
@@ -134,6 +144,44 @@ class GradBuffer:
         else:
             self.pg.comm_bytes[("dp", "grad_all_reduce")] += data.numel() * data.element_size()
             bucket.work = dist.all_reduce(data, group=self.pg.groups["dp"], async_op=True)
+
+    # ---- hierarchical reduction (--hierarchical-dp-reduce) ------------------------------------
+    def _start_hierarchical(self, bucket: Bucket, data: torch.Tensor) -> None:
+        """Step 1, asynchronous: reduce-scatter inside the node."""
+        k, n = self.pg.size("dp_intra"), self.pg.size("dp_inter")
+        if self.distributed:
+            # DP index d = node * k + j owns shard d. Reorder [n, k, S] -> [k, n, S] so that the intra-node
+            # reduce-scatter hands position j the shards of every node, and the inter-node one then shard d.
+            data = data.view(n, k, -1).transpose(0, 1).contiguous().view(-1)  # [k * n * S]
+        if k == 1:
+            bucket.intra_out, bucket.work = data, _Done()
+            return
+        bucket.intra_out = torch.empty(data.numel() // k, dtype=data.dtype, device=data.device)
+        self.pg.comm_bytes[("dp_intra", "grad_reduce_scatter")] += data.numel() * data.element_size()
+        bucket.work = dist.reduce_scatter_single(bucket.intra_out, data, group=self.pg.groups["dp_intra"],
+                                                 async_op=True)
+
+    def _finish_hierarchical(self, bucket: Bucket) -> None:
+        """Steps 2 and 3: across nodes on the 1/k shard, then (all-reduce path) all-gather inside the node."""
+        k, n = self.pg.size("dp_intra"), self.pg.size("dp_inter")
+        part = bucket.intra_out  # [numel / k], summed over this node's DP ranks
+        inter = self.pg.groups["dp_inter"]
+        if self.distributed:
+            shard = part
+            if n > 1:
+                shard = torch.empty(part.numel() // n, dtype=part.dtype, device=part.device)
+                self.pg.comm_bytes[("dp_inter", "grad_reduce_scatter")] += part.numel() * part.element_size()
+                dist.reduce_scatter_single(shard, part, group=inter)
+            lo, hi = self.shard_range(bucket)
+            self.grad_data[lo:hi].copy_(shard)
+            return
+        if n > 1:
+            self.pg.comm_bytes[("dp_inter", "grad_all_reduce")] += part.numel() * part.element_size()
+            dist.all_reduce(part, group=inter)
+        if k > 1:
+            data = self.grad_data[bucket.start:bucket.end]
+            self.pg.comm_bytes[("dp_intra", "grad_all_gather")] += data.numel() * data.element_size()
+            dist.all_gather_single(data, part, group=self.pg.groups["dp_intra"])
 
     def start_grad_sync(self) -> None:
         """Launch the reduction of every bucket not yet launched."""
@@ -146,10 +194,12 @@ class GradBuffer:
         for b in self.buckets:
             if b.work is not None:
                 b.work.wait()
-                if b.shard_out is not None:
+                if b.intra_out is not None:
+                    self._finish_hierarchical(b)
+                elif b.shard_out is not None:
                     lo, hi = self.shard_range(b)
                     self.grad_data[lo:hi].copy_(b.shard_out)
-            b.work, b.shard_out = None, None
+            b.work, b.shard_out, b.intra_out = None, None, None
             b.ready.clear()
 
     def zero_grad(self) -> None:
@@ -170,3 +220,10 @@ class GradBuffer:
             self.pg.comm_bytes[("dp", "param_all_gather")] += shard.numel() * shard.element_size() * self.dp
             works.append(dist.all_gather_single(out, shard, group=self.pg.groups["dp"], async_op=True))
         return works
+
+
+class _Done:
+    """A finished work handle (a one-rank intra-node step has nothing to wait for)."""
+
+    def wait(self) -> bool:
+        return True

@@ -27,6 +27,8 @@ class ProcessGroups:
     groups: dict[str, dist.ProcessGroup | None] = field(default_factory=dict)
     ranks: dict[str, list[int]] = field(default_factory=dict)
     comm_bytes: Counter = field(default_factory=Counter)  # (axis, op) -> bytes handed to collectives
+    # With hierarchical DP reduction: also "dp_intra" / "dp_inter" (this rank's DP group split by node).
+    hierarchical_dp: bool = False
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
@@ -39,16 +41,22 @@ class ProcessGroups:
         return pg
 
     @classmethod
-    def build(cls, layout: RankLayout, rank: int, timeout_minutes: float = 10.0) -> "ProcessGroups":
-        """Create every group of ``layout``; all ranks must call this with the same layout."""
+    def build(cls, layout: RankLayout, rank: int, timeout_minutes: float = 10.0,
+              hierarchical_dp: bool = False) -> "ProcessGroups":
+        """Create every group of ``layout``; all ranks must call this with the same layout.
+
+        ``hierarchical_dp``: also build each DP group's intra-node and inter-node subgroups (from the
+        layout's ranks per node) for GradBuffer's hierarchical reduction."""
         if layout.world_size == 1:
             return cls.single()
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed must be initialized before building ProcessGroups")
         timeout = datetime.timedelta(minutes=timeout_minutes)
-        pg = cls(layout, rank)
+        pg = cls(layout, rank, hierarchical_dp=hierarchical_dp)
         kinds = {k: layout.groups(axes) for k, axes in GROUP_AXES.items()}
         kinds["embd"] = layout.embedding_groups()
+        if hierarchical_dp:  # pure arithmetic first: an uneven split raises on every rank before any new_group
+            kinds["dp_intra"], kinds["dp_inter"] = layout.dp_node_groups()
         for kind, all_groups in kinds.items():  # same order on every rank: new_group is collective
             for ranks in all_groups:
                 group = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None

@@ -77,20 +77,94 @@ class RankLayout:
         """First and last pipeline stage of every pipeline (one rank when pp == 1)."""
         return [sorted({g[0], g[-1]}) for g in self.groups("pp")]
 
+    # ---- nodes ----------------------------------------------------------------------------------
+    @property
+    def ranks_per_node(self) -> int:
+        return self.local_world_size or self.world_size
+
+    @property
+    def num_nodes(self) -> int:
+        return -(-self.world_size // self.ranks_per_node)
+
     def node_of(self, rank: int) -> int:
-        return rank // (self.local_world_size or self.world_size)
+        """Launchers fill nodes in rank order: global rank = node * ranks per node + local rank."""
+        return rank // self.ranks_per_node
+
+    def nodes_of(self, ranks: list[int]) -> list[int]:
+        return sorted({self.node_of(r) for r in ranks})
 
     def tp_crosses_nodes(self) -> bool:
-        return any(len({self.node_of(r) for r in g}) > 1 for g in self.groups("tp"))
+        return any(len(self.nodes_of(g)) > 1 for g in self.groups("tp"))
 
-    def describe(self) -> str:
-        """A table of groups per axis, with the node of each rank, for --print-layout."""
-        lines = [f"world {self.world_size} = tp {self.tp} x cp {self.cp} x dp {self.dp} x pp {self.pp} "
-                 f"(order {self.order}, {self.local_world_size or self.world_size} ranks per node)"]
-        for name, axes in [("tp", "tp"), ("dp", "dp"), ("pp", "pp"), ("model-parallel", "tp-pp")]:
-            for g in self.groups(axes):
-                nodes = sorted({self.node_of(r) for r in g})
-                lines.append(f"  {name:15s} ranks {g} on node(s) {nodes}")
+    def dp_node_groups(self) -> tuple[list[list[int]], list[list[int]]]:
+        """(intra-node, inter-node) subgroups of every DP group, for the hierarchical gradient reduction.
+
+        A DP group with k members on each of n nodes splits into n intra-node groups of k ranks and k
+        inter-node groups of n ranks (the ranks with the same position inside their node). DP index
+        d = node position * k + position inside the node, because nodes hold consecutive ranks.
+        Raises ValueError when the nodes hold unequal numbers of a DP group's ranks."""
+        intra, inter = [], []
+        for g in self.groups("dp"):
+            per_node: dict[int, list[int]] = {}
+            for r in g:
+                per_node.setdefault(self.node_of(r), []).append(r)
+            sizes = {len(v) for v in per_node.values()}
+            if len(sizes) != 1:
+                counts = ", ".join(f"{len(v)} on node {n}" for n, v in per_node.items())
+                raise ValueError(f"data-parallel group {g} has {counts}: hierarchical reduction needs the same "
+                                 f"number of its ranks on every node ({self.ranks_per_node} ranks per node)")
+            parts = list(per_node.values())
+            intra += parts
+            inter += [list(col) for col in zip(*parts)]
+        return sorted(intra), sorted(inter)
+
+    def warnings(self) -> list[str]:
+        """What is legal but slow about this layout on these nodes (printed by rank 0 at start-up)."""
+        out = []
+        if self.world_size % self.ranks_per_node:
+            out.append(f"world size {self.world_size} is not a multiple of {self.ranks_per_node} ranks per node")
         if self.tp_crosses_nodes():
-            lines.append("  WARNING: a tensor-parallel group spans nodes; TP traffic will cross the network")
+            bad = next(g for g in self.groups("tp") if len(self.nodes_of(g)) > 1)
+            out.append(f"tensor-parallel group {bad} spans nodes {self.nodes_of(bad)}: TP all-reduces (4 per "
+                       f"layer and micro-batch) will cross the network. Keep --tensor-model-parallel-size "
+                       f"({self.tp}) a divisor of the ranks per node ({self.ranks_per_node}).")
+        return out
+
+    def describe(self, limit: int | None = 16, hierarchical_dp: bool = False) -> str:
+        """Which ranks form which group, on which node, for --print-layout and tools/show_layout.py.
+
+        ``limit``: nodes and groups listed per kind (None: all). Size-1 axes are left out."""
+        n, per = self.num_nodes, self.ranks_per_node
+        cp = f" x cp {self.cp}" if self.cp > 1 else ""
+        lines = [f"rank layout: world {self.world_size} = tp {self.tp}{cp} x dp {self.dp} x pp {self.pp}, "
+                 f"order {self.order} (leftmost varies fastest), {n} node(s) x {per} ranks",
+                 "  rN[tT dD pP] = global rank N with tensor-, data- and pipeline-parallel index T, D, P"]
+        for node in range(n if limit is None else min(n, limit)):
+            ranks = range(node * per, min((node + 1) * per, self.world_size))
+            lines.append(f"  node {node}: " + " ".join(self._cell(r) for r in ranks))
+        if limit is not None and n > limit:
+            lines.append(f"  ... ({n - limit} more nodes)")
+        kinds = [("tp", self.groups("tp")), ("cp", self.groups("cp")), ("dp", self.groups("dp")),
+                 ("pp", self.groups("pp")), ("model-parallel (tp x pp)", self.groups("tp-pp")),
+                 ("embedding (first + last stage)", self.embedding_groups() if self.pp > 1 else [[0]])]
+        if hierarchical_dp:
+            intra, inter = self.dp_node_groups()
+            kinds += [("dp intra-node", intra), ("dp inter-node", inter)]
+        for name, groups in kinds:
+            if len(groups[0]) == 1:
+                continue
+            lines.append(f"  {name} groups: {len(groups)} of {len(groups[0])} ranks")
+            for g in groups[:limit]:
+                nodes = self.nodes_of(g)
+                where = f"node {nodes[0]}" if len(nodes) == 1 else f"nodes {nodes}"
+                flag = "   <- crosses nodes" if name == "tp" and len(nodes) > 1 else ""
+                lines.append(f"    ranks {g} on {where}{flag}")
+            if limit is not None and len(groups) > limit:
+                lines.append(f"    ... ({len(groups) - limit} more)")
+        lines += [f"  WARNING: {w}" for w in self.warnings()]
         return "\n".join(lines)
+
+    def _cell(self, rank: int) -> str:
+        c = self.coords(rank)
+        cp = f" c{c['cp']}" if self.cp > 1 else ""
+        return f"r{rank}[t{c['tp']}{cp} d{c['dp']} p{c['pp']}]"

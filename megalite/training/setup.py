@@ -13,6 +13,7 @@ from megalite.config.arguments import MegaliteConfig
 from megalite.model.gpt import GPTModel
 from megalite.parallel.groups import ProcessGroups
 from megalite.parallel.layout import RankLayout
+from megalite.parallel.report import announce_layout
 from megalite.pipeline.partition import chunk_layers, num_chunks, virtual_stage
 from megalite.tensor_parallel.init import initialize_parameters
 from megalite.tensor_parallel.random import RNGTracker
@@ -41,8 +42,10 @@ def init_distributed(cfg: MegaliteConfig) -> ProcessGroups:
     elif world == 1:
         device.set_device(local_rank)
     layout = RankLayout(world, p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-                        p.context_parallel_size, p.rank_order, local_world)
-    return ProcessGroups.build(layout, rank, p.distributed_timeout_minutes)
+                        p.context_parallel_size, p.layout_order, local_world)
+    pg = ProcessGroups.build(layout, rank, p.distributed_timeout_minutes, hierarchical_dp=p.hierarchical_dp_reduce)
+    announce_layout(pg, p.print_layout)  # rank 0: --print-layout table, TP-across-nodes warnings
+    return pg
 
 
 def build_model(cfg: MegaliteConfig, pg: ProcessGroups, vocab_size: int, tracker: RNGTracker,
