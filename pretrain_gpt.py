@@ -7,12 +7,14 @@ from __future__ import annotations
 import sys
 
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from megalite.config import ConfigError, parse_args, validate
 from megalite.training.loop import pretrain
 from megalite.training.setup import init_distributed, launcher_env
 
 
+@record  # under torchrun, a failing rank's traceback goes to the elastic error file with its rank
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
     _, world, _, _ = launcher_env()

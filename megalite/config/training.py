@@ -20,6 +20,12 @@ class TrainingConfig:
     eval_iters: int = option(10, help="Global batches per evaluation.")
     log_interval: int = option(100, help="Print the log line every this many iterations.")
     exit_interval: int | None = option(None, help="Stop after the iteration that is a multiple of this.")
+    exit_duration_in_mins: float | None = option(
+        None, help="Save (with --save) and stop once the run has lasted this many minutes.")
+    exit_signal_handler: bool = option(
+        False, help="On SIGTERM, finish the current iteration, save a checkpoint (with --save) and exit 0.")
+    check_for_nan_in_loss_and_grad: bool = option(
+        False, help="Stop with the rank and iteration when the loss or the gradient norm is NaN/inf.")
 
 
 @dataclass(kw_only=True)
@@ -49,6 +55,18 @@ class LoggingConfig:
     log_throughput: bool = option(True, help="Report tokens/s and TFLOP/s on the log line.",
                                   flag="--no-log-throughput")
     peak_tflops: float | None = option(None, help="Device peak TFLOP/s for MFU; default: known GPU table.")
+    timing_log_level: int = option(0, help="0: no phase timers; 1: per-phase min/max times and the "
+                                   "communication share every --log-interval (synchronizes the device).",
+                                   choices=[0, 1, 2])
+    log_memory: bool = option(True, help="Report memory per rank on the log line.", flag="--no-log-memory")
+    tensorboard_queue_size: int = option(1000, help="TensorBoard events buffered before a flush.")
+    wandb_exp_name: str | None = option(None, help="Weights & Biases run name.")
+    wandb_save_dir: str | None = option(None, help="Where Weights & Biases writes its files.")
+    profile: bool = option(False, help="Record a torch.profiler trace (Chrome/Perfetto JSON, one per rank).")
+    profile_step_start: int = option(10, help="First profiled iteration.")
+    profile_step_end: int = option(12, help="Profiling stops after this iteration.")
+    profile_ranks: list[int] | None = option(None, help="Ranks to profile (default: all).")
+    profile_dir: str = option("profiles", help="Where the traces are written.")
 
 
 @dataclass(kw_only=True)

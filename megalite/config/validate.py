@@ -138,6 +138,13 @@ def validate(cfg: "MegaliteConfig", world_size: int, local_world_size: int | Non
     if dd.ddp_bucket_size is not None and dd.ddp_bucket_size <= 0:
         errors.append("--ddp-bucket-size must be positive")
 
+    lg = cfg.logging
+    if lg.profile and not 0 <= lg.profile_step_start < lg.profile_step_end:
+        errors.append(f"need 0 <= --profile-step-start ({lg.profile_step_start}) < --profile-step-end "
+                      f"({lg.profile_step_end})")
+    if t.exit_duration_in_mins is not None and t.exit_duration_in_mins <= 0:
+        errors.append("--exit-duration-in-mins must be positive")
+
     # Checkpoints.
     ck = cfg.checkpoint
     if ck.save_interval is not None and ck.save_interval <= 0:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from megalite import device as dev
 from megalite.parallel.groups import ProcessGroups
 from megalite.pipeline.schedule_table import Action
 
@@ -25,11 +26,17 @@ ForwardStep = Callable[[nn.Module, dict, torch.Tensor | None], torch.Tensor]
 
 @dataclass
 class PipelineRecord:
-    """What one step did on this rank: (kind, chunk, micro-batch, start, end) of each action in wall-clock
-    seconds (comparable across the ranks of a machine), and the peak number of live activations."""
+    """What one step did on this rank: seconds of forward and backward compute and of waiting for p2p
+    receives; optionally the timeline of (kind, chunk, micro-batch, start, end) in wall-clock seconds
+    (comparable across the ranks of a machine); and the peak number of live activations."""
 
+    keep_timeline: bool = True
+    synchronize: bool = False  # make device timings real (costs a sync per action)
     timeline: list[tuple[str, int, int, float, float]] = field(default_factory=list)
     peak_live: int = 0
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    wait_s: float = 0.0
 
 
 def _tag(kind: str, chunk: int, microbatch: int, vp: int) -> int:
@@ -67,8 +74,16 @@ def run_table(table: Sequence[Action], chunks: Sequence[nn.Module], microbatches
 
     def recv(kind: str, chunk: int, mb: int, src: int) -> torch.Tensor:
         buf = torch.empty(recv_shape, dtype=dtype, device=device)
+        t0 = time.time()
         pg.irecv(buf, src, _tag(kind, chunk, mb, vp)).wait()
+        if record is not None:
+            record.wait_s += time.time() - t0
         return buf
+
+    def clock() -> float:
+        if record is not None and record.synchronize:
+            dev.synchronize()
+        return time.time()
 
     def send(t: torch.Tensor, kind: str, chunk: int, mb: int, dst: int) -> None:
         t = t.detach().contiguous()
@@ -81,10 +96,10 @@ def run_table(table: Sequence[Action], chunks: Sequence[nn.Module], microbatches
             hidden = None
             if stage > 0:  # from the previous virtual stage: rank r-1, or the last rank's previous chunk
                 hidden = recv("F", c, mb, (r - 1) % p).requires_grad_(not forward_only)
-            start = time.time()  # compute starts once the input has arrived: waiting is bubble
+            start = clock()  # compute starts once the input has arrived: waiting is bubble
             with torch.set_grad_enabled(not forward_only):
                 out = forward_step(chunks[c], microbatches[mb], hidden)
-            end = time.time()  # compute only: the send and bookkeeping below are not busy time
+            end = clock()  # compute only: the send and bookkeeping below are not busy time
             if stage == last_stage:
                 losses.append(out.detach())
                 out = out * (loss_scale / m)
@@ -100,15 +115,20 @@ def run_table(table: Sequence[Action], chunks: Sequence[nn.Module], microbatches
         else:
             hidden, out = inputs.pop((c, mb)), outputs.pop((c, mb))
             grad = None if stage == last_stage else recv("B", c, mb, (r + 1) % p)
-            start = time.time()
+            start = clock()
             if last_backward is not None and final_backward[c] == index:
                 last_backward(c)
             _backward(out, grad)
-            end = time.time()
+            end = clock()
             if stage > 0:
                 send(hidden.grad, "B", c - (1 if r == 0 else 0), mb, (r - 1) % p)
         if record is not None:
-            record.timeline.append((action.kind, c, mb, start, end))
+            if action.kind == "F":
+                record.forward_s += end - start
+            else:
+                record.backward_s += end - start
+            if record.keep_timeline:
+                record.timeline.append((action.kind, c, mb, start, end))
         sends = [(w, t) for w, t in sends if not w.is_completed()]
     for work, _ in sends:
         work.wait()

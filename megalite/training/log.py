@@ -8,7 +8,8 @@ import datetime
 def format_iteration_line(iteration: int, train_iters: int, consumed: int, elapsed_ms: float, lr: float,
                           global_batch: int, loss: float, loss_scale: float, grad_norm: float | None,
                           skipped: int, nan: int, tokens_per_s: float | None = None,
-                          tflops: float | None = None, mfu: float | None = None) -> str:
+                          tflops: float | None = None, mfu: float | None = None,
+                          memory: dict[str, float] | None = None) -> str:
     now = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
     parts = [
         f" [{now}] iteration {iteration:8d}/{train_iters:8d}",
@@ -29,6 +30,8 @@ def format_iteration_line(iteration: int, train_iters: int, consumed: int, elaps
     ]
     if grad_norm is not None:
         parts.append(f"grad norm: {grad_norm:.3f}")
+    if memory:
+        parts.append("memory (MB): " + ", ".join(f"{k.removesuffix('_mb')} {v:.0f}" for k, v in memory.items()))
     parts += [f"number of skipped iterations: {skipped:3d}", f"number of nan iterations: {nan:3d}"]
     return " | ".join(parts) + " |"
 

@@ -29,6 +29,21 @@ def launcher_env() -> tuple[int, int, int, int]:
     return rank, world, local_rank, local_world
 
 
+def _attempt_store(rank: int, world: int, timeout: datetime.timedelta) -> dist.Store | None:
+    """Under torchrun, a store whose keys are private to this restart attempt.
+
+    After ``--max-restarts`` brings a job back, the launcher may hand the new workers the same store as
+    the failed attempt; its leftover keys (the dead ranks' addresses) would make the new ranks connect
+    to processes that no longer exist. A per-attempt prefix keeps each attempt's rendezvous clean."""
+    env = os.environ
+    if "TORCHELASTIC_RESTART_COUNT" not in env or "MASTER_ADDR" not in env:
+        return None
+    agent_hosts = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    base = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world, is_master=not agent_hosts and rank == 0,
+                         timeout=timeout, multi_tenant=not agent_hosts)
+    return dist.PrefixStore(f"megalite/attempt_{env['TORCHELASTIC_RESTART_COUNT']}", base)
+
+
 def init_distributed(cfg: MegaliteConfig) -> ProcessGroups:
     """Join the process group (if more than one rank) and build this rank's groups.
 
@@ -37,8 +52,9 @@ def init_distributed(cfg: MegaliteConfig) -> ProcessGroups:
     p = cfg.parallel
     if world > 1 and not dist.is_initialized():
         device.set_device(local_rank)
-        dist.init_process_group(device.backend(), rank=rank, world_size=world,
-                                 timeout=datetime.timedelta(minutes=p.distributed_timeout_minutes))
+        timeout = datetime.timedelta(minutes=p.distributed_timeout_minutes)
+        dist.init_process_group(device.backend(), rank=rank, world_size=world, timeout=timeout,
+                                store=_attempt_store(rank, world, timeout))
     elif world == 1:
         device.set_device(local_rank)
     layout = RankLayout(world, p.tensor_model_parallel_size, p.pipeline_model_parallel_size,

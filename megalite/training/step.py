@@ -1,0 +1,107 @@
+"""One training iteration, and evaluation: the pieces pretrain() strings together.
+
+iteration: sampler -> this DP rank's micro-batches -> pipeline schedule (forward/backward of this
+rank's chunks) -> finalize grads (DP reduction, TP partials, tied embeddings) -> optimizer (unscale,
+found-inf, true global grad norm, clip, AdamW on fp32 main params, param all-gather).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from megalite import device
+from megalite.config.arguments import MegaliteConfig
+from megalite.distributed.finalize import finalize_grads, tied_embedding_params
+from megalite.distributed.grad_buffer import GradBuffer
+from megalite.optimizer.optimizer import MegaliteOptimizer
+from megalite.parallel.groups import ProcessGroups
+from megalite.pipeline.executor import PipelineRecord
+from megalite.pipeline.schedules import forward_backward
+from megalite.training.batches import global_batch
+from megalite.training.timers import Timers
+
+
+def build_buffers(chunks: list[nn.Module], cfg: MegaliteConfig, pg: ProcessGroups) -> list[GradBuffer]:
+    """One contiguous gradient buffer per model chunk (a tied embedding in a bucket of its own)."""
+    grad_dtype = torch.bfloat16 if cfg.ddp.grad_reduce_in_bf16 else torch.float32
+    return [GradBuffer(list(c.parameters()), pg, grad_dtype=grad_dtype, bucket_size=cfg.ddp.ddp_bucket_size,
+                       distributed=cfg.ddp.use_distributed_optimizer, overlap=cfg.ddp.overlap_grad_reduce,
+                       separate=tied_embedding_params([c])) for c in chunks]
+
+
+def reported_loss(losses: list[torch.Tensor], pg: ProcessGroups) -> float:
+    """Mean micro-batch loss over DP, computed on the last stage and shared with every stage."""
+    t = torch.zeros(1, dtype=torch.float32, device=device.current_device())
+    if pg.is_last_stage:
+        t += torch.stack(losses).float().mean()
+        pg.all_reduce(t, "dp")
+        t /= pg.dp_size
+    pg.broadcast(t, "pp", src_index=pg.pp_size - 1)
+    return float(t)
+
+
+@dataclass
+class StepOutput:
+    loss: float
+    grad_norm: float | None  # None when the step was skipped (fp16 overflow)
+    skipped: bool
+    loss_scale: float
+    record: PipelineRecord
+
+
+def train_step(chunks: list[nn.Module], buffers: list[GradBuffer], optimizer: MegaliteOptimizer, dataset,
+               consumed: int, lr: float, cfg: MegaliteConfig, pg: ProcessGroups, timers: Timers) -> StepOutput:
+    record = PipelineRecord(keep_timeline=bool(cfg.parallel.record_pipeline_timeline),
+                            synchronize=timers.level > 0)
+    with timers.phase("batch-generator"):
+        microbatches = global_batch(dataset, consumed, cfg, pg, device.current_device())
+    optimizer.zero_grad()
+    for b in buffers:
+        b.last_microbatch = False
+
+    def last_backward(chunk: int) -> None:  # this chunk's buckets may start reducing during its backward
+        buffers[chunk].last_microbatch = True
+
+    loss_scale = optimizer.loss_scale
+    losses = forward_backward(chunks, microbatches, pg, cfg.parallel.pipeline_schedule, record=record,
+                              loss_scale=loss_scale, last_backward=last_backward)
+    timers.add("forward-compute", record.forward_s)
+    timers.add("backward-compute", record.backward_s)
+    timers.add("pipeline-wait", record.wait_s)
+    with timers.phase("grads-reduce"):
+        finalize_grads(chunks, buffers, pg)
+    with timers.phase("optimizer"):
+        result = optimizer.step(lr, cfg.optimizer.clip_grad)
+    return StepOutput(reported_loss(losses, pg), result.grad_norm, result.skipped, loss_scale, record)
+
+
+@torch.no_grad()
+def evaluate(chunks: list[nn.Module], dataset, start: int, cfg: MegaliteConfig, pg: ProcessGroups) -> float:
+    for c in chunks:
+        c.eval()
+    losses: list[torch.Tensor] = []
+    gbs = cfg.training.global_batch_size
+    for k in range(cfg.training.eval_iters):
+        mbs = global_batch(dataset, start + k * gbs, cfg, pg, device.current_device())
+        losses += forward_backward(chunks, mbs, pg, forward_only=True)
+    for c in chunks:
+        c.train()
+    return reported_loss(losses, pg)
+
+
+def write_timeline(cfg: MegaliteConfig, pg: ProcessGroups, record: PipelineRecord, vp: int) -> None:
+    out = cfg.parallel.record_pipeline_timeline
+    os.makedirs(out, exist_ok=True)
+    p, t = cfg.parallel, cfg.training
+    with open(os.path.join(out, f"rank{pg.rank:05d}.json"), "w") as f:
+        json.dump({"rank": pg.rank, "pp_rank": pg.pp_rank, "pp": pg.pp_size, "tp_rank": pg.tp_rank,
+                   "dp_rank": pg.dp_rank, "vp": vp, "written": time.time(),
+                   "microbatches": t.global_batch_size // (t.micro_batch_size * pg.dp_size),
+                   "schedule": p.pipeline_schedule, "peak_live": record.peak_live,
+                   "timeline": record.timeline}, f)
