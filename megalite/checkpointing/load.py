@@ -54,9 +54,12 @@ def load_checkpoint(load_dir: str, chunks: list[nn.Module], optimizer: Any, pg: 
     lay = reader.meta["layout"]
     same = (lay["tp"], lay["pp"], lay["dp"], lay["vp"], lay["world_size"]) == (
         pg.tp_size, pg.pp_size, pg.dp_size, len(chunks), pg.layout.world_size)
+    same_tp = reader.tp == pg.tp_size  # then this rank's shard is on disk as is: read only it
     for _, key, p in named_params(chunks):
-        full = reader.full_param(key, p.shard_spec)
-        p.copy_(p.shard_spec.shard(full, pg.tp_rank, pg.tp_size).view(p.shape).to(p.dtype))
+        local = reader.local_param(key, pg.tp_rank) if same_tp else None
+        if local is None or local.shape != p.shape:
+            local = p.shard_spec.shard(reader.full_param(key, p.shard_spec), pg.tp_rank, pg.tp_size)
+        p.copy_(local.view(p.shape).to(p.dtype))
     if load_optim and optimizer is not None:
         if not reader.has_optimizer():
             raise CheckpointError(f"--load {load_dir}: the checkpoint has no optimizer state; use --no-load-optim "
@@ -83,8 +86,10 @@ def _load_optimizer(reader: CheckpointReader, chunks: list[nn.Module], optimizer
         spec = e.param.shard_spec
         values = {}
         for f in ("main", "exp_avg", "exp_avg_sq"):
-            full = reader.full_optim(key, f, spec)
-            values[f] = spec.shard(full, pg.tp_rank, pg.tp_size).reshape(-1)[e.lo:e.hi]
+            local = reader.local_optim(key, f, pg.tp_rank) if reader.tp == pg.tp_size else None
+            if local is None or local.shape != e.param.shape:
+                local = spec.shard(reader.full_optim(key, f, spec), pg.tp_rank, pg.tp_size)
+            values[f] = local.reshape(-1)[e.lo:e.hi]
         e.main.copy_(values["main"])
         if not e.alias:  # the weight is the low-precision copy of the fp32 main param
             e.param.data.view(-1)[e.lo:e.hi].copy_(e.main)

@@ -99,29 +99,32 @@ class CheckpointReader:
         meta = json.loads(self._open(self._optim_files(0, 0)[0]).metadata()["meta"])
         return meta["step"]
 
-    def full_optim(self, key: str, field: str, spec: ShardSpec) -> torch.Tensor:
-        """Full tensor of ``field`` (main, exp_avg, exp_avg_sq) of parameter ``key``: each TP shard is
-        reassembled from the flat slices its DP ranks owned, then the shards are unsharded."""
+    def local_param(self, key: str, tp: int) -> torch.Tensor:
+        """TP rank ``tp``'s saved shard of parameter ``key``, as written."""
+        return self._get(self._model_path(tp, self.stage_of(key)), key)
+
+    def local_optim(self, key: str, field: str, tp: int) -> torch.Tensor:
+        """TP rank ``tp``'s tensor of ``field`` (main, exp_avg, exp_avg_sq) of parameter ``key``,
+        reassembled from the flat slices its DP ranks owned."""
         pp = self.stage_of(key)
-        parts = []
-        for tp in range(self.tp):
-            local = None
-            for path in self._optim_files(tp, pp):
-                if path not in self._regions:
-                    self._regions[path] = json.loads(self._open(path).metadata()["meta"])["regions"]
-                regions = self._regions[path]
-                if key not in regions:
-                    continue
-                lo, hi, shape = regions[key]
-                numel = int(torch.tensor(shape).prod()) if shape else 1
-                if local is None and (lo, hi) == (0, numel):  # one file holds all of it: no copy
-                    local, local_shape = self._get(path, f"{key}/{field}"), shape
-                    break
-                if local is None:
-                    local = torch.zeros(numel, dtype=torch.float32)
-                    local_shape = shape
-                local[lo:hi] = self._get(path, f"{key}/{field}")
+        local, local_shape = None, None
+        for path in self._optim_files(tp, pp):
+            if path not in self._regions:
+                self._regions[path] = json.loads(self._open(path).metadata()["meta"])["regions"]
+            regions = self._regions[path]
+            if key not in regions:
+                continue
+            lo, hi, shape = regions[key]
+            numel = int(torch.tensor(shape).prod()) if shape else 1
+            if local is None and (lo, hi) == (0, numel):  # one file holds all of it: no copy
+                return self._get(path, f"{key}/{field}").view(shape)
             if local is None:
-                raise CheckpointError(f"optimizer state of {key} missing from {self.dir}/{shard_dirname(tp, pp)}")
-            parts.append(local.view(local_shape))
-        return spec.unshard(parts)
+                local, local_shape = torch.zeros(numel, dtype=torch.float32), shape
+            local[lo:hi] = self._get(path, f"{key}/{field}")
+        if local is None:
+            raise CheckpointError(f"optimizer state of {key} missing from {self.dir}/{shard_dirname(tp, pp)}")
+        return local.view(local_shape)
+
+    def full_optim(self, key: str, field: str, spec: ShardSpec) -> torch.Tensor:
+        """Full tensor of ``field`` of parameter ``key``: every TP rank's tensor, unsharded."""
+        return spec.unshard([self.local_optim(key, field, tp) for tp in range(self.tp)])
