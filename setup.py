@@ -22,7 +22,7 @@ setup(
     ],
     extras_require={
         "logging": ["tensorboard", "wandb"],
-        "test": ["pytest", "ruff", "megatron-core", "tensorboard", "matplotlib"],
+        "test": ["pytest", "ruff", "megatron-core", "tensorboard", "wandb", "matplotlib"],
     },
     scripts=["pretrain_gpt.py"],
 )

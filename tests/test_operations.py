@@ -155,3 +155,14 @@ def test_timers_tensorboard_and_profiler(tmp_path):
     assert "learning-rate" in acc.Tags()["scalars"] and "grad-norm" in acc.Tags()["scalars"]
     trace = json.load(open(tmp_path / "prof" / "trace_rank00000.json"))
     assert trace["traceEvents"]
+
+
+def test_wandb_logs_offline_without_network(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    _train(_cfg(train_iters=2, wandb_project="megalite-test", wandb_exp_name="offline",
+                wandb_save_dir=str(tmp_path)))
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert runs, list(tmp_path.rglob("*"))[:20]
+    assert any(f.suffix == ".wandb" for f in runs[0].iterdir())
