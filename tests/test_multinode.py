@@ -1,16 +1,21 @@
 """Promise, as a real two-node job on one machine: two `torchrun --nnodes 2 --node-rank {0,1}
 --nproc-per-node 4` launches meeting at a c10d rendezvous on the loopback interface (8 ranks) train a
 TP=4 x DP=2 GPT whose printed layout keeps every TP group on one node, whose ranks really run where the
-layout says (each launch is a node), and whose lm loss equals the single-process run's within 1e-5."""
+layout says (each launch is a node), and whose lm loss equals the single-process run's within 1e-5.
+The launch examples (single node, multi-node torchrun, Slurm) are valid runs; the single-node one trains."""
 
 from __future__ import annotations
 
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
 
+import pytest
+
+from megalite.config import parse_args, validate
 from tests.cli_utils import LOSS, ROOT, losses, run_pretrain
 from tests.harness import free_port
 
@@ -69,3 +74,45 @@ def test_two_node_loopback_tp4_trains_with_tp_inside_nodes():
     for it, (loss, _) in ref.items():
         assert abs(got[it] - loss) <= 1e-5 * loss, f"iteration {it}: two nodes {got[it]} vs serial {loss}"
     print(f"two-node launch: {elapsed:.1f} s")
+
+
+# ---- the launch examples -------------------------------------------------------------------------
+def _example(script: str, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(ROOT / "examples" / script)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=240, env={**os.environ, **env})
+
+
+@pytest.mark.parametrize("script,env,world,per_node", [
+    ("pretrain_gpt_single_node.sh", {}, 8, 8),
+    ("pretrain_gpt_multi_node.sh", {"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "node0"}, 16, 8),
+    ("pretrain_gpt_slurm.sbatch", {"LAUNCHER": "srun", "SLURM_NNODES": "2", "MASTER_ADDR": "node0"}, 16, 8),
+])
+def test_example_commands_are_valid_runs(script, env, world, per_node):
+    """Every example's pretrain_gpt.py flags parse and pass validation for the world it is written for."""
+    out = _example(script, {"DRY_RUN": "1", **env})
+    assert out.returncode == 0, out.stderr
+    words = shlex.split(out.stdout)
+    args = words[words.index("pretrain_gpt.py") + 1:]
+    cfg = parse_args(args)
+    validate(cfg, world, local_world_size=per_node)
+    assert cfg.parallel.print_layout and cfg.checkpoint.save == cfg.checkpoint.load
+
+
+def test_slurm_example_starts_one_torchrun_per_node():
+    out = _example("pretrain_gpt_slurm.sbatch", {"DRY_RUN": "1", "SLURM_NNODES": "2", "SLURM_JOB_ID": "42",
+                                                 "MASTER_ADDR": "node0"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("srun --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c exec torchrun --nnodes 2")
+    assert "--node-rank $SLURM_NODEID" in out.stdout and "--rdzv-endpoint node0:29500 --rdzv-id 42" in out.stdout
+
+
+def test_single_node_example_trains_on_cpu(tmp_path):
+    tiny = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+            "--max-position-embeddings", "32", "--micro-batch-size", "1", "--global-batch-size", "2",
+            "--train-iters", "3", "--log-interval", "1", "--eval-iters", "0", "--vocab-size", "1000"]
+    out = subprocess.run(["bash", str(ROOT / "examples" / "pretrain_gpt_single_node.sh"), *tiny], cwd=ROOT,
+                         capture_output=True, text=True, timeout=240,
+                         env={**os.environ, "NPROC": "2", "PRECISION": "", "CKPT": str(tmp_path / "ckpt"),
+                              "TORCHRUN": f"{sys.executable} -m torch.distributed.run", "OMP_NUM_THREADS": "1"})
+    assert sorted(losses(out)) == [1, 2, 3]
+    assert "tp groups: 1 of 2 ranks" in out.stdout and (tmp_path / "ckpt").is_dir()
