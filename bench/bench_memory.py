@@ -45,9 +45,9 @@ def _rows(rank: int, world: int) -> list[tuple[str, float, float]]:
 
 
 def step_times() -> list[tuple[str, float]]:
+    from megalite.config.arguments import MegaliteConfig
     from megalite.training.loop import pretrain
     from tests.tp_utils import mock_data
-    from megalite.config.arguments import MegaliteConfig
 
     torch.set_num_threads(2)
     base = dict(num_layers=4, hidden_size=256, num_attention_heads=4, seq_length=256, micro_batch_size=4,

@@ -36,7 +36,7 @@ from megalite.config import validate  # noqa: E402
 from megalite.config.arguments import MegaliteConfig  # noqa: E402
 from megalite.parallel.groups import ProcessGroups  # noqa: E402
 from megalite.parallel.layout import RankLayout  # noqa: E402
-from megalite.pipeline.schedule_table import ScheduleSpec, build_tables  # noqa: E402
+from megalite.pipeline.schedule_table import ScheduleSpec, build_tables, simulate  # noqa: E402
 from megalite.training.loop import pretrain  # noqa: E402
 from tests.harness import run_ranks  # noqa: E402
 from tools.plot_pipeline_timeline import bubble, from_table, load_record  # noqa: E402
@@ -84,27 +84,9 @@ def replay_bubble(events: dict[int, list], p: int, v: int, m: int) -> float:
     """The bubble the schedule table would have with this step's measured action durations and free,
     instant P2P: separates stage imbalance and uneven action times (in here) from waiting on messages,
     process wake-ups and time-sharing of cores (in measured only)."""
-    tables = build_tables(ScheduleSpec(p, v, m))
     took = {r: {(k, c, mb): e - s for k, c, mb, s, e in ev} for r, ev in events.items()}
-    last, done, clock, pos = p * v - 1, {}, [0.0] * p, [0] * p
-    replayed: dict[int, list] = {r: [] for r in range(p)}
-    while any(pos[r] < len(tables[r]) for r in range(p)):
-        for r in range(p):
-            if pos[r] == len(tables[r]):
-                continue
-            a = tables[r][pos[r]]
-            s = a.chunk * p + r
-            if a.kind == "F":
-                dep = ("F", s - 1, a.microbatch) if s > 0 else None
-            else:
-                dep = ("B", s + 1, a.microbatch) if s < last else ("F", s, a.microbatch)
-            if dep is not None and dep not in done:
-                continue
-            start = max(clock[r], done[dep] if dep else 0.0)
-            clock[r] = done[(a.kind, s, a.microbatch)] = start + took[r][tuple(a)]
-            replayed[r].append((a.kind, a.chunk, a.microbatch, start, clock[r]))
-            pos[r] += 1
-    return bubble(replayed)
+    trace = simulate(build_tables(ScheduleSpec(p, v, m)), p, v, duration=lambda r, a: took[r][tuple(a)])
+    return bubble({r: [(a.kind, a.chunk, a.microbatch, s, e) for a, s, e in t] for r, t in trace.items()})
 
 
 def _bubble_worker(rank: int, world: int, runs: list[tuple[str, dict]], root: str, repeats: int) -> None:

@@ -48,7 +48,7 @@ from megalite.checkpointing.offline import (  # noqa: E402
     reshard,
     write_checkpoint,
 )
-from megalite.checkpointing.paths import TRACKER  # noqa: E402
+from megalite.checkpointing.paths import TRACKER, swap_into_place  # noqa: E402
 from megalite.checkpointing.reader import CheckpointError  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -78,18 +78,6 @@ def _open_checkpoint(load: str, iteration: int | None) -> FullCheckpoint:
         raise CheckpointError(f"--load {load} is a Hugging Face folder, not a megalite checkpoint (no {TRACKER}); "
                               "use the from-hf command to import it")
     return FullCheckpoint(load, iteration)
-
-
-def _replace_dir(staged: str, final: str) -> None:
-    """Move a finished folder into place (the old one, if any, only after the new one is complete)."""
-    if os.path.exists(final):
-        old = final.rstrip("/") + ".old"
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(final, old)
-        os.replace(staged, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(staged, final)
 
 
 def cmd_reshard(a: argparse.Namespace) -> None:
@@ -138,7 +126,7 @@ def cmd_to_hf(a: argparse.Namespace) -> None:
     except BaseException:
         shutil.rmtree(staged, ignore_errors=True)
         raise
-    _replace_dir(staged, a.save)
+    swap_into_place(staged, a.save)
     print(f"wrote {a.save}: {'GPT2LMHeadModel' if arch == 'gpt2' else 'LlamaForCausalLM'} from iteration "
           f"{ckpt.iteration} of {a.load} (saved at TP={ckpt.layout['tp']} PP={ckpt.layout['pp']})"
           + (", with tokenizer" if os.path.isfile(os.path.join(a.save, "tokenizer_config.json")) else ""))

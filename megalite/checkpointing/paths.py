@@ -41,19 +41,23 @@ def read_tracker(load_dir: str) -> int:
     return int(text)
 
 
-def commit(save_dir: str, iteration: int) -> str:
-    """Move the complete staging directory into place, then point the tracker at it (each step atomic:
-    a crash leaves the previous checkpoint and tracker intact)."""
-    final = os.path.join(save_dir, iter_dirname(iteration))
-    staged = staging_dir(save_dir, iteration)
-    if os.path.exists(final):  # re-saving the same iteration: swap, then drop the old copy
-        old = final + ".old"
+def swap_into_place(staged: str, final: str) -> None:
+    """Move a finished folder to ``final``; an existing one is removed only after the new one is there."""
+    if os.path.exists(final):
+        old = final.rstrip("/") + ".old"
         shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
         os.replace(staged, final)
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(staged, final)
+
+
+def commit(save_dir: str, iteration: int) -> str:
+    """Move the complete staging directory into place, then point the tracker at it (each step atomic:
+    a crash leaves the previous checkpoint and tracker intact)."""
+    final = os.path.join(save_dir, iter_dirname(iteration))
+    swap_into_place(staging_dir(save_dir, iteration), final)
     tmp = os.path.join(save_dir, f".{TRACKER}.tmp")
     with open(tmp, "w") as f:
         f.write(str(iteration))

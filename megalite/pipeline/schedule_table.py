@@ -13,6 +13,7 @@ The executor runs a table; tests check the tables without processes (warm-up cou
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import NamedTuple
 
 
@@ -70,13 +71,15 @@ def build_tables(spec: ScheduleSpec) -> list[list[Action]]:
     return [rank_table(spec, r) for r in range(spec.pp)]
 
 
-def simulate(tables: list[list[Action]], pp: int, vp: int, f_time: float = 1.0, b_time: float = 2.0
+def simulate(tables: list[list[Action]], pp: int, vp: int, f_time: float = 1.0, b_time: float = 2.0,
+             duration: Callable[[int, Action], float] | None = None
              ) -> dict[int, list[tuple[Action, float, float]]]:
     """Run the tables on an ideal machine (p2p is free) and return each rank's (action, start, end).
 
     Raises RuntimeError naming the stuck ranks if the tables deadlock (a receive whose send can never
     happen). Forward of virtual stage s needs the forward of s-1; backward of s needs the backward of
-    s+1 (the last stage's backward needs its own forward)."""
+    s+1 (the last stage's backward needs its own forward). ``duration(rank, action)`` overrides the
+    fixed forward/backward times (e.g. to replay a measured step with free communication)."""
     last = pp * vp - 1
     done: dict[tuple[str, int, int], float] = {}  # (kind, virtual stage, mb) -> end time
     pos = [0] * pp
@@ -97,7 +100,7 @@ def simulate(tables: list[list[Action]], pp: int, vp: int, f_time: float = 1.0, 
             if dep is not None and dep not in done:
                 continue
             start = max(clock[r], done[dep] if dep else 0.0)
-            end = start + (f_time if a.kind == "F" else b_time)
+            end = start + (duration(r, a) if duration else f_time if a.kind == "F" else b_time)
             done[(a.kind, s, a.microbatch)] = end
             clock[r] = end
             trace[r].append((a, start, end))
