@@ -82,7 +82,8 @@ def main() -> None:
     print("|---|---|---|---|")
     for label, m, f in rows:
         print(f"| {label} | {m / 2**20:.2f} | {f / 2**20:.2f} | {m / f:.2f} |")
-    print("\nstep time relative to no recomputation (4 layers, h=256, s=256, b=4, attention dropout 0, 2 threads, median of 3)")
+    print("\nstep time relative to no recomputation "
+          "(4 layers, h=256, s=256, b=4, attention dropout 0, 2 threads, median of 3)")
     print("| recompute | step time ratio |")
     print("|---|---|")
     for name, r in step_times():

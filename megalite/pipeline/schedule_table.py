@@ -12,8 +12,8 @@ The executor runs a table; tests check the tables without processes (warm-up cou
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import NamedTuple
 
 
