@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from megalite.data.errors import MissingFileError
 from megalite.data.gpt_dataset import BlendedDataset, GPTDataset, default_cache_dir
 from megalite.data.indexed_dataset import IndexedDataset, bin_path, idx_path
 
@@ -136,7 +137,7 @@ def check_files(specs: list[_Part | _Blend | None]) -> None:
         for part in parts:
             for path in (idx_path(part.prefix), bin_path(part.prefix)):
                 if not os.path.isfile(path):
-                    raise FileNotFoundError(f"{path} not found (dataset prefix {part.prefix!r}); "
+                    raise MissingFileError(f"{path} not found (dataset prefix {part.prefix!r}); "
                                             f"prefixes name files without .bin/.idx")
 
 

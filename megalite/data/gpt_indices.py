@@ -84,13 +84,17 @@ def sample_index(sequence_lengths: np.ndarray, doc_index: np.ndarray, seq_length
 
     lens = np.asarray(sequence_lengths)[doc_index].astype(np.int64)
     ends = np.cumsum(lens)  # token position (exclusive) where each doc_index entry ends
-    boundaries = np.arange(1, n + 1, dtype=np.int64) * seq_length
-    # Boundary q starts a sample whose last token is q + seq_length - 1 + extra; the walk stops in the
-    # first document whose end passes q + extra - 1, i.e. ends >= q + extra.
-    pos = np.searchsorted(ends, boundaries + extra, side="left")
-    past = pos >= len(doc_index)  # only when a partial last sample is kept
+    # Boundary i sits at token q = i * seq_length and belongs to the first entry with ends >= q + extra
+    # (the sample before it ends with token q - 1 + extra). Entry k thus holds the boundaries with
+    # ends[k-1] < i * seq_length + extra <= ends[k]; counting them per entry and repeating the entry
+    # numbers gives every boundary's entry in one O(entries + samples) pass, already in order.
+    upto = np.where(ends >= extra, (ends - extra) // seq_length + 1, 0)  # boundaries i >= 0 so far
+    pos = np.repeat(np.arange(len(doc_index), dtype=np.int64), np.diff(upto, prepend=0))[1:n + 1]
+    if len(pos) < n:  # only when a partial last sample is kept: the walk stops in the last entry
+        pos = np.concatenate((pos, np.full(n - len(pos), len(doc_index), dtype=np.int64)))
+    past = pos >= len(doc_index)
     pos = np.minimum(pos, len(doc_index) - 1)
-    offsets = boundaries - (ends[pos] - lens[pos])
+    offsets = np.arange(1, n + 1, dtype=np.int64) * seq_length - (ends[pos] - lens[pos])
     if past.any():
         offsets[past] = lens[-1] - extra
     out = np.empty((n + 1, 2), dtype=dtype)

@@ -14,6 +14,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from megalite.data.errors import MissingFileError, UnwritableError
+
 
 def digest(key: dict) -> str:
     """Stable hash of a JSON-able key."""
@@ -62,13 +64,13 @@ class IndexCache:
                 json.dump({"key": self.key, **(info or {})}, f, indent=2, sort_keys=True)
             os.replace(tmp, self.description_path)
         except OSError as e:
-            raise PermissionError(
+            raise UnwritableError(
                 f"cannot write the dataset index cache in {self.directory} ({e.strerror or e}); "
                 f"point --data-cache-path at a writable directory") from e
 
     def load(self) -> dict[str, np.ndarray]:
         if not self.complete():
-            raise FileNotFoundError(
+            raise MissingFileError(
                 f"dataset index cache {self._base}-* is missing: the builder rank (global rank 0) writes "
                 f"it before the barrier; with several nodes, --data-cache-path must be a directory "
                 f"every node sees")

@@ -28,6 +28,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from megalite.data.errors import CorruptDatasetError, MissingFileError, UnwritableError
+
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 HEADER_SIZE = len(MAGIC) + 8 + 1 + 8 + 8  # 34 bytes
@@ -37,10 +39,6 @@ DTYPE_CODES: dict[int, type[np.number]] = {
     8: np.uint16,
 }
 _CODE_OF = {np.dtype(v): k for k, v in DTYPE_CODES.items()}
-
-
-class CorruptDatasetError(ValueError):
-    """A ``.bin/.idx`` pair is missing, truncated or inconsistent; the message names the file."""
 
 
 def token_dtype(vocab_size: int) -> type[np.number]:
@@ -80,7 +78,7 @@ class IndexedDataset:
         ipath, bpath = idx_path(self.path_prefix), bin_path(self.path_prefix)
         for p in (ipath, bpath):
             if not os.path.isfile(p):
-                raise FileNotFoundError(f"{p}: no such file (dataset prefix {self.path_prefix!r})")
+                raise MissingFileError(f"{p}: no such file (dataset prefix {self.path_prefix!r})")
         size = os.path.getsize(ipath)
         if size == 0:
             raise CorruptDatasetError(f"{ipath}: empty file")
@@ -187,13 +185,13 @@ class IndexedDatasetWriter:
             raise ValueError(f"unsupported token dtype {self.dtype}")
         out_dir = os.path.dirname(os.path.abspath(prefix))
         if not os.path.isdir(out_dir):
-            raise FileNotFoundError(f"output directory {out_dir} does not exist")
+            raise MissingFileError(f"output directory {out_dir} does not exist")
         self._bin_tmp = _tmp_name(bin_path(prefix))
         self._idx_tmp = _tmp_name(idx_path(prefix))
         try:
             self._bin = open(self._bin_tmp, "wb")
         except OSError as e:
-            raise PermissionError(f"cannot write {bin_path(prefix)}: {e.strerror}") from e
+            raise UnwritableError(f"cannot write {bin_path(prefix)}: {e.strerror}") from e
         self._lengths: list[np.ndarray] = []
         self._doc_seq_counts: list[np.ndarray] = []
         self._done = False

@@ -11,6 +11,8 @@ import json
 import os
 from typing import Protocol
 
+from megalite.data.errors import MissingFileError
+
 TOKENIZER_TYPES = ("NullTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer")
 EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>")
 
@@ -149,7 +151,7 @@ def _need_file(value: str | None, flag: str, kind: str, dir_ok: bool = False) ->
         raise ValueError(f"{flag} is required for --tokenizer-type {kind}")
     ok = os.path.exists(value) if dir_ok else os.path.isfile(value)
     if not ok:
-        raise FileNotFoundError(f"{flag} {value}: no such file")
+        raise MissingFileError(f"{flag} {value}: no such file")
     return value
 
 

@@ -1,0 +1,16 @@
+"""Errors of the data pipeline. Each is a ValueError (bad input the user can fix), so callers that
+validate flags can catch one type; the file errors are also OSErrors."""
+
+from __future__ import annotations
+
+
+class MissingFileError(FileNotFoundError, ValueError):
+    """A flag names a file that does not exist; the message names the flag or dataset and the path."""
+
+
+class CorruptDatasetError(ValueError):
+    """A ``.bin/.idx`` pair is truncated or inconsistent; the message names the file and the reason."""
+
+
+class UnwritableError(PermissionError, ValueError):
+    """An output or cache location cannot be written; the message says which and what to do."""
