@@ -10,9 +10,11 @@ files, split, sequence length, sample count and seed give the same samples in th
   one token (the last input token of a sample is the first of the next);
 * shuffle index: a permutation of the samples.
 
-Megatron builds the sample index with a sequential C++ walk over the documents. Here it is one
-cumsum and one searchsorted: boundary ``i`` sits at global token ``i * seq_length`` of the
-concatenated epoch stream, and the document holding it is the first whose cumulative end passes it.
+Megatron builds the sample index with a sequential C++ walk over the documents. Here it is a few
+whole-array numpy passes: boundary ``i`` sits at global token ``i * seq_length`` of the concatenated
+epoch stream, and the document holding it is the first whose cumulative end passes it; counting the
+boundaries each document holds (from its cumulative end) and repeating the document numbers by those
+counts lists every boundary's document in order.
 """
 
 from __future__ import annotations
