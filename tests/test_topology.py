@@ -105,19 +105,23 @@ def test_slurm_cyclic_placement_is_detected():
     assert "--distribution=block" in w and "layout node 0" in w
 
 
-def test_show_layout_tool():
-    cmd = [sys.executable, os.path.join(ROOT, "tools", "show_layout.py"), "--nnodes", "2", "--nproc-per-node",
-           "4", "--tensor-model-parallel-size", "4", "--use-tp-pp-dp-mapping", "--hierarchical-dp-reduce"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    assert "order tp-cp-pp-dp" in out.stdout and "ranks [0, 1, 2, 3] on node 0" in out.stdout
-    assert "dp inter-node groups" in out.stdout and "WARNING" not in out.stdout
-    bad = subprocess.run(cmd[:2] + ["--nnodes", "2", "--nproc-per-node", "4", "--tensor-model-parallel-size", "8",
-                                    "--strict"], capture_output=True, text=True, timeout=60)
-    assert bad.returncode == 1 and "spans nodes [0, 1]" in bad.stdout
-    err = subprocess.run(cmd[:2] + ["--world-size", "6", "--tensor-model-parallel-size", "4"],
-                         capture_output=True, text=True, timeout=60)
-    assert err.returncode == 2 and "not divisible" in err.stderr
+def test_show_layout_tool(capsys):
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import show_layout
+
+    args = ["--nnodes", "2", "--nproc-per-node", "4", "--tensor-model-parallel-size", "4"]
+    assert show_layout.main(args + ["--use-tp-pp-dp-mapping", "--hierarchical-dp-reduce"]) == 0
+    out = capsys.readouterr().out
+    assert "order tp-cp-pp-dp" in out and "ranks [0, 1, 2, 3] on node 0" in out
+    assert "dp inter-node groups" in out and "WARNING" not in out
+    assert show_layout.main(["--nnodes", "2", "--nproc-per-node", "4", "--tensor-model-parallel-size", "8",
+                             "--strict"]) == 1
+    assert "spans nodes [0, 1]" in capsys.readouterr().out
+    assert show_layout.main(["--world-size", "6", "--tensor-model-parallel-size", "4"]) == 2
+    assert "not divisible" in capsys.readouterr().err
+    script = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "show_layout.py"), *args],
+                            capture_output=True, text=True, timeout=60, cwd="/")  # runs from any folder
+    assert script.returncode == 0 and "tp groups: 2 of 4 ranks" in script.stdout
 
 
 # ---- on real ranks: start-up report and the hierarchical reduction --------------------------------
