@@ -116,6 +116,14 @@ def bench_indices(work: str, tokens: float, seq_length: int, epochs: float, repe
     res["megatron_indices_s"] = ref_s
     res["identical"] = all(np.array_equal(a, b) and a.dtype == b.dtype for a, b in zip(ours, ref))
 
+    # Blending indices for the same number of samples over three datasets (a Python loop here).
+    weights = [0.5, 0.3, 0.2]
+    res["megalite_blend_s"], (which, _) = best_of(1, lambda: gi.blending_indices(weights, num_samples))
+    ref_which, ref_nth = np.zeros(num_samples, np.int16), np.zeros(num_samples, np.int64)
+    res["megatron_blend_s"], _ = best_of(repeat, lambda: helpers.build_blending_indices(
+        ref_which, ref_nth, weights, len(weights), num_samples, False))
+    res["blend_identical"] = bool(np.array_equal(which, ref_which))
+
     cfg = DataConfig(data_path=[prefix], split="1,0,0", data_cache_path=os.path.join(work, "cache"))
     tok = type("Tok", (), {"vocab_size": 100_000, "eod": 0})()
 
@@ -153,6 +161,8 @@ def main() -> int:
                   f"{r['num_samples']:,} samples")
             print(f"  megalite (numpy)        {r['megalite_indices_s']:.3f} s")
             print(f"  megatron-core (C++)     {r['megatron_indices_s']:.3f} s   identical: {r['identical']}")
+            print(f"  blend 3 datasets: megalite {r['megalite_blend_s']:.3f} s, megatron-core "
+                  f"{r['megatron_blend_s']:.3f} s   identical: {r['blend_identical']}")
             print(f"  build_datasets cold     {r['build_datasets_cold_s']:.3f} s  "
                   "(open + check + hash + build + write)")
             print(f"  build_datasets warm     {r['build_datasets_warm_s']:.3f} s  (cache hit)")
