@@ -7,7 +7,7 @@ The training loop needs two calls::
                                         tokenizer=tokenizer, is_builder=rank == 0, barrier=dist.barrier)
 
 Each dataset maps an index to ``{"text": int64 array of seq_length + 1 tokens}``; a split with no
-requested samples or no documents is None. This package does not import torch.
+requested samples or no documents is None. Nothing here needs torch (samples are numpy arrays).
 """
 
 from __future__ import annotations
