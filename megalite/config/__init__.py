@@ -1,12 +1,27 @@
-"""Configs as dataclasses; their fields document and generate the command-line flags."""
+"""Configs as dataclasses; their fields document and generate the command-line flags.
 
-from megalite.config.arguments import MegaliteConfig, parse_args
-from megalite.config.model import ModelConfig
-from megalite.config.parallel import ParallelConfig
-from megalite.config.training import LoggingConfig, OptimizerConfig, TrainingConfig
-from megalite.config.validate import ConfigError, validate
+Names are resolved lazily so that ``megalite.config.flags`` (used by every config dataclass, also the
+data package's) can be imported without pulling in the full run config and its dependencies.
+"""
 
-__all__ = [
-    "ConfigError", "LoggingConfig", "MegaliteConfig", "ModelConfig", "OptimizerConfig", "ParallelConfig",
-    "TrainingConfig", "parse_args", "validate",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "MegaliteConfig": "megalite.config.arguments", "parse_args": "megalite.config.arguments",
+    "ModelConfig": "megalite.config.model", "ParallelConfig": "megalite.config.parallel",
+    "LoggingConfig": "megalite.config.training", "OptimizerConfig": "megalite.config.training",
+    "TrainingConfig": "megalite.config.training", "CheckpointConfig": "megalite.config.training",
+    "PrecisionConfig": "megalite.config.precision", "DDPConfig": "megalite.config.precision",
+    "ConfigError": "megalite.config.validate", "validate": "megalite.config.validate",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'megalite.config' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

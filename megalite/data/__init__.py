@@ -14,8 +14,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-# megalite.config imports DataConfig from here; importing it first keeps either import order working.
-import megalite.config  # noqa: F401
 from megalite.data.config import DataConfig
 from megalite.data.tokenizer import Tokenizer, build_tokenizer
 
