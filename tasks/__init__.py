@@ -1,0 +1,1 @@
+"""Zero-shot evaluation tasks (``python tasks/main.py --help``); the logic lives in megalite/inference/."""
