@@ -9,16 +9,19 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+# Eager: the function shadows its submodule's name, and validate.py imports nothing heavy.
+from megalite.config.validate import ConfigError as ConfigError
+from megalite.config.validate import validate as validate
+
 _EXPORTS = {
     "MegaliteConfig": "megalite.config.arguments", "parse_args": "megalite.config.arguments",
     "ModelConfig": "megalite.config.model", "ParallelConfig": "megalite.config.parallel",
     "LoggingConfig": "megalite.config.training", "OptimizerConfig": "megalite.config.training",
     "TrainingConfig": "megalite.config.training", "CheckpointConfig": "megalite.config.training",
     "PrecisionConfig": "megalite.config.precision", "DDPConfig": "megalite.config.precision",
-    "ConfigError": "megalite.config.validate", "validate": "megalite.config.validate",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = sorted([*_EXPORTS, "ConfigError", "validate"])
 
 
 def __getattr__(name: str) -> Any:
