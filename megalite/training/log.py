@@ -29,7 +29,7 @@ def format_iteration_line(iteration: int, train_iters: int, consumed: int, elaps
         f"loss scale: {loss_scale:.1f}",
     ]
     if grad_norm is not None:
-        parts.append(f"grad norm: {grad_norm:.3f}")
+        parts.append(f"grad norm: {grad_norm:.6f}")
     if memory:
         parts.append("memory (MB): " + ", ".join(f"{k.removesuffix('_mb')} {v:.0f}" for k, v in memory.items()))
     parts += [f"number of skipped iterations: {skipped:3d}", f"number of nan iterations: {nan:3d}"]
