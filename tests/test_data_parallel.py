@@ -17,7 +17,7 @@ from megalite.distributed.grad_buffer import GradBuffer
 from megalite.optimizer.optimizer import MegaliteOptimizer
 from megalite.training.loop import pretrain
 from tests.harness import run_ranks
-from tests.tp_utils import GPT2, LLAMA_GQA, build, groups_for, mock_data
+from tests.tp_utils import GPT2, LLAMA_GQA, build, groups_for, layout_cfg, mock_data
 
 VOCAB = 500
 ITERS = 10
@@ -37,10 +37,7 @@ LAYOUTS = {
 
 
 def make_cfg(tp: int = 1, pp: int = 1, **extra) -> MegaliteConfig:
-    return MegaliteConfig.from_flat(dict(
-        MODEL, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, micro_batch_size=1,
-        global_batch_size=8, train_iters=ITERS, lr=3e-3, lr_warmup_iters=2, log_interval=5, eval_iters=0,
-        eval_interval=1000, mock_data=True, vocab_size=VOCAB, seed=1234, **extra))
+    return layout_cfg(MODEL, vocab=VOCAB, iters=ITERS, tp=tp, pp=pp, **extra)
 
 
 def _run(rank: int, world: int) -> dict:

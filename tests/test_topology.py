@@ -22,7 +22,7 @@ from megalite.parallel.layout import RankLayout
 from megalite.parallel.report import announce_layout, placement_warnings
 from megalite.training.loop import pretrain
 from tests.harness import run_ranks
-from tests.tp_utils import LLAMA_GQA, mock_data
+from tests.tp_utils import LLAMA_GQA, layout_cfg, mock_data
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -143,10 +143,7 @@ LAYOUTS = {
 
 
 def make_cfg(tp: int = 1, pp: int = 1, **extra) -> MegaliteConfig:
-    return MegaliteConfig.from_flat(dict(
-        MODEL, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, micro_batch_size=1,
-        global_batch_size=8, train_iters=ITERS, lr=3e-3, lr_warmup_iters=2, log_interval=5, eval_iters=0,
-        eval_interval=1000, mock_data=True, vocab_size=VOCAB, seed=1234, **extra))
+    return layout_cfg(MODEL, vocab=VOCAB, iters=ITERS, tp=tp, pp=pp, **extra)
 
 
 def _run(rank: int, world: int) -> dict:
