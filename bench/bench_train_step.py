@@ -10,6 +10,7 @@ blocks (median), so it is measured under the same load as the steps.
 
     python bench/bench_train_step.py                # eager
     python bench/bench_train_step.py --compile      # also torch.compile of each model
+    python bench/bench_train_step.py --device cuda --dtype bf16   # on a GPU (pure bf16 on both sides)
 """
 
 from __future__ import annotations
@@ -35,12 +36,19 @@ from megalite.training.flops import training_flops  # noqa: E402
 
 LAYERS, HIDDEN, HEADS, VOCAB, MICRO_BATCH, SEQ = 6, 384, 6, 8192, 8, 256
 OPT = OptimizerConfig(lr=1e-4, weight_decay=0.01)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
-    """The update megalite's optimizer runs on CPU: torch's foreach AdamW, no decay on biases and norms.
+    """torch's foreach AdamW (what megalite's optimizer runs on CPU), no decay on biases and norms.
 
-    Built the same way for both models so that only the models differ."""
+    Built the same way for both models so that only the models differ; parameters stay in the
+    benchmark's dtype (no fp32 main copy) on both sides."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.ndim > 1], "weight_decay": OPT.weight_decay},
               {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0}]
@@ -48,36 +56,43 @@ def adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
                              foreach=True)
 
 
-def matmul_peak_gflops(sizes: tuple[int, ...] = (2048, 3072, 4096), reps: int = 2) -> float:
-    """Best fp32 GFLOP/s of large square matmuls on the current thread count."""
+def matmul_peak_gflops(device: torch.device, dtype: torch.dtype, sizes: tuple[int, ...] = (2048, 3072, 4096),
+                       reps: int = 2) -> float:
+    """Best GFLOP/s of large square matmuls (on CPU: on the current thread count)."""
+    if device.type == "cuda":
+        sizes, reps = (4096, 8192), 20  # one matmul is too short to time on a GPU
     best = 0.0
     for n in sizes:
-        a, b = torch.randn(n, n), torch.randn(n, n)
-        out = torch.empty(n, n)
+        a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+        out = torch.empty(n, n, device=device, dtype=dtype)
         torch.mm(a, b, out=out)  # warm-up
-        for _ in range(reps):
+        for _ in range(2):
+            synchronize(device)
             t0 = time.perf_counter()
-            torch.mm(a, b, out=out)
-            best = max(best, 2 * n**3 / (time.perf_counter() - t0) / 1e9)
+            for _ in range(reps if device.type == "cuda" else 1):
+                torch.mm(a, b, out=out)
+            synchronize(device)
+            per = (time.perf_counter() - t0) / (reps if device.type == "cuda" else 1)
+            best = max(best, 2 * n**3 / per / 1e9)
     return best
 
 
-def megalite_step(compile_model: bool) -> Callable[[], None]:
+def megalite_step(compile_model: bool, device: torch.device, dtype: torch.dtype) -> Callable[[], None]:
     cfg = ModelConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, seq_length=SEQ,
                       hidden_dropout=0.0, attention_dropout=0.0)
     pg = ProcessGroups.single()
-    model = GPTModel(cfg, pg, VOCAB, model_parallel_seed(1234, 0, 0))
+    model = GPTModel(cfg, pg, VOCAB, model_parallel_seed(1234, 0, 0), dtype=dtype, device=device)
     initialize_parameters(model, pg, 1234, cfg.init_method_std, cfg.num_layers)
     model.train()
     opt = adamw(model)
     fwd = torch.compile(model) if compile_model else model
     g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, VOCAB, (MICRO_BATCH, SEQ + 1), generator=g)
-    mb = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": torch.ones(MICRO_BATCH, SEQ)}
+    tokens = torch.randint(0, VOCAB, (MICRO_BATCH, SEQ + 1), generator=g).to(device)
+    mb = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": torch.ones(MICRO_BATCH, SEQ, device=device)}
 
     def step() -> None:
         per_token = fwd(mb["tokens"], labels=mb["labels"])  # [b, s]
-        loss = (per_token * mb["loss_mask"]).sum() / mb["loss_mask"].sum()  # the training loop's lm loss
+        loss = (per_token.float() * mb["loss_mask"]).sum() / mb["loss_mask"].sum()  # the loop's lm loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -85,20 +100,20 @@ def megalite_step(compile_model: bool) -> Callable[[], None]:
     return step
 
 
-def hf_step(compile_model: bool) -> Callable[[], None]:
+def hf_step(compile_model: bool, device: torch.device, dtype: torch.dtype) -> Callable[[], None]:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     cfg = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS,
                      activation_function="gelu", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                      bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1, attn_implementation="sdpa")
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(cfg)
+    model = GPT2LMHeadModel(cfg).to(device=device, dtype=dtype)
     assert model.config._attn_implementation == "sdpa", model.config._attn_implementation
     model.train()
     opt = adamw(model)
     fwd = torch.compile(model) if compile_model else model
     g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, VOCAB, (MICRO_BATCH, SEQ), generator=g)
+    tokens = torch.randint(0, VOCAB, (MICRO_BATCH, SEQ), generator=g).to(device)
 
     def step() -> None:
         loss = fwd(input_ids=tokens, labels=tokens).loss  # HF shifts the labels inside
@@ -137,7 +152,8 @@ class Contention:
 
 
 def run(steps: dict[str, Callable[[], None]], warmup: int, rounds: int, max_rounds: int, per_block: int,
-        quiet: float) -> tuple[dict[str, list[float]], list[float], int, int]:
+        quiet: float, device: torch.device, dtype: torch.dtype
+        ) -> tuple[dict[str, list[float]], list[float], int, int]:
     """Rounds of one block of ``per_block`` steps per candidate (order reversed every other round), each
     opened by a matmul-peak probe so the peak is measured under the same load as its steps.
 
@@ -154,13 +170,15 @@ def run(steps: dict[str, Callable[[], None]], warmup: int, rounds: int, max_roun
     r = 0
     while r < max_rounds and len(kept_peaks) < rounds:
         with Contention() as c:
-            peak = matmul_peak_gflops()
+            peak = matmul_peak_gflops(device, dtype)
         others, this = [c.others], {}
         for name in (list(steps) if r % 2 == 0 else list(reversed(steps))):  # A B, B A, ...
             with Contention() as c:
+                synchronize(device)
                 t0 = time.perf_counter()
                 for _ in range(per_block):
                     steps[name]()
+                synchronize(device)
                 this[name] = (time.perf_counter() - t0) / per_block
             others.append(c.others)
         for name, t in this.items():
@@ -186,22 +204,28 @@ def main() -> None:
                     help="a round counts if other processes used fewer cores than this during each block")
     ap.add_argument("--steps", type=int, default=2, help="timed steps per block")
     ap.add_argument("--compile", action="store_true", help="also measure torch.compile of each model")
+    ap.add_argument("--device", default="cpu", help="cpu (the reference figures) or cuda")
+    ap.add_argument("--dtype", default="fp32", choices=list(DTYPES),
+                    help="parameter and activation dtype of both models (and of the matmul-peak probe)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    device, dtype = torch.device(args.device), DTYPES[args.dtype]
 
-    steps = {"HF eager": hf_step(False), "megalite eager": megalite_step(False)}
+    steps = {"HF eager": hf_step(False, device, dtype), "megalite eager": megalite_step(False, device, dtype)}
     if args.compile:
-        steps |= {"HF compiled": hf_step(True), "megalite compiled": megalite_step(True)}
-    times, peaks, tried, quiet = run(steps, args.warmup, args.rounds, args.max_rounds, args.steps, args.quiet)
+        steps |= {"HF compiled": hf_step(True, device, dtype), "megalite compiled": megalite_step(True, device, dtype)}
+    times, peaks, tried, quiet = run(steps, args.warmup, args.rounds, args.max_rounds, args.steps, args.quiet,
+                                     device, dtype)
 
     mcfg = ModelConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, seq_length=SEQ)
     tokens = MICRO_BATCH * SEQ
     flops = training_flops(mcfg, VOCAB, SEQ, tokens)
     med = statistics.median
     base = times["HF eager"]
-    print(f"torch {torch.__version__}, {args.threads} threads; {flops / 1e9:.1f} GFLOP per step "
-          f"({MICRO_BATCH}x{SEQ} tokens); {args.steps} steps per block; fp32 matmul peak {med(peaks):.0f} GFLOP/s "
-          f"(median of rounds, max {max(peaks):.0f})")
+    where = (torch.cuda.get_device_name(device) if device.type == "cuda" else f"{args.threads} CPU threads")
+    print(f"torch {torch.__version__}, {where}, {args.dtype}; {flops / 1e9:.1f} GFLOP per step "
+          f"({MICRO_BATCH}x{SEQ} tokens); {args.steps} steps per block; {args.dtype} matmul peak "
+          f"{med(peaks):.0f} GFLOP/s (median of rounds, max {max(peaks):.0f})")
     if quiet >= args.rounds:
         print(f"{quiet} of {tried} rounds were quiet (other processes < {args.quiet} cores) and are reported")
     else:
