@@ -26,6 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     pg = init_distributed(cfg)
     try:
         pretrain(cfg, pg)
+        pg.barrier()  # every rank done communicating before any rank tears its connections down
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -108,6 +108,8 @@ def run(argv: list[str] | None = None, say=print):
             with open(task_args.results_json, "w") as f:
                 json.dump({"task": task_args.task, "load": p.load, "iteration": p.iteration,
                            "tp": pg.tp_size, "pp": pg.pp_size, "dp": pg.dp_size, **result.as_dict()}, f, indent=1)
+        if created and dist.is_initialized():
+            dist.barrier()  # every rank done communicating before any tears its connections down
         return result
     finally:
         if created and dist.is_initialized():

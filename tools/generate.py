@@ -101,6 +101,8 @@ def run(argv: list[str] | None = None, say=print):
                 with open(args.output_json, "w") as f:
                     json.dump([{"prompt": t, "prompt_tokens": x, "tokens": r, "text": s}
                                for t, x, r, s in zip(texts, prompts, result.tokens, samples)], f, indent=1)
+        if created and dist.is_initialized():
+            dist.barrier()  # every rank done communicating before any tears its connections down
         return result
     finally:
         if created and dist.is_initialized():
