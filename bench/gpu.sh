@@ -23,4 +23,4 @@ python pretrain_gpt.py "${COMMON[@]}" --num-layers 24 --hidden-size 1024 --num-a
   --micro-batch-size 8 --global-batch-size 32 --train-iters 30 --bf16 --log-interval 10 \
   2>&1 | tee "$OUT/mfu_bf16.log" | grep -E "iteration +(10|20|30)/"
 # 3. step benchmark against Hugging Face (bf16 on the GPU)
-python bench/bench_train_step.py 2>&1 | tee "$OUT/train_step.log" | tail -15
+python bench/bench_train_step.py --device cuda --dtype bf16 2>&1 | tee "$OUT/train_step.log" | tail -15
