@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import sys
 
-import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from megalite.config import ConfigError, parse_args, validate
 from megalite.training.loop import pretrain
-from megalite.training.setup import init_distributed, launcher_env
+from megalite.training.setup import distributed_run, launcher_env
 
 
 @record  # under torchrun, a failing rank's traceback goes to the elastic error file with its rank
@@ -23,13 +22,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"pretrain_gpt.py: error: {e}", file=sys.stderr)
         return 2
-    pg = init_distributed(cfg)
-    try:
+    with distributed_run(cfg) as pg:
         pretrain(cfg, pg)
-        pg.barrier()  # every rank done communicating before any rank tears its connections down
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
     return 0
 
 

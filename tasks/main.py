@@ -21,7 +21,6 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch.distributed as dist  # noqa: E402
 
 from megalite.config.validate import ConfigError  # noqa: E402
 from megalite.inference.evaluation import (  # noqa: E402
@@ -33,7 +32,7 @@ from megalite.inference.evaluation import (  # noqa: E402
     read_lambada,
 )
 from megalite.inference.loading import InferencePlan, inference_parser, last_rank, load_model, plan  # noqa: E402
-from megalite.training.setup import init_distributed, launcher_env  # noqa: E402
+from megalite.training.setup import distributed_run, launcher_env  # noqa: E402
 
 TASKS = ("WIKITEXT103", "LAMBADA")
 
@@ -90,9 +89,7 @@ def run(argv: list[str] | None = None, say=print):
     _, world, _, _ = launcher_env()
     p = plan(given, world)
     data = prepare(task_args, p)
-    created = world > 1 and not dist.is_initialized()
-    pg = init_distributed(p.cfg)
-    try:
+    with distributed_run(p.cfg) as pg:
         chunks = load_model(p, pg)
         mbs, seq, pad = p.cfg.training.micro_batch_size, p.cfg.model.seq_length, p.tokenizer.eod
         talk = say if last_rank(pg) else (lambda s: None)
@@ -108,12 +105,7 @@ def run(argv: list[str] | None = None, say=print):
             with open(task_args.results_json, "w") as f:
                 json.dump({"task": task_args.task, "load": p.load, "iteration": p.iteration,
                            "tp": pg.tp_size, "pp": pg.pp_size, "dp": pg.dp_size, **result.as_dict()}, f, indent=1)
-        if created and dist.is_initialized():
-            dist.barrier()  # every rank done communicating before any tears its connections down
-        return result
-    finally:
-        if created and dist.is_initialized():
-            dist.destroy_process_group()
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,13 +21,12 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch.distributed as dist  # noqa: E402
 
 from megalite.config.validate import ConfigError  # noqa: E402
 from megalite.inference.generation import GenerationError, check_lengths, generate  # noqa: E402
 from megalite.inference.loading import inference_parser, last_rank, load_model, plan  # noqa: E402
 from megalite.inference.sampling import SamplingParams  # noqa: E402
-from megalite.training.setup import init_distributed, launcher_env  # noqa: E402
+from megalite.training.setup import distributed_run, launcher_env  # noqa: E402
 
 
 def build_parser():
@@ -77,9 +76,7 @@ def run(argv: list[str] | None = None, say=print):
     except ValueError as e:
         raise ConfigError(str(e)) from None
     seed = p.cfg.training.seed
-    created = world > 1 and not dist.is_initialized()
-    pg = init_distributed(p.cfg)
-    try:
+    with distributed_run(p.cfg) as pg:
         chunks = load_model(p, pg)
         start = time.perf_counter()
         result = generate(chunks, pg, prompts, args.max_new_tokens, params, seed=seed,
@@ -101,12 +98,7 @@ def run(argv: list[str] | None = None, say=print):
                 with open(args.output_json, "w") as f:
                     json.dump([{"prompt": t, "prompt_tokens": x, "tokens": r, "text": s}
                                for t, x, r, s in zip(texts, prompts, result.tokens, samples)], f, indent=1)
-        if created and dist.is_initialized():
-            dist.barrier()  # every rank done communicating before any tears its connections down
-        return result
-    finally:
-        if created and dist.is_initialized():
-            dist.destroy_process_group()
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -62,6 +64,20 @@ def init_distributed(cfg: MegaliteConfig) -> ProcessGroups:
     pg = ProcessGroups.build(layout, rank, p.distributed_timeout_minutes, hierarchical_dp=p.hierarchical_dp_reduce)
     announce_layout(pg, p.print_layout)  # rank 0: --print-layout table, TP-across-nodes warnings
     return pg
+
+
+@contextlib.contextmanager
+def distributed_run(cfg: MegaliteConfig) -> Iterator[ProcessGroups]:
+    """init_distributed() for an entry point. After the body succeeds every rank meets at a barrier,
+    so no rank tears down connections another still uses; the group is destroyed if this call made it."""
+    created = not dist.is_initialized()
+    pg = init_distributed(cfg)
+    try:
+        yield pg
+        pg.barrier()
+    finally:
+        if created and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def build_model(cfg: MegaliteConfig, pg: ProcessGroups, vocab_size: int, tracker: RNGTracker,
