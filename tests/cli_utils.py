@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -30,3 +31,11 @@ def losses(proc: subprocess.CompletedProcess) -> dict[int, tuple[float, float]]:
     found = {int(m[1]): (float(m[2]), float(m[3]) if m[3] else None) for m in LOSS.finditer(proc.stdout)}
     assert found, f"no log lines in:\n{proc.stdout[-2000:]}"
     return found
+
+
+def load_tool(name: str):
+    """Import tools/NAME.py (the tools are scripts, not a package) as a module."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

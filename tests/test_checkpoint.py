@@ -47,7 +47,7 @@ LAYOUTS = {
 }
 
 
-def _layout_run(rank, world, name, root, **kw):
+def _layout_run(rank, world, name, **kw):
     tp, pp, extra = LAYOUTS[name]
     n = 1 if name == "serial" else world
     if n == 1 and rank != 0:
@@ -60,11 +60,11 @@ def _resume_and_reshard(rank: int, world: int, root: str) -> dict:
     out = {}
     src = os.path.join(root, "src")
     # The source layout: 20 straight, and 10 saved then resumed for 10 more.
-    out["straight"] = _layout_run(rank, world, "tp2_dp2_distopt", root)
-    _layout_run(rank, world, "tp2_dp2_distopt", root, exit_interval=10, save=src)
-    out["resumed"] = _layout_run(rank, world, "tp2_dp2_distopt", root, load=src, save=os.path.join(root, "again"))
+    out["straight"] = _layout_run(rank, world, "tp2_dp2_distopt")
+    _layout_run(rank, world, "tp2_dp2_distopt", exit_interval=10, save=src)
+    out["resumed"] = _layout_run(rank, world, "tp2_dp2_distopt", load=src, save=os.path.join(root, "again"))
     for name in ("serial", "pp2_dp2", "tp2_pp2", "dp4_distopt"):
-        out[name] = _layout_run(rank, world, name, root, load=src)
+        out[name] = _layout_run(rank, world, name, load=src)
     return out
 
 

@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -28,6 +27,7 @@ from megalite.model.gpt import GPTModel
 from megalite.parallel.groups import ProcessGroups
 from megalite.tensor_parallel.random import RNGTracker
 from megalite.training.loop import pretrain
+from tests.cli_utils import load_tool
 from tests.harness import run_ranks
 from tests.tp_utils import LLAMA_GQA, groups_for, mock_data
 
@@ -44,14 +44,7 @@ TARGETS = {
 }
 
 
-def _tool():
-    spec = importlib.util.spec_from_file_location("convert_checkpoint", TOOL)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-convert = _tool().main
+convert = load_tool("convert_checkpoint").main
 
 
 def make_cfg(tp=1, pp=1, iters=6, **extra) -> MegaliteConfig:

@@ -11,7 +11,6 @@ Models are built from configs; nothing is downloaded."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 
@@ -26,6 +25,7 @@ from megalite.inference.generation import GenerationError, generate
 from megalite.inference.kv_cache import KVCache
 from megalite.inference.sampling import SamplingParams, filter_logits, sample
 from megalite.parallel.groups import ProcessGroups
+from tests.cli_utils import load_tool
 from tests.harness import run_ranks
 from tests.tp_utils import GPT2, LLAMA_GQA, build
 
@@ -50,13 +50,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-def load_tool(name: str):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "tools", f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def perturbed_model(flags: dict, vocab: int = VOCAB, seed: int = 0):

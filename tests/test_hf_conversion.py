@@ -8,7 +8,6 @@ Models are built from configs; nothing is downloaded."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -28,6 +27,7 @@ from megalite.config.arguments import MegaliteConfig
 from megalite.tensor_parallel.random import model_parallel_seed
 from megalite.training.loop import pretrain
 from megalite.training.setup import build_model
+from tests.cli_utils import load_tool
 from tests.harness import run_ranks
 from tests.tp_utils import GPT2, LLAMA_GQA, groups_for, mock_data
 
@@ -52,14 +52,7 @@ SAVED = {
 IMPORTED = ("gpt2", "llama_gqa")  # HF models imported at TP=2 PP=2
 
 
-def _tool():
-    spec = importlib.util.spec_from_file_location("convert_checkpoint", TOOL)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-convert = _tool().main
+convert = load_tool("convert_checkpoint").main
 
 
 def make_cfg(model: dict, tp: int, pp: int, iters: int = 2, **extra) -> MegaliteConfig:

@@ -66,13 +66,9 @@ def test_simulator_reports_deadlock():
 
 
 def test_timeline_tool_draws_table_and_reports_bubble(tmp_path):
-    import importlib.util
+    from tests.cli_utils import load_tool
 
-    from tests.cli_utils import ROOT
-
-    spec = importlib.util.spec_from_file_location("plot_tl", ROOT / "tools" / "plot_pipeline_timeline.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = load_tool("plot_pipeline_timeline")
     events = tool.from_table(4, 2, 8, "1f1b")
     assert tool.bubble(events) == pytest.approx(3 / 16)
     out = tmp_path / "t.png"
