@@ -16,6 +16,7 @@ from megalite.checkpointing.reader import CheckpointError
 from megalite.config import validate
 from megalite.config.arguments import MegaliteConfig
 from megalite.training.loop import pretrain
+from tests.asserts import assert_rel_close
 from tests.harness import run_ranks
 from tests.tp_utils import LLAMA_GQA, groups_for, mock_data
 
@@ -84,8 +85,7 @@ def test_reshard_continues_the_loss_curve(runs, layout):
     want = runs[0]["straight"][10:]
     got = runs[0][layout] if layout == "serial" else runs[3][layout]
     assert len(got) == 10
-    worst = max(abs(a - b) / b for a, b in zip(got, want))
-    assert worst <= 1e-5, f"{layout}: {got} vs {want}"
+    assert_rel_close(got, want, 1e-5, layout)
 
 
 # ---- single-process checks of files and errors ------------------------------------------------

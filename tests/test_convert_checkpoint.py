@@ -27,6 +27,7 @@ from megalite.model.gpt import GPTModel
 from megalite.parallel.groups import ProcessGroups
 from megalite.tensor_parallel.random import RNGTracker
 from megalite.training.loop import pretrain
+from tests.asserts import assert_rel_close
 from tests.cli_utils import load_tool
 from tests.harness import run_ranks
 from tests.tp_utils import LLAMA_GQA, groups_for, mock_data
@@ -107,8 +108,7 @@ def test_training_from_offline_reshard_continues_the_loss_curve(runs, name):
     offline, online, straight = last[f"{name}/offline"], last[f"{name}/online"], last["straight"][3:]
     assert len(offline) == 3
     assert offline == online  # the same tensors loaded: bitwise the online reshard
-    worst = max(abs(a - b) / b for a, b in zip(offline, straight))
-    assert worst <= 1e-5, f"{name}: {offline} vs {straight}"
+    assert_rel_close(offline, straight, 1e-5, name)
 
 
 def test_reshard_command_weights_only(runs, tmp_path):

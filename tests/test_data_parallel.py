@@ -16,6 +16,7 @@ from megalite.distributed.finalize import finalize_grads
 from megalite.distributed.grad_buffer import GradBuffer
 from megalite.optimizer.optimizer import MegaliteOptimizer
 from megalite.training.loop import pretrain
+from tests.asserts import assert_rel_close
 from tests.harness import run_ranks
 from tests.tp_utils import GPT2, LLAMA_GQA, build, groups_for, layout_cfg, mock_data
 
@@ -72,9 +73,7 @@ def curves() -> list[dict]:
 def test_dp_loss_curve_and_grad_norm_match_serial(curves, layout):
     for rank, c in enumerate(curves):
         for i, name in enumerate(("loss", "grad norm")):
-            got, want = c[layout][i], c["serial"][i]
-            worst = max(abs(a - b) / abs(b) for a, b in zip(got, want))
-            assert worst <= 1e-5, f"rank {rank} {layout} {name}: {got} vs serial {want}"
+            assert_rel_close(c[layout][i], c["serial"][i], 1e-5, f"rank {rank} {layout} {name} vs serial")
 
 
 def test_gradient_buffer_reduced_once_per_step(curves):

@@ -11,6 +11,7 @@ from megalite.config.arguments import MegaliteConfig
 from megalite.config.model import ModelConfig
 from megalite.model.activation_memory import bytes_per_layer
 from megalite.training.loop import pretrain
+from tests.asserts import assert_rel_close
 from tests.harness import run_ranks
 from tests.tp_utils import GPT2, groups_for, mock_data
 
@@ -62,8 +63,7 @@ def curves() -> list[dict]:
 
 def _same(got, want, what):
     for i, name in enumerate(("loss", "grad norm")):
-        worst = max(abs(a - b) / abs(b) for a, b in zip(got[i], want[i]))
-        assert worst <= 1e-5, f"{what} {name}: {got[i]} vs {want[i]}"
+        assert_rel_close(got[i], want[i], 1e-5, f"{what} {name}")
 
 
 @pytest.mark.parametrize("tp,pp", SP_LAYOUTS)

@@ -17,6 +17,7 @@ import pytest
 from megalite.config import validate
 from megalite.config.arguments import MegaliteConfig
 from megalite.training.loop import NonFiniteError, pretrain
+from tests.asserts import assert_rel_close
 from tests.cli_utils import ROOT, losses, run_pretrain
 from tests.harness import run_ranks
 from tests.tp_utils import groups_for, mock_data
@@ -103,7 +104,7 @@ def test_killed_worker_restarts_and_ends_on_the_same_loss(tmp_path):
     final = [line for line in text.splitlines() if "iteration       60/" in line]
     assert final, text[-2000:]
     loss = float(final[-1].split("lm loss: ")[1].split(" ")[0])
-    assert abs(loss - straight[60][0]) <= 1e-5 * straight[60][0]
+    assert_rel_close(loss, straight[60][0], 1e-5, "iteration 60 lm loss, restarted vs straight")
 
 
 def _stuck_collective(rank: int, world: int) -> str:

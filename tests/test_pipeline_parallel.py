@@ -8,6 +8,7 @@ import pytest
 from megalite.config import validate
 from megalite.config.arguments import MegaliteConfig
 from megalite.training.loop import pretrain
+from tests.asserts import assert_rel_close
 from tests.harness import run_ranks
 from tests.tp_utils import GPT2, LLAMA_GQA, groups_for, mock_data
 
@@ -51,8 +52,7 @@ def curves() -> list[dict]:
 def _assert_same(curve, ref, what):
     for name, got, want in (("loss", curve[0], ref[0]), ("grad norm", curve[1], ref[1])):
         assert len(got) == ITERS
-        worst = max(abs(a - b) / abs(b) for a, b in zip(got, want))
-        assert worst <= 1e-5, f"{what} {name}: {got} vs serial {want}"
+        assert_rel_close(got, want, 1e-5, f"{what} {name} vs serial")
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))

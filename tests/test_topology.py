@@ -21,6 +21,7 @@ from megalite.parallel.groups import ProcessGroups
 from megalite.parallel.layout import RankLayout
 from megalite.parallel.report import announce_layout, placement_warnings
 from megalite.training.loop import pretrain
+from tests.asserts import assert_rel_close
 from tests.harness import run_ranks
 from tests.tp_utils import LLAMA_GQA, layout_cfg, mock_data
 
@@ -180,10 +181,8 @@ def curves() -> list[dict]:
 def test_hierarchical_dp_and_tp_pp_dp_mapping_match_serial(curves, layout):
     for rank, c in enumerate(curves):
         for ref in ("serial", "dp4_flat"):
-            got, want = c[layout], c[ref]
-            assert len(got) == ITERS
-            worst = max(abs(a - b) / abs(b) for a, b in zip(got, want))
-            assert worst <= 1e-5, f"rank {rank} {layout} vs {ref}: {got} vs {want}"
+            assert len(c[layout]) == ITERS
+            assert_rel_close(c[layout], c[ref], 1e-5, f"rank {rank} {layout} vs {ref}")
 
 
 def test_hierarchical_sends_one_kth_across_nodes(curves):

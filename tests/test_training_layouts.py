@@ -7,6 +7,7 @@ import pytest
 
 from megalite.config.arguments import MegaliteConfig
 from megalite.training.loop import pretrain
+from tests.asserts import assert_rel_close
 from tests.harness import run_ranks
 from tests.tp_utils import GPT2, LLAMA_GQA, groups_for, mock_data
 
@@ -46,10 +47,6 @@ def curves() -> list[dict]:
     return run_ranks(_train, 4, LAYOUTS)
 
 
-def _rel(a: float, b: float) -> float:
-    return abs(a - b) / max(abs(b), 1e-12)
-
-
 @pytest.mark.parametrize("model", ["gpt2", "llama"])
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tp_loss_curve_matches_serial(curves, model, tp):
@@ -58,10 +55,8 @@ def test_tp_loss_curve_matches_serial(curves, model, tp):
     for rank, c in enumerate(curves):
         loss, norm = c[(model, tp)]
         assert len(loss) == ITERS
-        worst = max(_rel(a, b) for a, b in zip(loss, ref_loss))
-        assert worst <= 1e-5, f"rank {rank}: loss {loss} vs serial {ref_loss}"
-        worst = max(_rel(a, b) for a, b in zip(norm, ref_norm))
-        assert worst <= 1e-5, f"rank {rank}: grad norm {norm} vs serial {ref_norm}"
+        assert_rel_close(loss, ref_loss, 1e-5, f"rank {rank}: loss vs serial")
+        assert_rel_close(norm, ref_norm, 1e-5, f"rank {rank}: grad norm vs serial")
 
 
 def test_single_process_training_reduces_loss():
