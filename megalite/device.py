@@ -74,11 +74,6 @@ def memory_stats() -> dict[str, float]:
     return {"max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0}
 
 
-def reset_peak_memory() -> None:
-    if has_cuda():
-        torch.cuda.reset_peak_memory_stats()
-
-
 def device_name() -> str:
     if has_cuda():
         return torch.cuda.get_device_name()

@@ -101,9 +101,6 @@ class GPTModel(nn.Module):
             self.embedding.word.weight.tied_embedding_copy = True
         self._rope_cache: tuple[int, torch.Tensor] | None = None
 
-    def output_weight(self) -> torch.Tensor:
-        return self.embedding.word.weight if self.output_layer is None else self.output_layer.weight
-
     def _rope(self, seq_len: int, device: torch.device, offset: int = 0) -> torch.Tensor | None:
         """Angles of positions offset..offset+seq_len-1 (each position's angles do not depend on how
         many positions were computed, so a longer cached table is sliced)."""

@@ -82,12 +82,11 @@ class ColumnParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
-        w = self.weight if weight is None else weight
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
-            y = linear_gathering_sequence(x, w, self.bias, self.pg)
+            y = linear_gathering_sequence(x, self.weight, self.bias, self.pg)
         else:
-            y = F.linear(copy_to_tp(x, self.pg), w, self.bias)
+            y = F.linear(copy_to_tp(x, self.pg), self.weight, self.bias)
         return gather_from_tp(y, self.pg) if self.gather_output else y
 
 

@@ -2,12 +2,12 @@
 
 copy_to_tp      forward identity        backward all-reduce       (entering a column-parallel GEMM)
 reduce_from_tp  forward all-reduce      backward identity         (leaving a row-parallel GEMM)
-scatter_to_tp   forward split last dim  backward all-gather
-gather_from_tp  forward all-gather      backward split last dim
+gather_from_tp  forward all-gather      backward split last dim   (a column-parallel output gathered)
 With sequence parallelism (activations split along dim 0, the sequence):
 scatter_to_sp   forward split dim 0     backward all-gather
-gather_from_sp  forward all-gather      backward reduce-scatter   (before a column-parallel GEMM)
 reduce_scatter_to_sp forward reduce-scatter backward all-gather   (after a row-parallel GEMM)
+The all-gather before a column-parallel GEMM is not here: layers.linear_gathering_sequence does it
+inside the GEMM's own autograd function, so the gathered input is not kept for backward.
 """
 
 from __future__ import annotations
@@ -66,17 +66,6 @@ class _GatherFromTP(torch.autograd.Function):
         return _split(g, ctx.pg, ctx.dim), None, None
 
 
-class _GatherFromSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, pg):
-        ctx.pg = pg
-        return pg.all_gather(x, "tp", dim=0)
-
-    @staticmethod
-    def backward(ctx, g):
-        return ctx.pg.reduce_scatter(g.contiguous(), "tp", dim=0), None
-
-
 class _ReduceScatterToSP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, pg):
@@ -96,20 +85,12 @@ def reduce_from_tp(x: torch.Tensor, pg: ProcessGroups) -> torch.Tensor:
     return _ReduceFromTP.apply(x, pg) if pg.tp_size > 1 else x
 
 
-def scatter_to_tp(x: torch.Tensor, pg: ProcessGroups, dim: int = -1) -> torch.Tensor:
-    return _ScatterToTP.apply(x, pg, dim) if pg.tp_size > 1 else x
-
-
 def gather_from_tp(x: torch.Tensor, pg: ProcessGroups, dim: int = -1) -> torch.Tensor:
     return _GatherFromTP.apply(x, pg, dim) if pg.tp_size > 1 else x
 
 
 def scatter_to_sp(x: torch.Tensor, pg: ProcessGroups) -> torch.Tensor:
     return _ScatterToTP.apply(x, pg, 0) if pg.tp_size > 1 else x
-
-
-def gather_from_sp(x: torch.Tensor, pg: ProcessGroups) -> torch.Tensor:
-    return _GatherFromSP.apply(x, pg) if pg.tp_size > 1 else x
 
 
 def reduce_scatter_to_sp(x: torch.Tensor, pg: ProcessGroups) -> torch.Tensor:
