@@ -1,4 +1,4 @@
-"""Data parallelism and the optimizer against DESIGN.md §3: bytes per parameter, DP bytes per step,
+"""Data parallelism and the optimizer against docs/design.md §3.6-3.7: bytes per parameter, DP bytes per step,
 and the step time with and without --overlap-grad-reduce.
 
 All from real runs of ``pretrain()`` on gloo ranks spawned by tests/harness.py (mock data):
@@ -57,8 +57,8 @@ MEM_MODEL = dict(num_layers=4, hidden_size=128, num_attention_heads=4, seq_lengt
 MEM_VOCAB = 1000
 PRECISIONS = {"bf16": dict(bf16=True), "fp16": dict(fp16=True, initial_loss_scale=4096.0), "fp32": {},
               "bf16, bf16 grads": dict(bf16=True, grad_reduce_in_bf16=True)}
-# Expected bytes per parameter (without, with the sharded optimizer). bf16 is Megatron's table row that
-# DESIGN.md §3 quotes; megalite's fp16 keeps fp32 gradients like bf16 (so not the table's fp16-grad row
+# Expected bytes per parameter (without, with the sharded optimizer), docs/design.md §3.6. bf16 is
+# Megatron's table row; megalite's fp16 keeps fp32 gradients like bf16 (so not the table's fp16-grad row
 # 4 + 16/d); fp32 main params are the weights themselves (Megatron's fp32 row, 16 and 8 + 8/d);
 # --grad-reduce-in-bf16 halves the gradient buffer.
 TABLE = {"bf16": (lambda d: 18.0, lambda d: 6 + 12 / d), "fp16": (lambda d: 18.0, lambda d: 6 + 12 / d),

@@ -1,4 +1,4 @@
-"""Pipeline parallelism against DESIGN.md §3: bubble fraction, P2P bytes, live activations.
+"""Pipeline parallelism against docs/design.md §3.4: bubble fraction, P2P bytes, live activations.
 
 Three measurements, each from real multi-rank runs of ``pretrain()`` (gloo ranks spawned by
 tests/harness.py, mock data, fp32 unless said otherwise, dropout 0):

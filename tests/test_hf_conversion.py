@@ -3,7 +3,7 @@
   styles) exports to a transformers model whose logits equal the megalite model's (fp32, <= 1e-4);
 - a transformers model imported at TP=2 PP=2 gives the same logits in megalite;
 - HF -> megalite -> HF returns identical tensors (and tokenizer files);
-- the QKV interleave is undone and rebuilt per KV group (DESIGN.md §4).
+- the QKV interleave is undone and rebuilt per KV group (docs/design.md §3.3).
 Models are built from configs; nothing is downloaded."""
 
 from __future__ import annotations

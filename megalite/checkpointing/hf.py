@@ -8,7 +8,7 @@ Two families, chosen from the model config:
 - Llama style (RoPE rotate-half, RMSNorm, SwiGLU, optional GQA) <-> ``LlamaForCausalLM`` with separate
   q/k/v projections and gate/up projections.
 
-megalite's fused QKV weight is Megatron's per-group interleave (DESIGN.md §4): for each of the
+megalite's fused QKV weight is Megatron's per-group interleave (docs/design.md §3.3): for each of the
 ``groups`` KV groups, its ``heads / groups`` query heads, then its key head, then its value head,
 ``head_dim`` rows each. ``split_qkv`` undoes it and ``fuse_qkv`` rebuilds it. Query head j of HF uses
 KV head j // (heads / groups), which is the group whose block holds it here, so GQA maps head for head.
