@@ -16,9 +16,9 @@ from megalite.training.setup import distributed_run, launcher_env
 @record  # under torchrun, a failing rank's traceback goes to the elastic error file with its rank
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
-    _, world, _, _ = launcher_env()
+    _, world, _, local_world = launcher_env()
     try:
-        validate(cfg, world)  # before any process group exists
+        validate(cfg, world, local_world)  # before any process group exists
     except ConfigError as e:
         print(f"pretrain_gpt.py: error: {e}", file=sys.stderr)
         return 2

@@ -34,12 +34,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch.distributed as dist  # noqa: E402
 
 from megalite.checkpointing import load_checkpoint, save_checkpoint  # noqa: E402
+from megalite.checkpointing.metadata import config_dict  # noqa: E402
 from megalite.config import validate  # noqa: E402
 from megalite.config.arguments import MegaliteConfig  # noqa: E402
 from megalite.optimizer.optimizer import MegaliteOptimizer  # noqa: E402
 from megalite.tensor_parallel.random import model_parallel_seed  # noqa: E402
 from megalite.training.loop import build_buffers  # noqa: E402
-from megalite.training.resume import model_config_dict, rng_states  # noqa: E402
+from megalite.training.resume import rng_states  # noqa: E402
 from megalite.training.setup import build_model  # noqa: E402
 from tests.harness import run_ranks  # noqa: E402
 from tests.tp_utils import groups_for  # noqa: E402
@@ -97,7 +98,7 @@ def _ranks(rank: int, world: int, a: dict, root: str) -> dict:
     tracker = model_parallel_seed(1234, pg.tp_rank, pg.pp_rank)
     chunks = build_model(cfg, pg, a["vocab"], tracker)
     optimizer = MegaliteOptimizer(build_buffers(chunks, cfg, pg), cfg, pg)
-    config = model_config_dict(cfg, a["vocab"])
+    config = config_dict(cfg.model, a["vocab"])
     out: dict = {k: [] for k in ("save", "load_cold", "load_warm", "write", "read_cold", "read_warm")}
     ckpt = os.path.join(root, "ckpt")
     for _ in range(a["repeats"]):

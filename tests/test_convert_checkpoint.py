@@ -18,8 +18,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megalite.checkpointing.offline import OPTIM_FIELDS, FullCheckpoint, config_dict, write_checkpoint
+from megalite.checkpointing.full_reader import FullCheckpoint
+from megalite.checkpointing.metadata import OPTIM_FIELDS, config_dict
 from megalite.checkpointing.paths import TRACKER
+from megalite.checkpointing.writer import write_checkpoint
 from megalite.config import validate
 from megalite.config.arguments import MegaliteConfig
 from megalite.config.model import ModelConfig

@@ -17,9 +17,10 @@ import os
 import pytest
 import torch
 
-from megalite.checkpointing.offline import config_dict, write_checkpoint
+from megalite.checkpointing.metadata import config_dict
 from megalite.checkpointing.paths import iter_dirname
-from megalite.checkpointing.save import named_params
+from megalite.checkpointing.stored import named_params
+from megalite.checkpointing.writer import write_checkpoint
 from megalite.config.model import ModelConfig
 from megalite.inference.generation import GenerationError, generate
 from megalite.inference.kv_cache import KVCache

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from megalite.checkpointing import load_checkpoint
 from megalite.checkpointing.hf import fuse_qkv, split_qkv
-from megalite.checkpointing.offline import model_config
+from megalite.checkpointing.metadata import model_config
 from megalite.checkpointing.reader import CheckpointReader
 from megalite.config import validate
 from megalite.config.arguments import MegaliteConfig

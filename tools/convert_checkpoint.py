@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from megalite.checkpointing.full_reader import FullCheckpoint  # noqa: E402
 from megalite.checkpointing.hf import (  # noqa: E402
     HFConversionError,
     architecture,
@@ -41,15 +42,12 @@ from megalite.checkpointing.hf import (  # noqa: E402
     to_hf_config,
     to_hf_state_dict,
 )
-from megalite.checkpointing.offline import (  # noqa: E402
-    FullCheckpoint,
-    layout_errors,
-    model_config,
-    reshard,
-    write_checkpoint,
-)
+from megalite.checkpointing.metadata import model_config  # noqa: E402
+from megalite.checkpointing.offline import reshard  # noqa: E402
 from megalite.checkpointing.paths import TRACKER, swap_into_place  # noqa: E402
 from megalite.checkpointing.reader import CheckpointError  # noqa: E402
+from megalite.checkpointing.writer import write_checkpoint  # noqa: E402
+from megalite.config.validate import layout_errors  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TOKENIZER_DIR = "tokenizer"  # from-hf keeps the HF tokenizer files here, to-hf exports them again

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from megalite.checkpointing.offline import config_dict, model_config
+from megalite.checkpointing.metadata import config_dict, model_config
 from megalite.config.model import ModelConfig
 
 GPT2_GELUS = {"gelu": 0.0, "gelu_new": 1e-3, "gelu_pytorch_tanh": 1e-3, "gelu_fast": 1e-3}

@@ -13,9 +13,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from megalite.checkpointing.metadata import OPTIM_FIELDS
 from megalite.checkpointing.paths import rng_filename
 from megalite.checkpointing.reader import CheckpointError, CheckpointReader
-from megalite.checkpointing.save import named_params
+from megalite.checkpointing.stored import named_params
 from megalite.parallel.groups import ProcessGroups
 
 # Model fields that change what the weights mean; the rest (dropout, init, padding) may differ.
@@ -79,23 +80,17 @@ def load_checkpoint(load_dir: str, chunks: list[nn.Module], optimizer: Any, pg: 
 
 
 def _load_optimizer(reader: CheckpointReader, chunks: list[nn.Module], optimizer: Any, pg: ProcessGroups) -> None:
+    """Each slice this rank's optimizer owns, cut from the saved tensors (read locally when TP is unchanged)."""
     key_of = {id(p): key for _, key, p in named_params(chunks)}
-    step = reader.optimizer_step()
-    for e in optimizer.entries:
-        key = key_of[id(e.param)]
-        spec = e.param.shard_spec
-        values = {}
-        for f in ("main", "exp_avg", "exp_avg_sq"):
+    slices, _ = optimizer.state_tensors()
+    values = []
+    for s in slices:
+        key, spec = key_of[id(s.param)], s.param.shard_spec
+        v = {}
+        for f in OPTIM_FIELDS:
             local = reader.local_optim(key, f, pg.tp_rank) if reader.tp == pg.tp_size else None
-            if local is None or local.shape != e.param.shape:
+            if local is None or local.shape != s.param.shape:
                 local = spec.shard(reader.full_optim(key, f, spec), pg.tp_rank, pg.tp_size)
-            values[f] = local.reshape(-1)[e.lo:e.hi]
-        e.main.copy_(values["main"])
-        if not e.alias:  # the weight is the low-precision copy of the fp32 main param
-            e.param.data.view(-1)[e.lo:e.hi].copy_(e.main)
-        state = optimizer.adam.state[e.main]
-        state["step"] = torch.tensor(step, dtype=torch.float32)
-        state["exp_avg"] = values["exp_avg"].to(e.main.device).clone()
-        state["exp_avg_sq"] = values["exp_avg_sq"].to(e.main.device).clone()
-    if step == 0:
-        optimizer.adam.state.clear()
+            v[f] = local.reshape(-1)[s.lo:s.hi]
+        values.append(v)
+    optimizer.load_state_tensors(values, reader.optimizer_step())

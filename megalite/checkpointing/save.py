@@ -9,51 +9,27 @@ import shutil
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 
-from megalite import __version__, device
+from megalite import device
+from megalite.checkpointing.metadata import OPTIM_FIELDS, layout_meta, save_tensors, write_metadata
 from megalite.checkpointing.paths import commit, optim_filename, rng_filename, shard_dirname, staging_dir
+from megalite.checkpointing.stored import named_params
 from megalite.parallel.groups import ProcessGroups
-
-FORMAT_VERSION = 1
-
-
-def checkpoint_key(name: str, param: nn.Parameter) -> str:
-    """The layout-free name a parameter is stored under (the last stage's tied embedding copy is the
-    embedding itself, stored once by the first stage)."""
-    return getattr(param, "init_name", name)
-
-
-def named_params(chunks: list[nn.Module]) -> list[tuple[str, str, nn.Parameter]]:
-    """(module name, checkpoint key, parameter) of every parameter of this rank's chunks."""
-    return [(n, checkpoint_key(n, p), p) for c in chunks for n, p in c.named_parameters()]
-
-
-def _save(tensors: dict[str, torch.Tensor], path: str, metadata: dict[str, str] | None = None) -> str:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    save_file({k: v.detach().contiguous().cpu().clone() for k, v in tensors.items()}, path, metadata=metadata)
-    with open(path, "rb") as f:  # durable before the commit renames the directory
-        os.fsync(f.fileno())
-    return path
 
 
 def optimizer_tensors(chunks: list[nn.Module], optimizer: Any) -> tuple[dict[str, torch.Tensor], dict]:
     """fp32 main params and Adam moments of the flat slices this rank owns, with their regions."""
     key_of = {id(p): k for n, k, p in named_params(chunks) if n == k}
+    slices, step = optimizer.state_tensors()
     tensors: dict[str, torch.Tensor] = {}
     regions: dict[str, list] = {}
-    step = 0.0
-    for e in optimizer.entries:
-        key = key_of.get(id(e.param))
+    for s in slices:
+        key = key_of.get(id(s.param))
         if key is None:  # the tied copy: its state equals the embedding's, stored by the first stage
             continue
-        state = optimizer.adam.state.get(e.main, {})
-        tensors[f"{key}/main"] = e.main
-        for field in ("exp_avg", "exp_avg_sq"):
-            tensors[f"{key}/{field}"] = state.get(field, torch.zeros_like(e.main))
-        step = float(state.get("step", step))
-        regions[key] = [e.lo, e.hi, list(e.param.shape)]
+        tensors.update({f"{key}/{field}": s.tensors[field] for field in OPTIM_FIELDS})
+        regions[key] = [s.lo, s.hi, list(s.param.shape)]
     return tensors, {"regions": regions, "step": step}
 
 
@@ -70,21 +46,19 @@ def save_checkpoint(save_dir: str, iteration: int, chunks: list[nn.Module], opti
     shard = os.path.join(staged, shard_dirname(pg.tp_rank, pg.pp_rank))
     if pg.dp_rank == 0:  # weights are identical over DP
         weights = {k: p for n, k, p in named_params(chunks) if n == k}
-        _save(weights, os.path.join(shard, "model.safetensors"), {"format": "megalite-model"})
+        save_tensors(weights, os.path.join(shard, "model.safetensors"), {"format": "megalite-model"})
     if optimizer is not None and (optimizer.distributed or pg.dp_rank == 0):
         tensors, meta = optimizer_tensors(chunks, optimizer)
-        _save(tensors, os.path.join(shard, optim_filename(pg.dp_rank if optimizer.distributed else 0)),
-              {"format": "megalite-optim", "meta": json.dumps(meta)})
-    _save(rng_states, os.path.join(staged, rng_filename(pg.rank)))
+        save_tensors(tensors, os.path.join(shard, optim_filename(pg.dp_rank if optimizer.distributed else 0)),
+                     {"format": "megalite-optim", "meta": json.dumps(meta)})
+    save_tensors(rng_states, os.path.join(staged, rng_filename(pg.rank)))
     if pg.rank == 0:
-        layout = pg.layout
-        meta = {"format_version": FORMAT_VERSION, "megalite_version": __version__, "iteration": iteration,
-                "layout": {"world_size": layout.world_size, "tp": layout.tp, "pp": layout.pp, "dp": layout.dp,
-                           "vp": len(chunks), "order": layout.order,
-                           "distributed_optimizer": bool(optimizer is not None and optimizer.distributed)},
-                "config": config, "state": state, "device": device.device_type(), **(extra_meta or {})}
-        with open(os.path.join(staged, "metadata.json"), "w") as f:
-            json.dump(meta, f, indent=1, default=str)
+        lay = pg.layout
+        sharded = bool(optimizer is not None and optimizer.distributed)
+        layout = layout_meta(world_size=lay.world_size, tp=lay.tp, pp=lay.pp, dp=lay.dp, vp=len(chunks),
+                             order=lay.order, distributed_optimizer=sharded)
+        write_metadata(staged, iteration=iteration, layout=layout, config=config, state=state,
+                       device=device.device_type(), extra=extra_meta)
     pg.barrier()
     if pg.rank == 0:
         commit(save_dir, iteration)

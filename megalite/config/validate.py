@@ -1,6 +1,11 @@
 """Every rule a flag combination must satisfy, checked before any process group exists.
 
-Each message names the flags and the rule, so the user can fix the command line without reading code.
+One function per config section returns the messages of the rules it breaks (pure: nothing is
+changed); ``validate`` runs them all, raises one ConfigError listing every message, and only then
+fills in the derived defaults (``fill_derived_defaults``). The layout rules (how a model is cut over
+TP/PP/VP, what a world size allows) are ``layout_errors`` and ``world_errors``, shared with the
+offline resharder and inference loading. Each message names the flags and the rule, so the user can
+fix the command line without reading code.
 """
 
 from __future__ import annotations
@@ -9,25 +14,110 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from megalite.config.arguments import MegaliteConfig
+    from megalite.config.model import ModelConfig
+    from megalite.config.precision import DDPConfig, PrecisionConfig
+    from megalite.config.training import CheckpointConfig, LoggingConfig, OptimizerConfig
+    from megalite.data.config import DataConfig
 
 
 class ConfigError(ValueError):
     """An invalid flag combination; the message lists every broken rule."""
 
 
-def _divides(errors: list[str], a: int, a_flag: str, b: int, b_flag: str) -> None:
-    if b <= 0 or a % b:
-        errors.append(f"{a_flag} ({a}) must be divisible by {b_flag} ({b})")
+def _raise_if(errors: list[str]) -> None:
+    if errors:
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
 
 
-def _hierarchical_errors(cfg: "MegaliteConfig", world_size: int, local_world_size: int | None) -> list[str]:
+def data_parallel_size(cfg: "MegaliteConfig", world_size: int) -> int:
+    p = cfg.parallel
+    return max(world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size
+                              * p.context_parallel_size), 1)
+
+
+def positive_errors(cfg: "MegaliteConfig") -> list[str]:
+    """Sizes every other rule divides by: checked first, alone."""
+    m, p, t = cfg.model, cfg.parallel, cfg.training
+    return [f"{flag} must be positive, got {value}" for flag, value in [
+        ("--num-layers", m.num_layers), ("--hidden-size", m.hidden_size),
+        ("--num-attention-heads", m.num_attention_heads), ("--seq-length", m.seq_length),
+        ("--tensor-model-parallel-size", p.tensor_model_parallel_size),
+        ("--pipeline-model-parallel-size", p.pipeline_model_parallel_size),
+        ("--micro-batch-size", t.micro_batch_size), ("--train-iters", t.train_iters),
+        ("--log-interval", t.log_interval), ("--eval-interval", t.eval_interval)] if value <= 0]
+
+
+def model_errors(m: "ModelConfig") -> list[str]:
+    """The model's own shape, whatever the layout."""
+    errors = []
+    if m.hidden_size % m.num_attention_heads:
+        errors.append(f"--hidden-size ({m.hidden_size}) must be divisible by --num-attention-heads "
+                      f"({m.num_attention_heads})")
+    if m.group_query_attention and not m.num_query_groups:
+        errors.append("--group-query-attention needs --num-query-groups")
+    groups = m.num_query_groups or m.num_attention_heads
+    if m.num_attention_heads % groups:
+        errors.append(f"--num-attention-heads ({m.num_attention_heads}) must be divisible by "
+                      f"--num-query-groups ({groups})")
+    if m.position_embedding_type == "learned_absolute" and m.seq_length > m.max_position_embeddings:
+        errors.append(f"--seq-length ({m.seq_length}) must be <= --max-position-embeddings "
+                      f"({m.max_position_embeddings}) with learned absolute positions")
+    if m.position_embedding_type == "rope" and m.kv_channels and int(m.kv_channels * m.rotary_percent) % 2:
+        errors.append(f"--rotary-percent x head dim ({m.kv_channels}) must be even for RoPE")
+    for flag, value in [("--hidden-dropout", m.hidden_dropout), ("--attention-dropout", m.attention_dropout)]:
+        if not 0.0 <= value < 1.0:
+            errors.append(f"{flag} must be in [0, 1), got {value}")
+    if m.recompute_num_layers <= 0:
+        errors.append("--recompute-num-layers must be positive")
+    if m.make_vocab_size_divisible_by <= 0:
+        errors.append("--make-vocab-size-divisible-by must be positive")
+    return errors
+
+
+def layout_errors(m: "ModelConfig", tp: int, pp: int, layers_per_virtual_stage: int | None = None) -> list[str]:
+    """Why the model cannot be cut into this (TP, PP, VP) layout (empty when it can): heads, KV groups
+    and FFN columns over TP ranks, layers over pipeline stages and virtual stages."""
+    if tp <= 0 or pp <= 0:
+        return [f"--tensor-model-parallel-size ({tp}) and --pipeline-model-parallel-size ({pp}) must be positive"]
+    errors = []
+    heads, groups = m.num_attention_heads, m.num_query_groups or m.num_attention_heads
+    if heads % tp:
+        errors.append(f"--tensor-model-parallel-size ({tp}) must divide --num-attention-heads ({heads})")
+    if groups % tp and tp % groups:
+        errors.append(f"--num-query-groups ({groups}) and --tensor-model-parallel-size ({tp}) must divide one "
+                      "another (groups split over ranks, or ranks share a group)")
+    if m.ffn_hidden_size % tp:
+        errors.append(f"--tensor-model-parallel-size ({tp}) must divide --ffn-hidden-size ({m.ffn_hidden_size})")
+    if m.num_layers % pp:
+        errors.append(f"--pipeline-model-parallel-size ({pp}) must divide --num-layers ({m.num_layers})")
+    k = layers_per_virtual_stage
+    if k is None:
+        return errors
+    if k <= 0:
+        errors.append(f"--num-layers-per-virtual-pipeline-stage must be positive, got {k}")
+    elif pp == 1:
+        errors.append("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
+    elif m.num_layers % (pp * k):
+        errors.append(f"--num-layers ({m.num_layers}) must be divisible by --pipeline-model-parallel-size ({pp}) x "
+                      f"--num-layers-per-virtual-pipeline-stage ({k})")
+    return errors
+
+
+def world_errors(world_size: int, tp: int, pp: int, cp: int) -> list[str]:
+    """What the number of ranks allows."""
+    errors = []
+    if cp != 1:
+        errors.append("--context-parallel-size must be 1 (context parallelism is not implemented)")
+    if world_size % (tp * pp * cp):
+        errors.append(f"world size ({world_size}) must be divisible by --tensor-model-parallel-size ({tp}) x "
+                      f"--pipeline-model-parallel-size ({pp}) x --context-parallel-size ({cp})")
+    return errors
+
+
+def _hierarchical_errors(cfg: "MegaliteConfig", world_size: int, local_world_size: int) -> list[str]:
     """--hierarchical-dp-reduce needs every node to hold the same number of each DP group's ranks."""
-    from megalite.parallel.layout import RankLayout
-    from megalite.training.setup import launcher_env
+    from megalite.parallel.layout import RankLayout  # lazily: config stays importable without torch
 
-    if local_world_size is None:
-        _, env_world, _, env_local = launcher_env()
-        local_world_size = env_local if env_world == world_size else world_size
     p = cfg.parallel
     layout = RankLayout(world_size, p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                         p.context_parallel_size, p.layout_order, local_world_size)
@@ -39,91 +129,59 @@ def _hierarchical_errors(cfg: "MegaliteConfig", world_size: int, local_world_siz
     return []
 
 
-def validate(cfg: "MegaliteConfig", world_size: int, local_world_size: int | None = None) -> None:
-    """Raise ConfigError listing every violated rule for a run on ``world_size`` ranks.
-
-    ``local_world_size``: ranks per node; default the launcher's LOCAL_WORLD_SIZE when its WORLD_SIZE is
-    ``world_size``, else one node.
-
-    Fills in derived defaults (global batch size) on success.
-    """
-    m, p, t, o, d = cfg.model, cfg.parallel, cfg.training, cfg.optimizer, cfg.data
-    errors: list[str] = []
+def parallel_errors(cfg: "MegaliteConfig", world_size: int, local_world_size: int) -> list[str]:
+    """The layout section: world size, the model cut over TP/PP/VP, sequence parallelism, topology."""
+    p = cfg.parallel
     tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
-
-    for flag, value in [("--num-layers", m.num_layers), ("--hidden-size", m.hidden_size),
-                        ("--num-attention-heads", m.num_attention_heads), ("--seq-length", m.seq_length),
-                        ("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
-                        ("--micro-batch-size", t.micro_batch_size), ("--train-iters", t.train_iters),
-                        ("--log-interval", t.log_interval), ("--eval-interval", t.eval_interval)]:
-        if value <= 0:
-            errors.append(f"{flag} must be positive, got {value}")
-    if errors:
-        raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
-
-    # Model shape.
-    _divides(errors, m.hidden_size, "--hidden-size", m.num_attention_heads, "--num-attention-heads")
-    if m.group_query_attention and not m.num_query_groups:
-        errors.append("--group-query-attention needs --num-query-groups")
-    groups = m.num_query_groups or m.num_attention_heads
-    if m.num_attention_heads % groups:
-        errors.append(f"--num-attention-heads ({m.num_attention_heads}) must be divisible by "
-                      f"--num-query-groups ({groups})")
-    _divides(errors, m.num_attention_heads, "--num-attention-heads", tp, "--tensor-model-parallel-size")
-    if groups % tp and tp % groups:
-        errors.append(f"--num-query-groups ({groups}) and --tensor-model-parallel-size ({tp}) must divide "
-                      "one another (groups split over ranks, or ranks share a group)")
-    _divides(errors, m.ffn_hidden_size, "--ffn-hidden-size", tp, "--tensor-model-parallel-size")
-    if m.position_embedding_type == "learned_absolute" and m.seq_length > m.max_position_embeddings:
-        errors.append(f"--seq-length ({m.seq_length}) must be <= --max-position-embeddings "
-                      f"({m.max_position_embeddings}) with learned absolute positions")
-    if m.position_embedding_type == "rope" and m.kv_channels and (
-            int(m.kv_channels * m.rotary_percent) % 2):
-        errors.append(f"--rotary-percent x head dim ({m.kv_channels}) must be even for RoPE")
-    for flag, value in [("--hidden-dropout", m.hidden_dropout), ("--attention-dropout", m.attention_dropout)]:
-        if not 0.0 <= value < 1.0:
-            errors.append(f"{flag} must be in [0, 1), got {value}")
-    if m.recompute_num_layers <= 0:
-        errors.append("--recompute-num-layers must be positive")
-    if m.make_vocab_size_divisible_by <= 0:
-        errors.append("--make-vocab-size-divisible-by must be positive")
-
-    # Layout.
-    if cp != 1:
-        errors.append("--context-parallel-size must be 1 (context parallelism is not implemented)")
-    if world_size % (tp * pp * cp):
-        errors.append(f"world size ({world_size}) must be divisible by --tensor-model-parallel-size ({tp}) x "
-                      f"--pipeline-model-parallel-size ({pp}) x --context-parallel-size ({cp})")
-    dp = max(world_size // (tp * pp * cp), 1)
+    errors = world_errors(world_size, tp, pp, cp)
     if p.sequence_parallel and tp == 1:
         errors.append("--sequence-parallel needs --tensor-model-parallel-size > 1")
-    _divides(errors, m.num_layers, "--num-layers", pp, "--pipeline-model-parallel-size")
+    errors += layout_errors(cfg.model, tp, pp, p.num_layers_per_virtual_pipeline_stage)
     if p.hierarchical_dp_reduce and world_size % (tp * pp * cp) == 0:
-        errors.extend(_hierarchical_errors(cfg, world_size, local_world_size))
+        errors += _hierarchical_errors(cfg, world_size, local_world_size)
+    return errors
 
-    # Batches.
-    if t.global_batch_size is None:
-        t.global_batch_size = t.micro_batch_size * dp
-    from megalite.pipeline.validate import pipeline_errors
 
-    errors.extend(pipeline_errors(cfg, dp))
-    if t.global_batch_size % (t.micro_batch_size * dp):
-        errors.append(f"--global-batch-size ({t.global_batch_size}) must be divisible by --micro-batch-size "
+def training_errors(cfg: "MegaliteConfig", world_size: int) -> list[str]:
+    """Batches (global = micro x DP x accumulation; the interleaved schedule's micro-batch count),
+    evaluation and time limits."""
+    t, p = cfg.training, cfg.parallel
+    dp = data_parallel_size(cfg, world_size)
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    gbs = t.global_batch_size if t.global_batch_size is not None else t.micro_batch_size * dp
+    errors = []
+    k = p.num_layers_per_virtual_pipeline_stage
+    if k and k > 0 and pp > 1 and cfg.model.num_layers % (pp * k) == 0 and cfg.model.num_layers // (pp * k) > 1:
+        m = gbs // (t.micro_batch_size * dp)
+        if m % pp:
+            errors.append(f"the interleaved schedule needs the number of micro-batches per step ({m} = "
+                          f"--global-batch-size {gbs} / (--micro-batch-size {t.micro_batch_size} x "
+                          f"data-parallel {dp})) to be divisible by --pipeline-model-parallel-size ({pp})")
+    if gbs % (t.micro_batch_size * dp):
+        errors.append(f"--global-batch-size ({gbs}) must be divisible by --micro-batch-size "
                       f"({t.micro_batch_size}) x data-parallel size ({dp} = world {world_size} / "
                       f"(TP {tp} x PP {pp}))")
     if t.eval_iters < 0:
         errors.append(f"--eval-iters must be >= 0, got {t.eval_iters}")
+    if t.exit_duration_in_mins is not None and t.exit_duration_in_mins <= 0:
+        errors.append("--exit-duration-in-mins must be positive")
+    return errors
 
-    # Optimizer.
+
+def optimizer_errors(o: "OptimizerConfig") -> list[str]:
+    errors = []
     if o.lr < 0 or o.min_lr < 0 or o.min_lr > o.lr:
         errors.append(f"need 0 <= --min-lr ({o.min_lr}) <= --lr ({o.lr})")
     if o.lr_warmup_iters < 0:
         errors.append("--lr-warmup-iters must be >= 0")
     if o.clip_grad < 0:
         errors.append("--clip-grad must be >= 0")
+    return errors
 
-    # Precision and data parallelism.
-    pr, dd = cfg.precision, cfg.ddp
+
+def precision_errors(pr: "PrecisionConfig", dd: "DDPConfig") -> list[str]:
+    """Mixed precision, the loss scaler and the data-parallel reduction."""
+    errors = []
     if pr.fp16 and pr.bf16:
         errors.append("--fp16 and --bf16 are exclusive")
     if pr.loss_scale is not None and not pr.fp16:
@@ -137,24 +195,29 @@ def validate(cfg: "MegaliteConfig", world_size: int, local_world_size: int | Non
         errors.append("--overlap-param-gather needs --use-distributed-optimizer")
     if dd.ddp_bucket_size is not None and dd.ddp_bucket_size <= 0:
         errors.append("--ddp-bucket-size must be positive")
+    return errors
 
-    lg = cfg.logging
+
+def logging_errors(lg: "LoggingConfig") -> list[str]:
     if lg.profile and not 0 <= lg.profile_step_start < lg.profile_step_end:
-        errors.append(f"need 0 <= --profile-step-start ({lg.profile_step_start}) < --profile-step-end "
-                      f"({lg.profile_step_end})")
-    if t.exit_duration_in_mins is not None and t.exit_duration_in_mins <= 0:
-        errors.append("--exit-duration-in-mins must be positive")
+        return [f"need 0 <= --profile-step-start ({lg.profile_step_start}) < --profile-step-end "
+                f"({lg.profile_step_end})"]
+    return []
 
-    # Checkpoints.
-    ck = cfg.checkpoint
+
+def checkpoint_errors(ck: "CheckpointConfig") -> list[str]:
+    errors = []
     if ck.save_interval is not None and ck.save_interval <= 0:
         errors.append("--save-interval must be positive")
     if ck.save_interval and not ck.save:
         errors.append("--save-interval needs --save")
     if ck.finetune and not ck.load:
         errors.append("--finetune needs --load")
+    return errors
 
-    # Data.
+
+def data_errors(d: "DataConfig") -> list[str]:
+    errors = []
     has_paths = bool(d.data_path or d.train_data_path)
     if d.mock_data and has_paths:
         errors.append("--mock-data and --data-path/--train-data-path are exclusive")
@@ -162,6 +225,22 @@ def validate(cfg: "MegaliteConfig", world_size: int, local_world_size: int | Non
         errors.append("give --data-path (or --train-data-path), or --mock-data for synthetic data")
     if d.tokenizer_type == "NullTokenizer" and not d.vocab_size:
         errors.append("--tokenizer-type NullTokenizer needs --vocab-size")
+    return errors
 
-    if errors:
-        raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
+
+def fill_derived_defaults(cfg: "MegaliteConfig", world_size: int) -> None:
+    """The values a valid config derives from others: --global-batch-size defaults to micro-batch x DP."""
+    t = cfg.training
+    if t.global_batch_size is None:
+        t.global_batch_size = t.micro_batch_size * data_parallel_size(cfg, world_size)
+
+
+def validate(cfg: "MegaliteConfig", world_size: int, local_world_size: int | None = None) -> None:
+    """Raise ConfigError listing every violated rule for a run on ``world_size`` ranks, of which
+    ``local_world_size`` (default: all) share a node; then fill in the derived defaults."""
+    _raise_if(positive_errors(cfg))
+    _raise_if([*model_errors(cfg.model), *parallel_errors(cfg, world_size, local_world_size or world_size),
+               *training_errors(cfg, world_size), *optimizer_errors(cfg.optimizer),
+               *precision_errors(cfg.precision, cfg.ddp), *logging_errors(cfg.logging),
+               *checkpoint_errors(cfg.checkpoint), *data_errors(cfg.data)])
+    fill_derived_defaults(cfg, world_size)

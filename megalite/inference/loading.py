@@ -18,12 +18,12 @@ from typing import Any
 from torch import nn
 
 from megalite.checkpointing.load import check_config, load_checkpoint
-from megalite.checkpointing.offline import config_dict, layout_errors
+from megalite.checkpointing.metadata import config_dict
 from megalite.checkpointing.reader import CheckpointError, CheckpointReader
 from megalite.config.arguments import SECTIONS, MegaliteConfig
 from megalite.config.flags import add_dataclass_flags, field_types
 from megalite.config.model import ModelConfig
-from megalite.config.validate import ConfigError
+from megalite.config.validate import ConfigError, layout_errors, world_errors
 from megalite.data.config import DataConfig
 from megalite.data.tokenizer import HuggingFaceTokenizer, Tokenizer, build_tokenizer
 from megalite.parallel.groups import ProcessGroups
@@ -120,11 +120,7 @@ def plan(given: dict[str, Any], world_size: int) -> InferencePlan:
     m, p, t = cfg.model, cfg.parallel, cfg.training
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
     errors = layout_errors(m, tp, pp, p.num_layers_per_virtual_pipeline_stage)
-    if world_size % (tp * pp):
-        errors.append(f"world size ({world_size}) must be divisible by --tensor-model-parallel-size ({tp}) x "
-                      f"--pipeline-model-parallel-size ({pp})")
-    if p.context_parallel_size != 1:
-        errors.append("--context-parallel-size must be 1")
+    errors += world_errors(world_size, tp, pp, p.context_parallel_size)
     for flag, value in (("--seq-length", m.seq_length), ("--micro-batch-size", t.micro_batch_size)):
         if value <= 0:
             errors.append(f"{flag} must be positive, got {value}")

@@ -36,6 +36,17 @@ class Entry:
 
 
 @dataclass
+class SliceState:
+    """The optimizer state of the flat slice [lo, hi) of ``param`` this rank owns; ``tensors`` holds
+    "main" (fp32 params), "exp_avg" and "exp_avg_sq" (Adam moments), hi - lo elements each."""
+
+    param: nn.Parameter
+    lo: int
+    hi: int
+    tensors: dict[str, torch.Tensor]
+
+
+@dataclass
 class StepResult:
     skipped: bool
     grad_norm: float | None
@@ -137,6 +148,36 @@ class MegaliteOptimizer:
         if not self.cfg.ddp.overlap_param_gather:
             self.wait_param_gather()
         return StepResult(False, norm)
+
+    def state_tensors(self) -> tuple[list[SliceState], float]:
+        """What a checkpoint stores: every owned slice's main params and Adam moments (the live tensors,
+        not copies; before the first step, zeros that take no memory) and Adam's step count."""
+        slices, step = [], 0.0
+        for e in self.entries:
+            state = self.adam.state.get(e.main, {})
+            zeros = e.main.new_zeros(()).expand_as(e.main)
+            tensors = {"main": e.main, **{f: state.get(f, zeros) for f in ("exp_avg", "exp_avg_sq")}}
+            step = float(state.get("step", step))
+            slices.append(SliceState(e.param, e.lo, e.hi, tensors))
+        return slices, step
+
+    @torch.no_grad()
+    def load_state_tensors(self, values: list[dict[str, torch.Tensor]], step: float) -> None:
+        """Restore the state ``state_tensors`` describes: ``values[i]`` are the "main", "exp_avg" and
+        "exp_avg_sq" tensors of its i-th slice (flat, hi - lo elements). The model weights take the
+        loaded main params; step 0 (never stepped) leaves Adam without state, as a fresh run."""
+        if len(values) != len(self.entries):
+            raise ValueError(f"optimizer state for {len(values)} slices, this rank owns {len(self.entries)}")
+        for e, v in zip(self.entries, values):
+            e.main.copy_(v["main"])
+            if not e.alias:  # the weight is the low-precision copy of the fp32 main param
+                e.param.data.view(-1)[e.lo:e.hi].copy_(e.main)
+            state = self.adam.state[e.main]
+            state["step"] = torch.tensor(step, dtype=torch.float32)
+            state["exp_avg"] = v["exp_avg"].to(e.main.device).clone()
+            state["exp_avg_sq"] = v["exp_avg_sq"].to(e.main.device).clone()
+        if step == 0:
+            self.adam.state.clear()
 
     def wait_param_gather(self) -> None:
         for w in self.pending_gathers:

@@ -13,6 +13,7 @@ from torch import nn
 
 from megalite import device
 from megalite.checkpointing import load_checkpoint, save_checkpoint
+from megalite.checkpointing.metadata import config_dict
 from megalite.checkpointing.paths import TRACKER
 from megalite.config.arguments import MegaliteConfig
 from megalite.optimizer.optimizer import MegaliteOptimizer
@@ -27,10 +28,6 @@ class TrainState:
     valid_consumed: int = 0
     skipped_iterations: int = 0
     nan_iterations: int = 0
-
-
-def model_config_dict(cfg: MegaliteConfig, vocab_size: int) -> dict:
-    return {**dataclasses.asdict(cfg.model), "vocab_size": vocab_size}
 
 
 def rng_states(tracker: RNGTracker) -> dict[str, torch.Tensor]:
@@ -54,7 +51,7 @@ def maybe_load(cfg: MegaliteConfig, chunks: list[nn.Module], optimizer: Megalite
         say(f" no checkpoint in {ck.load} yet ({TRACKER} absent): starting from iteration 0")
         return TrainState()
     weights_only = ck.finetune or ck.no_load_optim
-    loaded, rng = load_checkpoint(ck.load, chunks, optimizer, pg, model_config_dict(cfg, vocab_size),
+    loaded, rng = load_checkpoint(ck.load, chunks, optimizer, pg, config_dict(cfg.model, vocab_size),
                                   load_optim=not weights_only, load_rng=not (ck.no_load_rng or ck.finetune))
     if ck.finetune:
         say(f" loaded weights of iteration {loaded.iteration} from {ck.load} for finetuning")
@@ -80,5 +77,5 @@ def save(cfg: MegaliteConfig, ts: TrainState, chunks: list[nn.Module], optimizer
     tokenizer = {"tokenizer_type": d.tokenizer_type, "vocab_size": d.vocab_size,
                  **{k: os.path.abspath(v) if v else None for k, v in files.items()}}
     path = save_checkpoint(cfg.checkpoint.save, ts.iteration, chunks, optimizer, pg,
-                           model_config_dict(cfg, vocab_size), state, rng_states(tracker), {"tokenizer": tokenizer})
+                           config_dict(cfg.model, vocab_size), state, rng_states(tracker), {"tokenizer": tokenizer})
     say(f" saved checkpoint at iteration {ts.iteration} to {path}")

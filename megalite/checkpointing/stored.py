@@ -1,0 +1,75 @@
+"""Which parameters a checkpoint stores, under which layout-free keys and cut by which ShardSpec.
+
+Taken from the model itself: a GPTModel of each pipeline stage is built on the meta device (no memory,
+no init) with process groups that only carry the layout's sizes. So checkpointing knows nothing about
+the model's structure and stays right when the model changes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from megalite.checkpointing.metadata import model_config
+from megalite.model.gpt import GPTModel
+from megalite.parallel.groups import GROUP_AXES, ProcessGroups
+from megalite.parallel.layout import RankLayout
+from megalite.pipeline.partition import chunk_layers, virtual_stage
+from megalite.tensor_parallel.random import RNGTracker
+from megalite.tensor_parallel.sharding import ShardSpec
+
+
+def checkpoint_key(name: str, param: nn.Parameter) -> str:
+    """The layout-free name a parameter is stored under (the last stage's tied embedding copy is the
+    embedding itself, stored once by the first stage)."""
+    return getattr(param, "init_name", name)
+
+
+def named_params(chunks: list[nn.Module]) -> list[tuple[str, str, nn.Parameter]]:
+    """(module name, checkpoint key, parameter) of every parameter of this rank's chunks; a parameter
+    is stored by this rank when its name is its key."""
+    return [(n, checkpoint_key(n, p), p) for c in chunks for n, p in c.named_parameters()]
+
+
+def _sizes_only_groups(tp: int, pp: int) -> ProcessGroups:
+    """ProcessGroups of rank 0 of a (tp, pp) layout without any communicator: enough to build a model
+    on the meta device (layers only read the sizes) and never used to communicate."""
+    layout = RankLayout(tp * pp, tp, pp)
+    pg = ProcessGroups(layout, 0)
+    for kind, axes in GROUP_AXES.items():
+        pg.ranks[kind], pg.groups[kind] = layout.group_of(0, axes), None
+    pg.ranks["embd"], pg.groups["embd"] = next(g for g in layout.embedding_groups() if 0 in g), None
+    return pg
+
+
+@dataclass(frozen=True)
+class StoredParam:
+    key: str  # layout-free name, e.g. "layers.3.attention.qkv.weight"
+    spec: ShardSpec  # how the full tensor is cut over TP (at this layout's TP size)
+
+
+def stage_params(config: dict[str, Any], tp: int, pp: int, vp: int = 1) -> list[list[StoredParam]]:
+    """For each pipeline rank, the parameters its ``model.safetensors`` holds (all its chunks), in the
+    order a training run stores them. A tied output layer on the last stage is not stored."""
+    cfg, vocab = model_config(config)
+    pg = _sizes_only_groups(tp, pp)
+    tracker = RNGTracker()
+    last = pp * vp - 1
+    stages = []
+    for rank in range(pp):
+        chunks = []
+        for c in range(vp):
+            stage = virtual_stage(rank, c, pp)
+            chunks.append(GPTModel(cfg, pg, vocab, tracker, device=torch.device("meta"),
+                                   layer_numbers=chunk_layers(cfg.num_layers, pp, vp, rank, c),
+                                   pre_process=stage == 0, post_process=stage == last))
+        stages.append([StoredParam(k, p.shard_spec) for n, k, p in named_params(chunks) if n == k])
+    return stages
+
+
+def all_specs(config: dict[str, Any], tp: int) -> dict[str, ShardSpec]:
+    """Every stored parameter's ShardSpec at TP size ``tp``."""
+    return {p.key: p.spec for stage in stage_params(config, tp, 1) for p in stage}
