@@ -25,6 +25,7 @@ import os
 import shutil
 import warnings
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -185,123 +186,131 @@ def from_hf_config(hf_config, where: str = "config.json", qkv_bias_only: bool = 
     return config_dict(cfg, c.vocab_size)
 
 
-# ---- tensors ------------------------------------------------------------------------------------
+# ---- tensors: one name table for both directions ------------------------------------------------
+
+
+def _same(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return (t,)
+
+
+def _transposed(t: torch.Tensor) -> torch.Tensor:
+    return t.t().contiguous()
+
+
+@dataclass(frozen=True)
+class TensorRule:
+    """One megalite tensor and the HF tensor(s) it becomes. ``split`` maps ours to theirs (to HF),
+    ``join`` theirs back to ours (from HF). ``zeros_like_rows_of``: megalite has no such tensor but HF
+    needs one: it is exported as zeros with as many rows as that megalite tensor, and not imported."""
+
+    ours: str
+    theirs: tuple[str, ...]
+    split: Callable[[torch.Tensor], tuple[torch.Tensor, ...]] = _same
+    join: Callable[..., torch.Tensor] = lambda t: t
+    zeros_like_rows_of: str | None = None
+
+
+def _qkv_rules(cfg: ModelConfig, m: str, h: str, arch: str) -> list[TensorRule]:
+    heads, groups, d = cfg.num_attention_heads, cfg.num_query_groups or cfg.num_attention_heads, cfg.kv_channels
+    split = lambda t: split_qkv(t, heads, groups, d)  # noqa: E731
+    fuse = lambda q, k, v: fuse_qkv(q, k, v, heads, groups, d)  # noqa: E731
+    w, b = m + "attention.qkv.weight", m + "attention.qkv.bias"
+    has_bias = cfg.add_bias_linear or cfg.add_qkv_bias
+    if arch == "gpt2":  # c_attn: [q; k; v] stacked, Conv1D-transposed weight; a bias always
+        return [TensorRule(w, (h + "attn.c_attn.weight",), lambda t: (_transposed(torch.cat(split(t))),),
+                           lambda t: fuse(*t.t().chunk(3, dim=0))),
+                TensorRule(b, (h + "attn.c_attn.bias",), lambda t: (torch.cat(split(t)),),
+                           lambda t: fuse(*t.chunk(3)), None if has_bias else w)]
+    names = tuple(h + f"self_attn.{n}_proj." for n in "qkv")
+    rules = [TensorRule(w, tuple(n + "weight" for n in names), split, fuse)]
+    if has_bias:
+        rules.append(TensorRule(b, tuple(n + "bias" for n in names), split, fuse))
+    return rules
+
+
+def _gpt2_layer(cfg: ModelConfig, i: int) -> list[TensorRule]:
+    m, h = f"layers.{i}.", f"transformer.h.{i}."
+    rules = [TensorRule(m + ours + p, (h + theirs + p,))
+             for ours, theirs in (("input_norm", "ln_1"), ("pre_mlp_norm", "ln_2")) for p in (".weight", ".bias")]
+    rules += _qkv_rules(cfg, m, h, "gpt2")
+    for ours, theirs in (("attention.proj", "attn.c_proj"), ("mlp.fc1", "mlp.c_fc"), ("mlp.fc2", "mlp.c_proj")):
+        rules.append(TensorRule(m + ours + ".weight", (h + theirs + ".weight",),  # Conv1D: [in, out]
+                                lambda t: (_transposed(t),), _transposed))
+        rules.append(TensorRule(m + ours + ".bias", (h + theirs + ".bias",),
+                                zeros_like_rows_of=None if cfg.add_bias_linear else m + ours + ".weight"))
+    return rules
+
+
+def _llama_layer(cfg: ModelConfig, i: int) -> list[TensorRule]:
+    m, h = f"layers.{i}.", f"model.layers.{i}."
+    rules = [TensorRule(m + "input_norm.weight", (h + "input_layernorm.weight",)),
+             TensorRule(m + "pre_mlp_norm.weight", (h + "post_attention_layernorm.weight",)),
+             *_qkv_rules(cfg, m, h, "llama"),
+             TensorRule(m + "attention.proj.weight", (h + "self_attn.o_proj.weight",))]
+    if cfg.add_bias_linear or cfg.add_qkv_bias:  # HF's attention_bias covers o_proj too
+        rules.append(TensorRule(m + "attention.proj.bias", (h + "self_attn.o_proj.bias",),
+                                zeros_like_rows_of=None if cfg.add_bias_linear else m + "attention.proj.weight"))
+    gate_up = lambda t: tuple(x.contiguous() for x in t.chunk(2, dim=0))  # noqa: E731
+    cat = lambda gate, up: torch.cat([gate, up])  # noqa: E731
+    rules += [TensorRule(m + "mlp.fc1.weight", (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"), gate_up, cat),
+              TensorRule(m + "mlp.fc2.weight", (h + "mlp.down_proj.weight",))]
+    if cfg.add_bias_linear:
+        rules += [TensorRule(m + "mlp.fc1.bias", (h + "mlp.gate_proj.bias", h + "mlp.up_proj.bias"), gate_up, cat),
+                  TensorRule(m + "mlp.fc2.bias", (h + "mlp.down_proj.bias",))]
+    return rules
+
+
+def name_table(cfg: ModelConfig) -> list[TensorRule]:
+    """Every tensor of the model, megalite's name <-> HF's (GPT2LMHeadModel or LlamaForCausalLM). A tied
+    model has no ``lm_head.weight`` entry (HF ties it to the embedding)."""
+    if architecture(cfg) == "gpt2":
+        rules = [TensorRule("embedding.word.weight", ("transformer.wte.weight",)),
+                 TensorRule("embedding.position.weight", ("transformer.wpe.weight",))]
+        for i in range(cfg.num_layers):
+            rules += _gpt2_layer(cfg, i)
+        rules += [TensorRule("final_norm" + p, ("transformer.ln_f" + p,)) for p in (".weight", ".bias")]
+    else:
+        rules = [TensorRule("embedding.word.weight", ("model.embed_tokens.weight",))]
+        for i in range(cfg.num_layers):
+            rules += _llama_layer(cfg, i)
+        rules.append(TensorRule("final_norm.weight", ("model.norm.weight",)))
+    if not cfg.tied_embeddings:
+        rules.append(TensorRule("output_layer.weight", ("lm_head.weight",)))
+    return rules
 
 
 def to_hf_state_dict(config: dict[str, Any], get: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
-    """HF state dict (GPT2LMHeadModel or LlamaForCausalLM names) from megalite full tensors
-    ``get(key)``. A tied model has no ``lm_head.weight`` entry (HF ties it to the embedding)."""
+    """HF state dict from megalite full tensors ``get(key)`` (see name_table)."""
     cfg, _ = model_config(config)
-    arch = architecture(cfg)
-    heads, groups, d = cfg.num_attention_heads, cfg.num_query_groups or cfg.num_attention_heads, cfg.kv_channels
-    has_bias, has_qkv_bias = cfg.add_bias_linear, cfg.add_bias_linear or cfg.add_qkv_bias
     out: dict[str, torch.Tensor] = {}
+    last: dict[str, torch.Tensor] = {}  # the tensor read just before: a missing bias takes its rows
 
-    def bias(key: str, n: int, present: bool, like: torch.Tensor) -> torch.Tensor:
-        return get(key) if present else torch.zeros(n, dtype=like.dtype)
+    def read(key: str) -> torch.Tensor:
+        if key not in last:
+            last.clear()
+            last[key] = get(key)
+        return last[key]
 
-    if arch == "gpt2":
-        out["transformer.wte.weight"] = get("embedding.word.weight")
-        out["transformer.wpe.weight"] = get("embedding.position.weight")
-        for i in range(cfg.num_layers):
-            m, h = f"layers.{i}.", f"transformer.h.{i}."
-            for ours, theirs in (("input_norm", "ln_1"), ("pre_mlp_norm", "ln_2")):
-                out[h + theirs + ".weight"] = get(m + ours + ".weight")
-                out[h + theirs + ".bias"] = get(m + ours + ".bias")
-            w = get(m + "attention.qkv.weight")
-            out[h + "attn.c_attn.weight"] = torch.cat(split_qkv(w, heads, groups, d)).t().contiguous()
-            b = bias(m + "attention.qkv.bias", w.shape[0], has_qkv_bias, w)
-            out[h + "attn.c_attn.bias"] = torch.cat(split_qkv(b, heads, groups, d))
-            for ours, theirs in (("attention.proj", "attn.c_proj"), ("mlp.fc1", "mlp.c_fc"),
-                                 ("mlp.fc2", "mlp.c_proj")):
-                w = get(m + ours + ".weight")
-                out[h + theirs + ".weight"] = w.t().contiguous()  # Conv1D: [in, out]
-                out[h + theirs + ".bias"] = bias(m + ours + ".bias", w.shape[0], has_bias, w)
-        out["transformer.ln_f.weight"] = get("final_norm.weight")
-        out["transformer.ln_f.bias"] = get("final_norm.bias")
-    else:
-        out["model.embed_tokens.weight"] = get("embedding.word.weight")
-        for i in range(cfg.num_layers):
-            m, h = f"layers.{i}.", f"model.layers.{i}."
-            out[h + "input_layernorm.weight"] = get(m + "input_norm.weight")
-            out[h + "post_attention_layernorm.weight"] = get(m + "pre_mlp_norm.weight")
-            w = get(m + "attention.qkv.weight")
-            for name, t in zip(("q_proj", "k_proj", "v_proj"), split_qkv(w, heads, groups, d)):
-                out[h + f"self_attn.{name}.weight"] = t
-            if has_qkv_bias:
-                b = get(m + "attention.qkv.bias")
-                for name, t in zip(("q_proj", "k_proj", "v_proj"), split_qkv(b, heads, groups, d)):
-                    out[h + f"self_attn.{name}.bias"] = t
-            w = get(m + "attention.proj.weight")
-            out[h + "self_attn.o_proj.weight"] = w
-            if has_qkv_bias:  # HF's attention_bias covers o_proj too: zeros when megalite has none
-                out[h + "self_attn.o_proj.bias"] = bias(m + "attention.proj.bias", w.shape[0], has_bias, w)
-            gate, up = get(m + "mlp.fc1.weight").chunk(2, dim=0)
-            out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = gate.contiguous(), up.contiguous()
-            out[h + "mlp.down_proj.weight"] = get(m + "mlp.fc2.weight")
-            if has_bias:
-                gate_b, up_b = get(m + "mlp.fc1.bias").chunk(2)
-                out[h + "mlp.gate_proj.bias"], out[h + "mlp.up_proj.bias"] = gate_b.contiguous(), up_b.contiguous()
-                out[h + "mlp.down_proj.bias"] = get(m + "mlp.fc2.bias")
-        out["model.norm.weight"] = get("final_norm.weight")
-    if not cfg.tied_embeddings:
-        out["lm_head.weight"] = get("output_layer.weight")
+    for r in name_table(cfg):
+        if r.zeros_like_rows_of is not None:
+            like = read(r.zeros_like_rows_of)
+            out[r.theirs[0]] = torch.zeros(like.shape[0], dtype=like.dtype)
+        else:
+            out.update(zip(r.theirs, r.split(read(r.ours))))
     return out
 
 
 def from_hf_state_dict(config: dict[str, Any], sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """megalite full tensors (layout-free keys) from an HF state dict, for the megalite ``config``
-    that from_hf_config made. Keys are checked: a missing HF tensor raises naming it."""
+    that from_hf_config made (see name_table). A missing HF tensor raises naming it."""
     cfg, _ = model_config(config)
-    arch = architecture(cfg)
-    heads, groups, d = cfg.num_attention_heads, cfg.num_query_groups or cfg.num_attention_heads, cfg.kv_channels
 
     def get(key: str) -> torch.Tensor:
         if key not in sd:
             raise HFConversionError(f"the Hugging Face weights have no tensor {key}")
         return sd[key]
 
-    out: dict[str, torch.Tensor] = {}
-    if arch == "gpt2":
-        out["embedding.word.weight"] = get("transformer.wte.weight")
-        out["embedding.position.weight"] = get("transformer.wpe.weight")
-        for i in range(cfg.num_layers):
-            m, h = f"layers.{i}.", f"transformer.h.{i}."
-            for ours, theirs in (("input_norm", "ln_1"), ("pre_mlp_norm", "ln_2")):
-                out[m + ours + ".weight"] = get(h + theirs + ".weight")
-                out[m + ours + ".bias"] = get(h + theirs + ".bias")
-            q, k, v = get(h + "attn.c_attn.weight").t().chunk(3, dim=0)
-            out[m + "attention.qkv.weight"] = fuse_qkv(q, k, v, heads, groups, d)
-            q, k, v = get(h + "attn.c_attn.bias").chunk(3)
-            out[m + "attention.qkv.bias"] = fuse_qkv(q, k, v, heads, groups, d)
-            for ours, theirs in (("attention.proj", "attn.c_proj"), ("mlp.fc1", "mlp.c_fc"),
-                                 ("mlp.fc2", "mlp.c_proj")):
-                out[m + ours + ".weight"] = get(h + theirs + ".weight").t().contiguous()
-                out[m + ours + ".bias"] = get(h + theirs + ".bias")
-        out["final_norm.weight"] = get("transformer.ln_f.weight")
-        out["final_norm.bias"] = get("transformer.ln_f.bias")
-    else:
-        out["embedding.word.weight"] = get("model.embed_tokens.weight")
-        for i in range(cfg.num_layers):
-            m, h = f"layers.{i}.", f"model.layers.{i}."
-            out[m + "input_norm.weight"] = get(h + "input_layernorm.weight")
-            out[m + "pre_mlp_norm.weight"] = get(h + "post_attention_layernorm.weight")
-            qkv = [get(h + f"self_attn.{n}.weight") for n in ("q_proj", "k_proj", "v_proj")]
-            out[m + "attention.qkv.weight"] = fuse_qkv(*qkv, heads, groups, d)
-            if cfg.add_bias_linear or cfg.add_qkv_bias:
-                qkv = [get(h + f"self_attn.{n}.bias") for n in ("q_proj", "k_proj", "v_proj")]
-                out[m + "attention.qkv.bias"] = fuse_qkv(*qkv, heads, groups, d)
-            out[m + "attention.proj.weight"] = get(h + "self_attn.o_proj.weight")
-            out[m + "mlp.fc1.weight"] = torch.cat([get(h + "mlp.gate_proj.weight"), get(h + "mlp.up_proj.weight")])
-            out[m + "mlp.fc2.weight"] = get(h + "mlp.down_proj.weight")
-            if cfg.add_bias_linear:
-                out[m + "attention.proj.bias"] = get(h + "self_attn.o_proj.bias")
-                out[m + "mlp.fc1.bias"] = torch.cat([get(h + "mlp.gate_proj.bias"), get(h + "mlp.up_proj.bias")])
-                out[m + "mlp.fc2.bias"] = get(h + "mlp.down_proj.bias")
-        out["final_norm.weight"] = get("model.norm.weight")
-    if not cfg.tied_embeddings:
-        out["output_layer.weight"] = get("lm_head.weight")
-    return out
+    return {r.ours: r.join(*(get(k) for k in r.theirs)) for r in name_table(cfg) if r.zeros_like_rows_of is None}
 
 
 # ---- folders ------------------------------------------------------------------------------------
