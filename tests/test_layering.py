@@ -22,12 +22,12 @@ PLACED = {
     "megalite": "device",  # the package itself: __version__ only
     "megalite.data.config": "config",  # DataConfig: a config dataclass kept beside its package
 }
-# Upward imports still to be removed, as (importing module, imported module): each entry names who
-# removes it. Remove the entry with the import; the test fails on an entry that no longer matches.
+# Upward imports still to be removed, as (importing module, imported module), each with the change
+# that removes it. Remove the entry with the import; the test fails on an entry that no longer matches.
 ALLOWED = {
-    # Model building moves from training/setup.py next to the model (issue 13, training/setup.py split).
+    # Gone when model building moves from training/setup.py next to the model.
     ("megalite.inference.loading", "megalite.training.setup"),
-    # The pipeline takes a step function and the receive shape instead of the model (issue 12).
+    # Gone when the pipeline takes a step function and the receive shape instead of the model.
     ("megalite.pipeline.schedules", "megalite.model.gpt"),
 }
 
