@@ -42,7 +42,7 @@ from megalite.distributed.finalize import finalize_grads  # noqa: E402
 from megalite.optimizer.optimizer import MegaliteOptimizer  # noqa: E402
 from megalite.parallel.groups import ProcessGroups  # noqa: E402
 from megalite.parallel.layout import RankLayout  # noqa: E402
-from megalite.pipeline.schedules import forward_backward  # noqa: E402
+from megalite.training.step import run_microbatches  # noqa: E402
 from megalite.tensor_parallel.random import model_parallel_seed  # noqa: E402
 from megalite.training.batches import build_run_data, global_batch  # noqa: E402
 from megalite.training.loop import TrainResult, build_buffers, pretrain, reported_loss  # noqa: E402
@@ -197,7 +197,7 @@ class Trainer:
         def last_backward(chunk: int) -> None:
             self.buffers[chunk].last_microbatch = True
 
-        losses = forward_backward(self.chunks, microbatches, self.pg, last_backward=last_backward)
+        losses = run_microbatches(self.chunks, microbatches, self.pg, last_backward=last_backward)
         # buckets whose reduction was launched during backward, and of those, already finished
         works = [b.work for buf in self.buffers for b in buf.buckets if b.work is not None]
         self.launched.append(len(works))

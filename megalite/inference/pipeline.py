@@ -1,9 +1,9 @@
 """Forward-only passes through a model laid out over pipeline stages (and virtual chunks).
 
-Inference needs no schedule: one batch goes through the virtual stages in order, each hands its hidden
-states [s, b, h] to the next with a tagged send/recv, and the last stage returns the logits or the
-per-token loss. Every rank knows the batch's shape (it holds the tokens), so receive buffers need no
-shape exchange. Layers are held in eval mode by the caller; this file does no autograd.
+Inference needs no schedule: one batch goes through the virtual stages in order. Each rank runs its
+chunks as a forward-only table (one micro-batch) on the pipeline executor, so the hidden states [s, b, h]
+move in the same NCCL-safe batches as in training. Every rank knows the batch's shape (it holds the
+tokens), so receive buffers need no shape exchange. Layers are held in eval mode by the caller.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from megalite.parallel.groups import ProcessGroups
-
-HIDDEN_TAG = 7100  # distinct from the training executor's tags
+from megalite.pipeline.executor import run_table
+from megalite.pipeline.schedule_table import Action
 
 
 def hidden_dtype(chunks: list[nn.Module]) -> torch.dtype:
@@ -26,29 +26,19 @@ def pipeline_forward(chunks: list[nn.Module], pg: ProcessGroups, tokens: torch.T
     """Run ``tokens`` [b, s] through every virtual stage. Returns, on the ranks of the last stage, the
     model's output (per-token loss [b, s] with ``labels``, else full logits [b, s, vocab]); None elsewhere.
 
-    Virtual stage v = chunk * pp + pp_rank (see megalite/pipeline/partition.py): ranks visit their
-    chunks in that global order, so each send meets the matching receive."""
-    pp, vp = pg.pp_size, len(chunks)
+    Virtual stage v = chunk * pp + pp_rank (see megalite/pipeline/partition.py): each rank visits its
+    chunks in that global order."""
     b, s = tokens.shape
-    hidden_size = chunks[0].cfg.hidden_size
-    dtype = hidden_dtype(chunks)
-    out = None
-    for v in range(pp * vp):
-        owner, chunk = v % pp, v // pp
-        if owner != pg.pp_rank:
-            continue
-        model = chunks[chunk]
-        if v == 0:
-            x = model(tokens, labels=labels, kv_cache=kv_cache)
-        else:
-            x = torch.empty(s, b, hidden_size, dtype=dtype, device=tokens.device)
-            pg.irecv(x, (v - 1) % pp, HIDDEN_TAG).wait()
-            x = model(labels=labels, hidden=x, kv_cache=kv_cache)
-        if v == pp * vp - 1:
-            out = x
-        else:
-            pg.isend(x, (v + 1) % pp, HIDDEN_TAG).wait()
-    return out
+
+    def step(model: nn.Module, _: dict, hidden: torch.Tensor | None) -> torch.Tensor:
+        if hidden is None:
+            return model(tokens, labels=labels, kv_cache=kv_cache)
+        return model(labels=labels, hidden=hidden, kv_cache=kv_cache)
+
+    tables = [[Action("F", c, 0) for c in range(len(chunks))]] * pg.pp_size
+    shape = (s, b, chunks[0].cfg.hidden_size)
+    out = run_table(tables, chunks, [{}], step, pg, shape, hidden_dtype(chunks), forward_only=True)
+    return out[0] if out else None
 
 
 def from_last_stage(tensor: torch.Tensor | None, pg: ProcessGroups, shape: tuple[int, ...], dtype: torch.dtype,

@@ -8,16 +8,39 @@ here, which skip size-1 groups and count the bytes each axis moves (checked agai
 from __future__ import annotations
 
 import datetime
+import os
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
+from megalite import device
 from megalite.parallel.layout import RankLayout
+from megalite.parallel.nccl_check import Op, Post, Sync, Wait
+
+
+class Group(StrEnum):
+    """The kinds of process group a rank belongs to (equal to their plain names: ``Group.TP == "tp"``)."""
+
+    TP = "tp"  # tensor parallel
+    DP = "dp"  # data parallel
+    PP = "pp"  # pipeline stages (p2p and the last stage's broadcasts)
+    MP = "mp"  # model parallel: tp x pp (found-inf and grad-norm reductions)
+    CP = "cp"  # context parallel
+    DP_CP = "dp_cp"  # data x context parallel
+    EMBD = "embd"  # first and last pipeline stage: tied embedding gradients
+    DP_INTRA = "dp_intra"  # this rank's DP group, the ranks on its node (--hierarchical-dp-reduce)
+    DP_INTER = "dp_inter"  # this rank's DP group, one rank per node
+
 
 # Group kinds and the layout axes each varies over.
-GROUP_AXES = {"tp": "tp", "dp": "dp", "pp": "pp", "mp": "tp-pp", "cp": "cp", "dp_cp": "cp-dp"}
+GROUP_AXES = {Group.TP: "tp", Group.DP: "dp", Group.PP: "pp", Group.MP: "tp-pp", Group.CP: "cp",
+              Group.DP_CP: "cp-dp"}
+NCCL_SEMANTICS_ENV = "MEGALITE_NCCL_SEMANTICS"
 
 
 @dataclass
@@ -29,6 +52,10 @@ class ProcessGroups:
     comm_bytes: Counter = field(default_factory=Counter)  # (axis, op) -> bytes handed to collectives
     # With hierarchical DP reduction: also "dp_intra" / "dp_inter" (this rank's DP group split by node).
     hierarchical_dp: bool = False
+    # Set to a list to record every p2p batch, wait and host sync (megalite.parallel.nccl_check replays it).
+    p2p_log: list | None = None
+    # MEGALITE_NCCL_SEMANTICS=1: point-to-point traffic under NCCL's rules on gloo (nccl_emulation).
+    emulation: object | None = None
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
@@ -36,7 +63,7 @@ class ProcessGroups:
         """A one-rank layout with no communication (tests, tools, the single-process run)."""
         layout = RankLayout(1)
         pg = cls(layout, 0)
-        for kind in [*GROUP_AXES, "embd"]:
+        for kind in [*GROUP_AXES, Group.EMBD]:
             pg.ranks[kind], pg.groups[kind] = [0], None
         return pg
 
@@ -54,14 +81,18 @@ class ProcessGroups:
         timeout = datetime.timedelta(minutes=timeout_minutes)
         pg = cls(layout, rank, hierarchical_dp=hierarchical_dp)
         kinds = {k: layout.groups(axes) for k, axes in GROUP_AXES.items()}
-        kinds["embd"] = layout.embedding_groups()
+        kinds[Group.EMBD] = layout.embedding_groups()
         if hierarchical_dp:  # pure arithmetic first: an uneven split raises on every rank before any new_group
-            kinds["dp_intra"], kinds["dp_inter"] = layout.dp_node_groups()
+            kinds[Group.DP_INTRA], kinds[Group.DP_INTER] = layout.dp_node_groups()
         for kind, all_groups in kinds.items():  # same order on every rank: new_group is collective
             for ranks in all_groups:
                 group = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
                 if rank in ranks:
                     pg.ranks[kind], pg.groups[kind] = ranks, group
+        if os.environ.get(NCCL_SEMANTICS_ENV, "0") == "1":
+            from megalite.parallel.nccl_emulation import NcclEmulation
+
+            pg.emulation = NcclEmulation(rank)
         return pg
 
     # ---- coordinates --------------------------------------------------------------------------
@@ -103,54 +134,146 @@ class ProcessGroups:
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp_size - 1
 
-    # ---- collectives --------------------------------------------------------------------------
-    def _count(self, kind: str, op: str, tensor: torch.Tensor) -> None:
-        self.comm_bytes[(kind, op)] += tensor.numel() * tensor.element_size()
+    # ---- collectives: the only place megalite calls torch.distributed's communication -----------
+    def _count(self, kind: str, op: str, tensor: torch.Tensor, factor: int = 1) -> None:
+        self.comm_bytes[(str(kind), op)] += tensor.numel() * tensor.element_size() * factor
 
-    def all_reduce(self, tensor: torch.Tensor, kind: str, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
-                   ) -> torch.Tensor:
-        """In-place all-reduce over group ``kind``; a no-op on a one-rank group."""
-        if self.size(kind) > 1:
-            self._count(kind, "all_reduce", tensor)
-            dist.all_reduce(tensor, op=op, group=self.groups[kind])
-        return tensor
+    def _run(self, kind: str, fn, *args, async_op: bool = False, **kwargs) -> dist.Work | None:
+        """Call a torch.distributed collective on group ``kind``; in NCCL-semantics mode the PP group's
+        collectives join that group's ordered queue, as NCCL runs them on the same communicator."""
+        if self.emulation is not None and kind == Group.PP:
+            work = self.emulation.collective(self.ranks[kind], fn, args, kwargs, self.groups[kind])
+            return work if async_op else work.wait()
+        return fn(*args, group=self.groups[kind], async_op=async_op, **kwargs)
+
+    def all_reduce(self, tensor: torch.Tensor, kind: str, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+                   async_op: bool = False, label: str = "all_reduce") -> torch.Tensor | dist.Work | None:
+        """In-place all-reduce over group ``kind`` (a no-op on a one-rank group). With ``async_op`` the
+        work handle is returned (None on a one-rank group) instead of the tensor."""
+        if self.size(kind) == 1:
+            return None if async_op else tensor
+        self._count(kind, label, tensor)
+        work = self._run(kind, dist.all_reduce, tensor, op=op, async_op=async_op)
+        return work if async_op else tensor
+
+    def all_gather_flat(self, out: torch.Tensor, shard: torch.Tensor, kind: str, async_op: bool = False,
+                        label: str = "all_gather") -> dist.Work | None:
+        """Every rank's ``shard`` into the flat ``out`` (n x its size, in group order); counts the bytes
+        of ``out``."""
+        if self.size(kind) == 1:
+            out.copy_(shard.reshape(out.shape))
+            return None
+        self._count(kind, label, out)
+        return self._run(kind, dist.all_gather_single, out, shard.contiguous(), async_op=async_op)
+
+    def reduce_scatter_flat(self, out: torch.Tensor, data: torch.Tensor, kind: str, async_op: bool = False,
+                            label: str = "reduce_scatter") -> dist.Work | None:
+        """Sum the flat ``data`` over the group and keep this rank's 1/n part in ``out``; counts the bytes
+        of ``data``."""
+        if self.size(kind) == 1:
+            out.copy_(data.reshape(out.shape))
+            return None
+        self._count(kind, label, data)
+        return self._run(kind, dist.reduce_scatter_single, out, data.contiguous(), async_op=async_op)
 
     def all_gather(self, tensor: torch.Tensor, kind: str, dim: int = -1) -> torch.Tensor:
-        """Concatenate every rank's ``tensor`` along ``dim``, in group order."""
+        """Concatenate every rank's ``tensor`` along ``dim``, in group order (counts the input's bytes)."""
         n = self.size(kind)
         if n == 1:
             return tensor
         tensor = tensor.contiguous()
         self._count(kind, "all_gather", tensor)
-        parts = [torch.empty_like(tensor) for _ in range(n)]
-        dist.all_gather(parts, tensor, group=self.groups[kind])
-        return torch.cat(parts, dim=dim)
+        out = torch.empty((n * tensor.shape[0], *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+        self._run(kind, dist.all_gather_single, out, tensor)
+        if dim % tensor.dim() == 0:
+            return out
+        return torch.cat(out.chunk(n, dim=0), dim=dim)
 
     def reduce_scatter(self, tensor: torch.Tensor, kind: str, dim: int = 0) -> torch.Tensor:
-        """Sum over the group, then keep this rank's 1/n slice along ``dim``."""
+        """Sum over the group, then keep this rank's 1/n slice along ``dim`` (counts the input's bytes)."""
         n = self.size(kind)
         if n == 1:
             return tensor
         self._count(kind, "reduce_scatter", tensor)
-        parts = [p.contiguous() for p in tensor.chunk(n, dim=dim)]
-        out = torch.empty_like(parts[0])
-        dist.reduce_scatter(out, parts, group=self.groups[kind])
-        return out
+        data = tensor.contiguous() if dim % tensor.dim() == 0 else torch.cat(tensor.chunk(n, dim=dim), dim=0)
+        out = torch.empty((data.shape[0] // n, *data.shape[1:]), dtype=data.dtype, device=data.device)
+        self._run(kind, dist.reduce_scatter_single, out, data)
+        if dim % tensor.dim() == 0:
+            return out
+        return out  # the chunks were stacked along dim 0: this rank's chunk has the input's layout
 
     def broadcast(self, tensor: torch.Tensor, kind: str, src_index: int = 0) -> torch.Tensor:
         if self.size(kind) > 1:
             self._count(kind, "broadcast", tensor)
-            dist.broadcast(tensor, src=self.ranks[kind][src_index], group=self.groups[kind])
+            self._run(kind, dist.broadcast, tensor, src=self.ranks[kind][src_index])
         return tensor
-
-    def isend(self, tensor: torch.Tensor, dst_index: int, tag: int) -> dist.Work:
-        """Non-blocking send to the pipeline rank ``dst_index`` (position in this rank's PP group)."""
-        self._count("pp", "send", tensor)
-        return dist.isend(tensor.contiguous(), dst=self.ranks["pp"][dst_index], tag=tag)
-
-    def irecv(self, tensor: torch.Tensor, src_index: int, tag: int) -> dist.Work:
-        return dist.irecv(tensor, src=self.ranks["pp"][src_index], tag=tag)
 
     def barrier(self) -> None:
         if self.layout.world_size > 1:
             dist.barrier()
+
+    # ---- point to point (pipeline): see docs/parallelism.md, "Pipeline messages" ----------------
+    def post_p2p(self, ops: Sequence[P2POp], where: str = "", batched: bool = True) -> P2PWork:
+        """Post ``ops`` (toward pipeline ranks, by PP index) together as one batch on the PP group's
+        communicator, or (``batched=False``, one op only) alone on the pair's communicator."""
+        kind = Group.PP
+        peers = [self.ranks[kind][op.peer] for op in ops]
+        for op in ops:
+            if op.kind == "send":
+                self._count(kind, "send", op.tensor)
+        comm = "pp:" + ",".join(map(str, self.ranks[kind])) if batched else \
+            "pair:" + ",".join(map(str, sorted((self.rank, peers[0]))))
+        index = None
+        if self.p2p_log is not None:
+            index = len(self.p2p_log)
+            self.p2p_log.append(Post(comm, tuple(Op(o.kind, g, o.label, tuple(o.tensor.shape))
+                                                 for o, g in zip(ops, peers)), where))
+        if self.emulation is not None:
+            works = [self.emulation.p2p(comm, ops, peers, self.groups[kind])]
+        elif batched:
+            works = dist.batch_isend_irecv([dist.P2POp(dist.isend if o.kind == "send" else dist.irecv, o.tensor, g,
+                                                       self.groups[kind]) for o, g in zip(ops, peers)])
+        else:
+            assert len(ops) == 1, "an unbatched post carries one operation"
+            fn = dist.isend if ops[0].kind == "send" else dist.irecv
+            works = [fn(ops[0].tensor, peers[0], group=self.groups[kind])]
+        return P2PWork(works, self.p2p_log, index, [o.tensor for o in ops])
+
+    def host_sync(self, where: str = "") -> None:
+        """Synchronise the host with the device (and, emulating NCCL, with every posted p2p batch)."""
+        if self.p2p_log is not None:
+            self.p2p_log.append(Sync(where))
+        if self.emulation is not None:
+            self.emulation.drain()
+        device.synchronize()
+
+
+class P2POp(NamedTuple):
+    """One pipeline message: ``kind`` "send" or "recv", the tensor (the receive buffer), the peer's index
+    in the PP group, and what the message is (for the checkers' reports; NCCL itself sees no label)."""
+
+    kind: str
+    tensor: torch.Tensor
+    peer: int
+    label: str = ""
+
+
+class P2PWork:
+    """The handle of one posted batch. ``wait`` waits for the whole batch (NCCL completes a batch as one)
+    and keeps the send buffers alive until then."""
+
+    def __init__(self, works: list, log: list | None, index: int | None, tensors: list[torch.Tensor]) -> None:
+        self.works, self.log, self.index, self.tensors = works, log, index, tensors
+        self.waited = False
+
+    def wait(self) -> None:
+        if self.waited:
+            return
+        if self.log is not None:
+            self.log.append(Wait(self.index))
+        for w in self.works:
+            w.wait()
+        self.waited = True
+
+    def is_completed(self) -> bool:
+        return self.waited or all(w.is_completed() for w in self.works)

@@ -1,10 +1,11 @@
-"""Run a schedule table on this rank: forward/backward of model chunks, activations and gradients
-moved between pipeline ranks with tagged non-blocking sends and receives.
+"""Run a schedule table on this rank: forward/backward of model chunks, activations and gradients moved
+between pipeline ranks in batches that are safe under NCCL (megalite/pipeline/p2p_plan.py).
 
-Sends never block (their buffers are kept until the step ends); a receive waits only for the one
-tensor the next action needs, so a table that the simulator shows deadlock-free cannot hang here.
-A stage's output keeps only its autograd graph after it is sent: its data is released, so 1F1B holds
-at most p micro-batches of activations per stage.
+After each round of the plan the rank posts one batch: the send of what its action produced and the
+receives of what its neighbours produced in that round. It waits for a batch only when an action needs a
+tensor it receives (NCCL completes a batch as one); other batches stay in flight, their buffers kept
+until they complete. No message depends on a tag. A stage's output keeps only its autograd graph after it is handed to the send: its
+data is released, so 1F1B holds at most p micro-batches of activations per stage.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from megalite import device as dev
-from megalite.parallel.groups import ProcessGroups
+from megalite.parallel.groups import P2POp, P2PWork, ProcessGroups
+from megalite.pipeline.p2p_plan import Message, Step, needed, produced, round_plan
 from megalite.pipeline.schedule_table import Action
 
 # forward_step(chunk_module, microbatch, hidden_or_None) -> loss (last stage) or hidden states
@@ -39,11 +40,6 @@ class PipelineRecord:
     wait_s: float = 0.0
 
 
-def _tag(kind: str, chunk: int, microbatch: int, vp: int) -> int:
-    """Unique message tag: direction, receiving chunk, micro-batch."""
-    return (microbatch * vp + chunk) * 2 + (0 if kind == "F" else 1)
-
-
 def _backward(output: torch.Tensor, grad: torch.Tensor | None) -> None:
     """Backward from an output whose data may have been released (only its graph is kept)."""
     if grad is None:
@@ -57,79 +53,136 @@ def _release(t: torch.Tensor) -> None:
     t.data = torch.empty((1,), dtype=t.dtype, device=t.device)
 
 
-def run_table(table: Sequence[Action], chunks: Sequence[nn.Module], microbatches: Sequence[dict],
+@dataclass
+class _Run:
+    """The state of one rank's pass over its table."""
+
+    chunks: Sequence[nn.Module]
+    microbatches: Sequence[dict]
+    forward_step: ForwardStep
+    pg: ProcessGroups
+    recv_shape: tuple[int, ...]
+    dtype: torch.dtype
+    forward_only: bool
+    record: PipelineRecord | None
+    loss_scale: float
+    inputs: dict = field(default_factory=dict)
+    outputs: dict = field(default_factory=dict)
+    outbox: list[torch.Tensor] = field(default_factory=list)  # what this round's action produced
+    received: dict[Message, tuple[torch.Tensor, P2PWork]] = field(default_factory=dict)
+    in_flight: list[P2PWork] = field(default_factory=list)
+    losses: list[torch.Tensor] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.p, self.r, self.vp = self.pg.pp_size, self.pg.pp_rank, len(self.chunks)
+        self.last_stage = self.p * self.vp - 1
+        self.device = next(self.chunks[0].parameters()).device
+
+    def clock(self) -> float:
+        if self.record is not None and self.record.synchronize:
+            self.pg.host_sync("pipeline timeline")
+        return time.time()
+
+    def exchange(self, step: Step) -> None:
+        """Post this round's batch: the action's output, and receives for what the neighbours produced."""
+        ops = [P2POp("send", t, peer, msg.label()) for (peer, msg), t in zip(step.sends, self.outbox, strict=True)]
+        self.outbox = []
+        bufs = {}
+        for peer, msg in step.recvs:
+            bufs[msg] = torch.empty(self.recv_shape, dtype=self.dtype, device=self.device)
+            ops.append(P2POp("recv", bufs[msg], peer, msg.label()))
+        if not ops:
+            return
+        work = self.pg.post_p2p(ops, f"round {step.round}")
+        self.in_flight = [w for w in self.in_flight if not w.is_completed()] + [work]
+        for msg, buf in bufs.items():
+            self.received[msg] = (buf, work)
+
+    def take(self, action: Action) -> torch.Tensor | None:
+        """The tensor ``action`` needs, waiting for its batch if it has not completed yet."""
+        need = needed(action, self.p, self.r, self.vp)
+        if need is None:
+            return None
+        buf, work = self.received.pop(need[1])
+        t0 = time.time()
+        work.wait()
+        if self.record is not None:
+            self.record.wait_s += time.time() - t0
+        return buf
+
+    def forward(self, action: Action, hidden: torch.Tensor | None) -> tuple[float, float]:
+        c, mb = action.chunk, action.microbatch
+        if hidden is not None:
+            hidden.requires_grad_(not self.forward_only)
+        start = self.clock()  # compute starts once the input has arrived: waiting is bubble
+        with torch.set_grad_enabled(not self.forward_only):
+            out = self.forward_step(self.chunks[c], self.microbatches[mb], hidden)
+        end = self.clock()
+        if c * self.p + self.r == self.last_stage:
+            self.losses.append(out.detach())
+            if not self.forward_only:
+                out = out * (self.loss_scale / len(self.microbatches))
+        else:
+            self.outbox.append(out.detach().contiguous())
+            if not self.forward_only:
+                _release(out)
+        if not self.forward_only:
+            self.inputs[(c, mb)], self.outputs[(c, mb)] = hidden, out
+        if self.record is not None:
+            self.record.peak_live = max(self.record.peak_live, len(self.outputs))
+        return start, end
+
+    def backward(self, action: Action, grad: torch.Tensor | None, before: Callable[[], None] | None
+                 ) -> tuple[float, float]:
+        hidden, out = self.inputs.pop((action.chunk, action.microbatch)), self.outputs.pop((action.chunk,
+                                                                                            action.microbatch))
+        start = self.clock()
+        if before is not None:
+            before()
+        _backward(out, grad)
+        end = self.clock()
+        if produced(action, self.p, self.r, self.vp) is not None:
+            self.outbox.append(hidden.grad)
+        return start, end
+
+    def note(self, action: Action, start: float, end: float) -> None:
+        if self.record is None:
+            return
+        if action.kind == "F":
+            self.record.forward_s += end - start
+        else:
+            self.record.backward_s += end - start
+        if self.record.keep_timeline:
+            self.record.timeline.append((action.kind, action.chunk, action.microbatch, start, end))
+
+
+def run_table(tables: Sequence[Sequence[Action]], chunks: Sequence[nn.Module], microbatches: Sequence[dict],
               forward_step: ForwardStep, pg: ProcessGroups, recv_shape: tuple[int, ...], dtype: torch.dtype,
               forward_only: bool = False, record: PipelineRecord | None = None, loss_scale: float = 1.0,
               last_backward: Callable[[int], None] | None = None) -> list[torch.Tensor]:
-    """Execute this rank's ``table``; returns the (detached) losses of the last stage's micro-batches."""
+    """Execute this rank's table of ``tables`` (one per pipeline rank: every rank plans the message rounds
+    from all of them); returns the (detached) outputs of the last stage's micro-batches (the losses, in
+    training). ``last_backward(chunk)`` runs just before each chunk's last backward."""
+    run = _Run(chunks, microbatches, forward_step, pg, recv_shape, dtype, forward_only, record, loss_scale)
+    table = tables[run.r]
     final_backward = {a.chunk: i for i, a in enumerate(table) if a.kind == "B"}
-    p, r, vp = pg.pp_size, pg.pp_rank, len(chunks)
-    m = len(microbatches)
-    last_stage = p * vp - 1
-    device = next(chunks[0].parameters()).device
-    inputs: dict[tuple[int, int], torch.Tensor | None] = {}
-    outputs: dict[tuple[int, int], torch.Tensor] = {}
-    sends: list[tuple[object, torch.Tensor]] = []
-    losses: list[torch.Tensor] = []
-
-    def recv(kind: str, chunk: int, mb: int, src: int) -> torch.Tensor:
-        buf = torch.empty(recv_shape, dtype=dtype, device=device)
-        t0 = time.time()
-        pg.irecv(buf, src, _tag(kind, chunk, mb, vp)).wait()
-        if record is not None:
-            record.wait_s += time.time() - t0
-        return buf
-
-    def clock() -> float:
-        if record is not None and record.synchronize:
-            dev.synchronize()
-        return time.time()
-
-    def send(t: torch.Tensor, kind: str, chunk: int, mb: int, dst: int) -> None:
-        t = t.detach().contiguous()
-        sends.append((pg.isend(t, dst, _tag(kind, chunk, mb, vp)), t))
-
-    for index, action in enumerate(table):
-        c, mb = action.chunk, action.microbatch
-        stage = c * p + r
-        if action.kind == "F":
-            hidden = None
-            if stage > 0:  # from the previous virtual stage: rank r-1, or the last rank's previous chunk
-                hidden = recv("F", c, mb, (r - 1) % p).requires_grad_(not forward_only)
-            start = clock()  # compute starts once the input has arrived: waiting is bubble
-            with torch.set_grad_enabled(not forward_only):
-                out = forward_step(chunks[c], microbatches[mb], hidden)
-            end = clock()  # compute only: the send and bookkeeping below are not busy time
-            if stage == last_stage:
-                losses.append(out.detach())
-                out = out * (loss_scale / m)
-            else:
-                send(out, "F", c + (1 if r == p - 1 else 0), mb, (r + 1) % p)
-            if not forward_only:
-                inputs[(c, mb)] = hidden
-                outputs[(c, mb)] = out
-                if stage != last_stage:
-                    _release(out)
-            if record is not None:
-                record.peak_live = max(record.peak_live, len(outputs))
-        else:
-            hidden, out = inputs.pop((c, mb)), outputs.pop((c, mb))
-            grad = None if stage == last_stage else recv("B", c, mb, (r + 1) % p)
-            start = clock()
-            if last_backward is not None and final_backward[c] == index:
-                last_backward(c)
-            _backward(out, grad)
-            end = clock()
-            if stage > 0:
-                send(hidden.grad, "B", c - (1 if r == 0 else 0), mb, (r - 1) % p)
-        if record is not None:
+    plan = round_plan(tables, run.p, run.vp)[run.r]
+    done = 0
+    for step in plan:
+        action = step.action
+        if action is not None:
+            assert action == table[done], f"round plan out of step with the table at {action}"
+            received = run.take(action)
             if action.kind == "F":
-                record.forward_s += end - start
+                start, end = run.forward(action, received)
             else:
-                record.backward_s += end - start
-            if record.keep_timeline:
-                record.timeline.append((action.kind, c, mb, start, end))
-        sends = [(w, t) for w, t in sends if not w.is_completed()]
-    for work, _ in sends:
+                before = None
+                if last_backward is not None and final_backward[action.chunk] == done:
+                    before = lambda c=action.chunk: last_backward(c)  # noqa: E731
+                start, end = run.backward(action, received, before)
+            run.note(action, start, end)
+            done += 1
+        run.exchange(step)
+    for work in run.in_flight:
         work.wait()
-    return losses
+    return run.losses

@@ -19,6 +19,7 @@ from megalite import device
 from megalite.config.arguments import MegaliteConfig
 from megalite.distributed.finalize import finalize_grads, tied_embedding_params
 from megalite.distributed.grad_buffer import GradBuffer
+from megalite.model.steps import hidden_shape, lm_forward_step
 from megalite.optimizer.optimizer import MegaliteOptimizer
 from megalite.parallel.groups import ProcessGroups
 from megalite.pipeline.executor import PipelineRecord
@@ -33,6 +34,13 @@ def build_buffers(chunks: list[nn.Module], cfg: MegaliteConfig, pg: ProcessGroup
     return [GradBuffer(list(c.parameters()), pg, grad_dtype=grad_dtype, bucket_size=cfg.ddp.ddp_bucket_size,
                        distributed=cfg.ddp.use_distributed_optimizer, overlap=cfg.ddp.overlap_grad_reduce,
                        separate=tied_embedding_params([c])) for c in chunks]
+
+
+def run_microbatches(chunks: list[nn.Module], microbatches: list[dict], pg: ProcessGroups, **kwargs
+                     ) -> list[torch.Tensor]:
+    """The GPT's micro-batches through this rank's pipeline schedule (see forward_backward)."""
+    shape = hidden_shape(chunks[0], microbatches[0]["tokens"], pg.tp_size)
+    return forward_backward(chunks, microbatches, pg, lm_forward_step, shape, **kwargs)
 
 
 def reported_loss(losses: list[torch.Tensor], pg: ProcessGroups) -> float:
@@ -69,7 +77,7 @@ def train_step(chunks: list[nn.Module], buffers: list[GradBuffer], optimizer: Me
         buffers[chunk].last_microbatch = True
 
     loss_scale = optimizer.loss_scale
-    losses = forward_backward(chunks, microbatches, pg, cfg.parallel.pipeline_schedule, record=record,
+    losses = run_microbatches(chunks, microbatches, pg, schedule=cfg.parallel.pipeline_schedule, record=record,
                               loss_scale=loss_scale, last_backward=last_backward)
     timers.add("forward-compute", record.forward_s)
     timers.add("backward-compute", record.backward_s)
@@ -89,7 +97,7 @@ def evaluate(chunks: list[nn.Module], dataset, start: int, cfg: MegaliteConfig, 
     gbs = cfg.training.global_batch_size
     for k in range(cfg.training.eval_iters):
         mbs = global_batch(dataset, start + k * gbs, cfg, pg, device.current_device())
-        losses += forward_backward(chunks, mbs, pg, forward_only=True)
+        losses += run_microbatches(chunks, mbs, pg, forward_only=True)
     for c in chunks:
         c.train()
     return reported_loss(losses, pg)
