@@ -34,9 +34,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, results, timeout: float) -> None:
+# Variables of the test process that the ranks must see (the forkserver's own environment is older).
+PASSED_ENV = ("MEGALITE_NCCL_SEMANTICS",)
+
+
+def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, results, timeout: float,
+            env: dict[str, str]) -> None:
+    for name in PASSED_ENV:
+        os.environ.pop(name, None)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1", **env)
     import torch
     import torch.distributed as dist
 
@@ -58,7 +65,8 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 2
     ctx = _context()
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, results, timeout), daemon=True)
+    env = {k: os.environ[k] for k in PASSED_ENV if k in os.environ}
+    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, results, timeout, env), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()

@@ -70,7 +70,7 @@ def _resume_and_reshard(rank: int, world: int, root: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> list[dict]:
+def runs(tmp_path_factory, p2p_semantics) -> list[dict]:
     return run_ranks(_resume_and_reshard, 4, str(tmp_path_factory.mktemp("ckpt")), timeout=400)
 
 

@@ -31,11 +31,24 @@ CASES = {
 }
 
 
+PIPELINE_CASES = [c for c in sorted(CASES) if "--pipeline-model-parallel-size" in CASES[c][1]]
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_torchrun_matches_single_process(case):
+    _check(case)
+
+
+@pytest.mark.parametrize("case", PIPELINE_CASES)
+def test_torchrun_pipelines_match_under_nccl_semantics(case):
+    """The same runs with MEGALITE_NCCL_SEMANTICS=1: the pipeline's messages under NCCL's rules."""
+    _check(case, {"MEGALITE_NCCL_SEMANTICS": "1"})
+
+
+def _check(case: str, env: dict | None = None) -> None:
     model, layout, nproc = CASES[case]
     serial = losses(run_pretrain(COMMON + model))
-    parallel = losses(run_pretrain(COMMON + model + layout, nproc=nproc))
+    parallel = losses(run_pretrain(COMMON + model + layout, nproc=nproc, env=env))
     assert sorted(parallel) == sorted(serial) == list(range(1, 9))
     its = sorted(serial)
     for i, what in enumerate(("lm loss", "grad norm")):

@@ -263,7 +263,7 @@ def _layout_ranks(rank: int, world: int, ckpt: str) -> dict:
             for layout, run in PLAN}
 
 
-def test_tp2_pp2_and_other_layouts_generate_the_single_process_tokens(env):
+def test_tp2_pp2_and_other_layouts_generate_the_single_process_tokens(env, p2p_semantics):
     ckpt = env["ckpts"]["llama_gqa"]
     tool = load_tool("generate")
     want = {run: tool.run(_generate_argv(ckpt, run), say=lambda s: None).tokens for run in RUNS}

@@ -27,8 +27,6 @@ PLACED = {
 ALLOWED = {
     # Gone when model building moves from training/setup.py next to the model.
     ("megalite.inference.loading", "megalite.training.setup"),
-    # Gone when the pipeline takes a step function and the receive shape instead of the model.
-    ("megalite.pipeline.schedules", "megalite.model.gpt"),
 }
 
 

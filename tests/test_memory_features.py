@@ -57,7 +57,7 @@ def _run(rank: int, world: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def curves() -> list[dict]:
+def curves(p2p_semantics) -> list[dict]:
     return run_ranks(_run, 4, timeout=400)
 
 

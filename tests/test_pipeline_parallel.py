@@ -45,7 +45,7 @@ def _run(rank: int, world: int, layouts, schedule: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def curves() -> list[dict]:
+def curves(p2p_semantics) -> list[dict]:
     return run_ranks(_run, 4, LAYOUTS, "1f1b", timeout=400)
 
 
@@ -62,7 +62,7 @@ def test_pipeline_loss_curve_matches_serial(curves, model, layout):
         _assert_same(c[(model, layout)], c[(model, "serial")], f"rank {rank} {layout}")
 
 
-def test_gpipe_matches_serial():
+def test_gpipe_matches_serial(p2p_semantics):
     curves = run_ranks(_run, 2, [(1, 2, None)], "gpipe")
     for model in MODELS:
         _assert_same(curves[1][(model, (1, 2, None))], curves[1][(model, "serial")], "gpipe")

@@ -15,7 +15,7 @@ from torch import nn
 
 from megalite.checkpointing.metadata import model_config
 from megalite.model.gpt import GPTModel
-from megalite.parallel.groups import GROUP_AXES, ProcessGroups
+from megalite.parallel.groups import ProcessGroups
 from megalite.parallel.layout import RankLayout
 from megalite.pipeline.partition import chunk_layers, virtual_stage
 from megalite.tensor_parallel.random import RNGTracker
@@ -34,17 +34,6 @@ def named_params(chunks: list[nn.Module]) -> list[tuple[str, str, nn.Parameter]]
     return [(n, checkpoint_key(n, p), p) for c in chunks for n, p in c.named_parameters()]
 
 
-def _sizes_only_groups(tp: int, pp: int) -> ProcessGroups:
-    """ProcessGroups of rank 0 of a (tp, pp) layout without any communicator: enough to build a model
-    on the meta device (layers only read the sizes) and never used to communicate."""
-    layout = RankLayout(tp * pp, tp, pp)
-    pg = ProcessGroups(layout, 0)
-    for kind, axes in GROUP_AXES.items():
-        pg.ranks[kind], pg.groups[kind] = layout.group_of(0, axes), None
-    pg.ranks["embd"], pg.groups["embd"] = next(g for g in layout.embedding_groups() if 0 in g), None
-    return pg
-
-
 @dataclass(frozen=True)
 class StoredParam:
     key: str  # layout-free name, e.g. "layers.3.attention.qkv.weight"
@@ -55,7 +44,7 @@ def stage_params(config: dict[str, Any], tp: int, pp: int, vp: int = 1) -> list[
     """For each pipeline rank, the parameters its ``model.safetensors`` holds (all its chunks), in the
     order a training run stores them. A tied output layer on the last stage is not stored."""
     cfg, vocab = model_config(config)
-    pg = _sizes_only_groups(tp, pp)
+    pg = ProcessGroups.unconnected(RankLayout(tp * pp, tp, pp), 0)
     tracker = RNGTracker()
     last = pp * vp - 1
     stages = []

@@ -22,10 +22,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from megalite.parallel.groups import ProcessGroups
+from megalite.parallel.groups import Group, ProcessGroups
 
 
 @dataclass
@@ -138,12 +137,10 @@ class GradBuffer:
             self._start_hierarchical(bucket, data)
         elif self.distributed:
             bucket.shard_out = torch.empty(bucket.numel // self.dp, dtype=data.dtype, device=data.device)
-            self.pg.comm_bytes[("dp", "grad_reduce_scatter")] += data.numel() * data.element_size()
-            bucket.work = dist.reduce_scatter_single(bucket.shard_out, data, group=self.pg.groups["dp"],
-                                                     async_op=True)
+            bucket.work = self.pg.reduce_scatter_flat(bucket.shard_out, data, Group.DP, async_op=True,
+                                                      label="grad_reduce_scatter")
         else:
-            self.pg.comm_bytes[("dp", "grad_all_reduce")] += data.numel() * data.element_size()
-            bucket.work = dist.all_reduce(data, group=self.pg.groups["dp"], async_op=True)
+            bucket.work = self.pg.all_reduce(data, Group.DP, async_op=True, label="grad_all_reduce")
 
     # ---- hierarchical reduction (--hierarchical-dp-reduce) ------------------------------------
     def _start_hierarchical(self, bucket: Bucket, data: torch.Tensor) -> None:
@@ -157,31 +154,26 @@ class GradBuffer:
             bucket.intra_out, bucket.work = data, _Done()
             return
         bucket.intra_out = torch.empty(data.numel() // k, dtype=data.dtype, device=data.device)
-        self.pg.comm_bytes[("dp_intra", "grad_reduce_scatter")] += data.numel() * data.element_size()
-        bucket.work = dist.reduce_scatter_single(bucket.intra_out, data, group=self.pg.groups["dp_intra"],
-                                                 async_op=True)
+        bucket.work = self.pg.reduce_scatter_flat(bucket.intra_out, data, Group.DP_INTRA, async_op=True,
+                                                  label="grad_reduce_scatter")
 
     def _finish_hierarchical(self, bucket: Bucket) -> None:
         """Steps 2 and 3: across nodes on the 1/k shard, then (all-reduce path) all-gather inside the node."""
         k, n = self.pg.size("dp_intra"), self.pg.size("dp_inter")
         part = bucket.intra_out  # [numel / k], summed over this node's DP ranks
-        inter = self.pg.groups["dp_inter"]
         if self.distributed:
             shard = part
             if n > 1:
                 shard = torch.empty(part.numel() // n, dtype=part.dtype, device=part.device)
-                self.pg.comm_bytes[("dp_inter", "grad_reduce_scatter")] += part.numel() * part.element_size()
-                dist.reduce_scatter_single(shard, part, group=inter)
+                self.pg.reduce_scatter_flat(shard, part, Group.DP_INTER, label="grad_reduce_scatter")
             lo, hi = self.shard_range(bucket)
             self.grad_data[lo:hi].copy_(shard)
             return
         if n > 1:
-            self.pg.comm_bytes[("dp_inter", "grad_all_reduce")] += part.numel() * part.element_size()
-            dist.all_reduce(part, group=inter)
+            self.pg.all_reduce(part, Group.DP_INTER, label="grad_all_reduce")
         if k > 1:
             data = self.grad_data[bucket.start:bucket.end]
-            self.pg.comm_bytes[("dp_intra", "grad_all_gather")] += data.numel() * data.element_size()
-            dist.all_gather_single(data, part, group=self.pg.groups["dp_intra"])
+            self.pg.all_gather_flat(data, part, Group.DP_INTRA, label="grad_all_gather")
 
     def start_grad_sync(self) -> None:
         """Launch the reduction of every bucket not yet launched."""
@@ -217,8 +209,7 @@ class GradBuffer:
             lo, hi = self.shard_range(b)
             shard = self.param_data[lo:hi].clone()
             out = self.param_data[b.start:b.end]
-            self.pg.comm_bytes[("dp", "param_all_gather")] += shard.numel() * shard.element_size() * self.dp
-            works.append(dist.all_gather_single(out, shard, group=self.pg.groups["dp"], async_op=True))
+            works.append(self.pg.all_gather_flat(out, shard, Group.DP, async_op=True, label="param_all_gather"))
         return works
 
 

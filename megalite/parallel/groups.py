@@ -1,8 +1,12 @@
 """ProcessGroups: the torch.distributed groups of one rank, passed explicitly to whatever communicates.
 
 There are no module-level groups: a layer holds the ProcessGroups it was built with, so the wrong group
-cannot be picked up by accident and tests can hold several layouts. Collectives go through the methods
-here, which skip size-1 groups and count the bytes each axis moves (checked against DESIGN.md's formulas).
+cannot be picked up by accident and tests can hold several layouts. Every collective and every
+point-to-point message of megalite goes through the methods here, which skip size-1 groups, use the flat
+tensor collectives (``all_gather_single``/``reduce_scatter_single``: one path on NCCL and gloo) and count
+the bytes each axis moves (checked against docs/design.md's formulas). Pipeline messages are posted as
+batches (``post_p2p``), recorded on request for the NCCL replay checker, and, with
+``MEGALITE_NCCL_SEMANTICS=1``, run under NCCL's ordering rules on gloo (``nccl_emulation``).
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ class ProcessGroups:
     p2p_log: list | None = None
     # MEGALITE_NCCL_SEMANTICS=1: point-to-point traffic under NCCL's rules on gloo (nccl_emulation).
     emulation: object | None = None
+    dry_run: bool = False  # no communicators (see ``unconnected``)
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
@@ -65,6 +70,20 @@ class ProcessGroups:
         pg = cls(layout, 0)
         for kind in [*GROUP_AXES, Group.EMBD]:
             pg.ranks[kind], pg.groups[kind] = [0], None
+        return pg
+
+    @classmethod
+    def unconnected(cls, layout: RankLayout, rank: int, record: bool = False) -> "ProcessGroups":
+        """``rank``'s groups of ``layout`` without any communicator: enough to build a model on the meta
+        device (layers read only the sizes). With ``record``, ``post_p2p`` records the batches (for the NCCL
+        replay checker) and completes them at once, leaving receive buffers as they are; other
+        communication raises."""
+        pg = cls(layout, rank, p2p_log=[] if record else None, dry_run=True)
+        for kind, axes in GROUP_AXES.items():
+            pg.ranks[kind], pg.groups[kind] = layout.group_of(rank, axes), None
+        for ranks in layout.embedding_groups():  # middle pipeline stages belong to none
+            if rank in ranks:
+                pg.ranks[Group.EMBD], pg.groups[Group.EMBD] = ranks, None
         return pg
 
     @classmethod
@@ -141,6 +160,8 @@ class ProcessGroups:
     def _run(self, kind: str, fn, *args, async_op: bool = False, **kwargs) -> dist.Work | None:
         """Call a torch.distributed collective on group ``kind``; in NCCL-semantics mode the PP group's
         collectives join that group's ordered queue, as NCCL runs them on the same communicator."""
+        if self.dry_run:
+            raise RuntimeError(f"{fn.__name__} on the {kind} group of ProcessGroups built without communicators")
         if self.emulation is not None and kind == Group.PP:
             work = self.emulation.collective(self.ranks[kind], fn, args, kwargs, self.groups[kind])
             return work if async_op else work.wait()
@@ -228,7 +249,9 @@ class ProcessGroups:
             index = len(self.p2p_log)
             self.p2p_log.append(Post(comm, tuple(Op(o.kind, g, o.label, tuple(o.tensor.shape))
                                                  for o, g in zip(ops, peers)), where))
-        if self.emulation is not None:
+        if self.dry_run:
+            works = []
+        elif self.emulation is not None:
             works = [self.emulation.p2p(comm, ops, peers, self.groups[kind])]
         elif batched:
             works = dist.batch_isend_irecv([dist.P2POp(dist.isend if o.kind == "send" else dist.irecv, o.tensor, g,

@@ -5,9 +5,10 @@ order they are posted), and a communicator runs its operations one after another
 together as a batch. Here every communicator PyTorch would create for NCCL (a pair's for a single
 send/receive, the group's for a batch, shared with that group's collectives) is one queue with a worker
 thread that starts item k+1 only after item k completed; all messages of a communicator carry the same
-gloo tag, so gloo matches them by order alone, as NCCL does. gloo's send completes only when the receiver
-has posted, as NCCL's. Each message is preceded by a small header (shape, dtype, label), which gloo would
-not check, so a receive that would get another message is reported instead of reading wrong data.
+gloo tag, so gloo matches them by order alone, as NCCL does. A send completes only when the receiver
+has reached the matching receive (the receiver acknowledges each message), as NCCL's. Each message is
+preceded by a small header (shape, dtype, label), which gloo would not check, so a receive that would
+get another message is reported instead of reading wrong data.
 
 A rank that waits too long publishes what it waits for through the store; a cycle of ranks each waiting
 for the next to reach a message, with none of them moving between two looks, is reported as a deadlock
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import zlib
 from collections import defaultdict, deque
 
@@ -26,6 +28,7 @@ import torch.distributed as dist
 
 HEADER_BYTES = 256
 CHECK_S = 1.0
+REPORT_KEY = "megalite_nccl/deadlock"
 
 
 class NcclSemanticsError(RuntimeError):
@@ -107,7 +110,7 @@ class NcclEmulation:
 
     # ---- the worker: one item at a time, in order -----------------------------------------------
     def _worker(self, comm: str) -> None:
-        tag = zlib.crc32(comm.encode()) % (1 << 20)
+        tag = 2 * (zlib.crc32(comm.encode()) % (1 << 20))  # data; tag + 1: acknowledgements
         while True:
             with self.cond:
                 while not self.queues[comm]:
@@ -132,8 +135,10 @@ class NcclEmulation:
         sends, chains = [], defaultdict(list)
         for i, (kind, tensor, peer, label, group) in enumerate(item.ops):
             if kind == "send":
+                ack = torch.empty(1, dtype=torch.uint8)  # the receiver's word that it reached this receive
                 sends.append((i, [dist.isend(_header(label, tensor), peer, group=group, tag=tag),
-                                  dist.isend(tensor.contiguous(), peer, group=group, tag=tag)]))
+                                  dist.isend(tensor.contiguous(), peer, group=group, tag=tag),
+                                  dist.irecv(ack, peer, group=group, tag=tag + 1)]))
             else:
                 chains[peer].append(i)
         errors: list[BaseException] = []
@@ -158,11 +163,15 @@ class NcclEmulation:
                 dist.irecv(header, peer, group=group, tag=tag).wait()
                 got_label, shape, dtype = _read_header(header)
                 if (got_label, shape, dtype) != (label, list(buf.shape), str(buf.dtype)):
+                    scratch = torch.empty(shape, dtype=getattr(torch, dtype.removeprefix("torch.")))
+                    dist.irecv(scratch, peer, group=group, tag=tag).wait()  # let the sender finish, then fail
+                    dist.isend(torch.ones(1, dtype=torch.uint8), peer, group=group, tag=tag + 1).wait()
                     raise NcclSemanticsError(
                         f"NCCL-semantics mismatch on {item.comm}: rank {self.rank} expects {label} "
                         f"{list(buf.shape)} {buf.dtype} as message {item.keys[i][3]} from rank {peer}, but rank "
                         f"{peer} sent {got_label} {shape} {dtype} there (NCCL matches messages by order, not tag)")
                 dist.irecv(buf, peer, group=group, tag=tag).wait()
+                dist.isend(torch.ones(1, dtype=torch.uint8), peer, group=group, tag=tag + 1).wait()
                 self._complete(item, i)
         except BaseException as e:  # noqa: BLE001 - raised by the batch's worker
             errors.append(e)
@@ -176,6 +185,9 @@ class NcclEmulation:
     def wait_for(self, item: _Item) -> None:
         self._block(f"waits for {self._label(item)}", lambda: item.done.wait(CHECK_S))
         if item.error is not None:
+            report = self._report()  # a peer that found the deadlock and left closes its connections
+            if report:
+                raise NcclSemanticsError(report) from item.error
             raise item.error
 
     def drain(self) -> None:
@@ -209,9 +221,15 @@ class NcclEmulation:
         keys = [f"megalite_nccl/{r}" for r in range(world)]
         return {r: json.loads(self.store.get(k)) for r, k in enumerate(keys) if self.store.check([k])}
 
+    def _report(self) -> str | None:
+        return self.store.get(REPORT_KEY).decode() if self.store.check([REPORT_KEY]) else None
+
     def _check_cycle(self) -> None:
         """Raise when this rank is on a cycle of blocked ranks, each waiting for the next to reach a
-        message it has not reached, and none moved since the previous look."""
+        message it has not reached, and none moved since the previous look (or a peer found one)."""
+        report = self._report()
+        if report:
+            raise NcclSemanticsError(report)
         states = {r: s for r, s in self._states().items() if s.get("v", -1) >= 0}
         edges = {r: _waits_on(r, s, states) for r, s in states.items()}
         cycle = _find_cycle(self.rank, edges)
@@ -219,8 +237,11 @@ class NcclEmulation:
         if cycle and seen == self.last_seen:
             lines = [f"  rank {r} {states[r]['blocked']}; its queue heads: " +
                      " | ".join(h["item"] for h in states[r]["heads"]) for r in cycle]
-            raise NcclSemanticsError("NCCL-semantics deadlock: ranks " + " -> ".join(map(str, cycle)) +
-                                     " each wait for the next\n" + "\n".join(lines))
+            report = ("NCCL-semantics deadlock: ranks " + " -> ".join(map(str, cycle)) +
+                      " each wait for the next\n" + "\n".join(lines))
+            self.store.set(REPORT_KEY, report)
+            time.sleep(2 * CHECK_S)  # the peers read the report before this rank leaves
+            raise NcclSemanticsError(report)
         self.last_seen = seen
 
 

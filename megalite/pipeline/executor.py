@@ -4,8 +4,8 @@ between pipeline ranks in batches that are safe under NCCL (megalite/pipeline/p2
 After each round of the plan the rank posts one batch: the send of what its action produced and the
 receives of what its neighbours produced in that round. It waits for a batch only when an action needs a
 tensor it receives (NCCL completes a batch as one); other batches stay in flight, their buffers kept
-until they complete. No message depends on a tag. A stage's output keeps only its autograd graph after it is handed to the send: its
-data is released, so 1F1B holds at most p micro-batches of activations per stage.
+until they complete. No message depends on a tag. A stage's output keeps only its autograd graph after
+it is handed to the send: its data is released, so 1F1B holds at most p micro-batches of activations.
 """
 
 from __future__ import annotations
