@@ -19,6 +19,7 @@ LLAMA = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8
          "--num-query-groups", "2", "--untie-embeddings-and-output-weights", "--disable-bias-linear"]
 PIPE = ["--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
         "--micro-batch-size", "1", "--global-batch-size", "8"]
+PIPE_M4 = [*PIPE[:-1], "4"]  # 4 micro-batches of 1
 
 CASES = {
     "gpt2_tp2": (GPT2, ["--tensor-model-parallel-size", "2"], 2),
@@ -26,6 +27,9 @@ CASES = {
     "pp4_interleaved": (PIPE, ["--pipeline-model-parallel-size", "4", "--num-layers-per-virtual-pipeline-stage", "1"],
                         4),
     "tp2_pp2": (PIPE, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], 4),
+    "pp2_1f1b_m4": (PIPE_M4, ["--pipeline-model-parallel-size", "2"], 2),
+    "pp2_interleaved": (PIPE_M4, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
+                        2),
     "dp4_distopt": (PIPE, ["--use-distributed-optimizer"], 4),
     "tp2_dp2_distopt": (GPT2, ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer"], 4),
 }
