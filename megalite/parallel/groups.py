@@ -216,12 +216,11 @@ class ProcessGroups:
         if n == 1:
             return tensor
         self._count(kind, "reduce_scatter", tensor)
+        # along another dim, the chunks are stacked along dim 0 first: this rank's part keeps their layout
         data = tensor.contiguous() if dim % tensor.dim() == 0 else torch.cat(tensor.chunk(n, dim=dim), dim=0)
         out = torch.empty((data.shape[0] // n, *data.shape[1:]), dtype=data.dtype, device=data.device)
         self._run(kind, dist.reduce_scatter_single, out, data)
-        if dim % tensor.dim() == 0:
-            return out
-        return out  # the chunks were stacked along dim 0: this rank's chunk has the input's layout
+        return out
 
     def broadcast(self, tensor: torch.Tensor, kind: str, src_index: int = 0) -> torch.Tensor:
         if self.size(kind) > 1:
