@@ -181,21 +181,21 @@ class ProcessGroups:
                         label: str = "all_gather") -> dist.Work | None:
         """Every rank's ``shard`` into the flat ``out`` (n x its size, in group order); counts the bytes
         of ``out``."""
-        if self.size(kind) == 1:
-            out.copy_(shard.reshape(out.shape))
-            return None
-        self._count(kind, label, out)
-        return self._run(kind, dist.all_gather_single, out, shard.contiguous(), async_op=async_op)
+        return self._flat(dist.all_gather_single, out, shard, kind, out, async_op, label)
 
     def reduce_scatter_flat(self, out: torch.Tensor, data: torch.Tensor, kind: str, async_op: bool = False,
                             label: str = "reduce_scatter") -> dist.Work | None:
         """Sum the flat ``data`` over the group and keep this rank's 1/n part in ``out``; counts the bytes
         of ``data``."""
-        if self.size(kind) == 1:
-            out.copy_(data.reshape(out.shape))
+        return self._flat(dist.reduce_scatter_single, out, data, kind, data, async_op, label)
+
+    def _flat(self, fn, out: torch.Tensor, inp: torch.Tensor, kind: str, counted: torch.Tensor, async_op: bool,
+              label: str) -> dist.Work | None:
+        if self.size(kind) == 1:  # the one rank's part is the whole
+            out.copy_(inp.reshape(out.shape))
             return None
-        self._count(kind, label, data)
-        return self._run(kind, dist.reduce_scatter_single, out, data.contiguous(), async_op=async_op)
+        self._count(kind, label, counted)
+        return self._run(kind, fn, out, inp.contiguous(), async_op=async_op)
 
     def all_gather(self, tensor: torch.Tensor, kind: str, dim: int = -1) -> torch.Tensor:
         """Concatenate every rank's ``tensor`` along ``dim``, in group order (counts the input's bytes)."""
