@@ -9,8 +9,8 @@ import sys
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from megalite.config import ConfigError, parse_args, validate
+from megalite.distributed.launch import distributed_run, launcher_env
 from megalite.training.loop import pretrain
-from megalite.training.setup import distributed_run, launcher_env
 
 
 @record  # under torchrun, a failing rank's traceback goes to the elastic error file with its rank

@@ -39,13 +39,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megalite.config import validate  # noqa: E402
 from megalite.config.arguments import MegaliteConfig  # noqa: E402
 from megalite.distributed.finalize import finalize_grads  # noqa: E402
+from megalite.model.build import build_model  # noqa: E402
 from megalite.optimizer.optimizer import MegaliteOptimizer  # noqa: E402
 from megalite.parallel.groups import ProcessGroups  # noqa: E402
 from megalite.parallel.layout import RankLayout  # noqa: E402
 from megalite.tensor_parallel.random import model_parallel_seed  # noqa: E402
 from megalite.training.batches import build_run_data, global_batch  # noqa: E402
 from megalite.training.loop import TrainResult, build_buffers, pretrain, reported_loss  # noqa: E402
-from megalite.training.setup import build_model  # noqa: E402
 from megalite.training.step import run_microbatches  # noqa: E402
 from tests.harness import run_ranks  # noqa: E402
 

@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 from megalite.config.validate import ConfigError  # noqa: E402
+from megalite.distributed.launch import distributed_run, launcher_env  # noqa: E402
 from megalite.inference.evaluation import (  # noqa: E402
     count_words,
     detokenizer_for,
@@ -32,7 +33,6 @@ from megalite.inference.evaluation import (  # noqa: E402
     read_lambada,
 )
 from megalite.inference.loading import InferencePlan, inference_parser, last_rank, load_model, plan  # noqa: E402
-from megalite.training.setup import distributed_run, launcher_env  # noqa: E402
 
 TASKS = ("WIKITEXT103", "LAMBADA")
 

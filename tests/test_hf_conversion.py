@@ -25,10 +25,10 @@ from megalite.checkpointing.reader import CheckpointReader
 from megalite.checkpointing.stored import named_params
 from megalite.config import validate
 from megalite.config.arguments import MegaliteConfig
+from megalite.model.build import build_model
 from megalite.model.gpt import GPTModel
 from megalite.tensor_parallel.random import RNGTracker, model_parallel_seed
 from megalite.training.loop import pretrain
-from megalite.training.setup import build_model
 from tests.cli_utils import load_tool
 from tests.harness import run_ranks
 from tests.tp_utils import GPT2, LLAMA_GQA, groups_for, mock_data

@@ -23,10 +23,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 from megalite.config.validate import ConfigError  # noqa: E402
+from megalite.distributed.launch import distributed_run, launcher_env  # noqa: E402
 from megalite.inference.generation import GenerationError, check_lengths, generate  # noqa: E402
 from megalite.inference.loading import inference_parser, last_rank, load_model, plan  # noqa: E402
 from megalite.inference.sampling import SamplingParams  # noqa: E402
-from megalite.training.setup import distributed_run, launcher_env  # noqa: E402
 
 
 def build_parser():

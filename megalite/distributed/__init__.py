@@ -1,1 +1,2 @@
-"""Data-parallel gradient reduction and the per-step gradient finalization."""
+"""Joining torch.distributed (start-up of a run), data-parallel gradient reduction, and the per-step
+gradient finalization."""

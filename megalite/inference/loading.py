@@ -26,9 +26,9 @@ from megalite.config.model import ModelConfig
 from megalite.config.validate import ConfigError, layout_errors, world_errors
 from megalite.data.config import DataConfig
 from megalite.data.tokenizer import HuggingFaceTokenizer, Tokenizer, build_tokenizer
+from megalite.model.build import build_model
 from megalite.parallel.groups import ProcessGroups
 from megalite.tensor_parallel.random import model_parallel_seed
-from megalite.training.setup import build_model
 
 TOKENIZER_DIR = "tokenizer"  # where from-hf keeps a Hugging Face tokenizer inside a checkpoint
 TOKENIZER_FIELDS = ("tokenizer_type", "vocab_size", "vocab_file", "merge_file", "tokenizer_model")

@@ -1,1 +1,1 @@
-"""The training loop, evaluation, logging and start-up."""
+"""The training loop, evaluation and logging."""

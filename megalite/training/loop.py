@@ -11,6 +11,7 @@ from torch import nn
 
 from megalite import device
 from megalite.config.arguments import MegaliteConfig
+from megalite.model.build import build_model
 from megalite.optimizer.lr_schedule import LRSchedule
 from megalite.optimizer.optimizer import MegaliteOptimizer
 from megalite.parallel.groups import ProcessGroups
@@ -21,7 +22,6 @@ from megalite.training.flops import training_flops
 from megalite.training.log import format_iteration_line, format_validation_line
 from megalite.training.profiling import StepProfiler
 from megalite.training.resume import maybe_load, save
-from megalite.training.setup import build_model
 from megalite.training.step import build_buffers, evaluate, train_step, write_timeline
 from megalite.training.timers import Timers
 from megalite.training.writers import MetricWriters

@@ -1,0 +1,32 @@
+"""build_model(): this rank's model chunks for a layout, initialized identically in every layout."""
+
+from __future__ import annotations
+
+import torch
+
+from megalite import device
+from megalite.config.arguments import MegaliteConfig
+from megalite.model.gpt import GPTModel
+from megalite.parallel.groups import ProcessGroups
+from megalite.pipeline.partition import chunk_layers, num_chunks, virtual_stage
+from megalite.tensor_parallel.init import initialize_parameters
+from megalite.tensor_parallel.random import RNGTracker
+
+
+def build_model(cfg: MegaliteConfig, pg: ProcessGroups, vocab_size: int, tracker: RNGTracker,
+                dtype: torch.dtype = torch.float32) -> list[GPTModel]:
+    """This rank's model chunks (one per virtual pipeline stage), initialized from --seed identically in
+    every layout."""
+    m, p = cfg.model, cfg.parallel
+    vp = num_chunks(m.num_layers, pg.pp_size, p.num_layers_per_virtual_pipeline_stage)
+    last = pg.pp_size * vp - 1
+    chunks = []
+    for c in range(vp):
+        stage = virtual_stage(pg.pp_rank, c, pg.pp_size)
+        chunk = GPTModel(m, pg, vocab_size, tracker, sequence_parallel=p.sequence_parallel, dtype=dtype,
+                         device=device.current_device(),
+                         layer_numbers=chunk_layers(m.num_layers, pg.pp_size, vp, pg.pp_rank, c),
+                         pre_process=stage == 0, post_process=stage == last)
+        initialize_parameters(chunk, pg, cfg.training.seed, m.init_method_std, m.num_layers)
+        chunks.append(chunk)
+    return chunks
