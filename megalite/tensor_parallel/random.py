@@ -11,6 +11,7 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+import torch.nn.functional as F
 
 from megalite import device
 
@@ -54,3 +55,13 @@ def model_parallel_seed(seed: int, tp_rank: int, pp_rank: int) -> RNGTracker:
     tracker = RNGTracker()
     tracker.add(MODEL_PARALLEL_RNG, seed + 2718 + tp_rank)
     return tracker
+
+
+def hidden_dropout(x: torch.Tensor, p: float, tracker: RNGTracker, sequence_parallel: bool) -> torch.Tensor:
+    """Dropout of hidden states [s, b, h] (p = 0: none). Sequence-parallel activations are sharded along
+    the sequence, so their masks come from the tracked generator and differ per TP rank; replicated
+    activations take the stage's default generator, identical on every TP rank."""
+    if p == 0.0:
+        return x
+    with tracker.fork() if sequence_parallel else contextlib.nullcontext():
+        return F.dropout(x, p, training=True)
