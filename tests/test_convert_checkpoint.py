@@ -27,6 +27,7 @@ from megalite.config.arguments import MegaliteConfig
 from megalite.config.model import ModelConfig
 from megalite.model.gpt import GPTModel
 from megalite.parallel.groups import ProcessGroups
+from megalite.tensor_parallel.param_meta import param_meta
 from megalite.tensor_parallel.random import RNGTracker
 from megalite.training.loop import pretrain
 from tests.asserts import assert_rel_close
@@ -160,7 +161,7 @@ def test_to_hf_rejects_a_model_without_hf_equivalent(tmp_path, capsys):
     """Written offline from random tensors: RoPE with LayerNorm is neither GPT-2 nor Llama."""
     cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, position_embedding_type="rope")
     meta_model = GPTModel(cfg, ProcessGroups.single(), VOCAB, RNGTracker(), device=torch.device("meta"))
-    shapes = {n: p.full_shape for n, p in meta_model.named_parameters()}
+    shapes = {n: param_meta(p).full_shape for n, p in meta_model.named_parameters()}
     ckpt = str(tmp_path / "ck")
     write_checkpoint(ckpt, config_dict(cfg, VOCAB), lambda key: torch.randn(shapes[key]), tp=2, pp=2)
     assert convert(["to-hf", "--load", ckpt, "--save", str(tmp_path / "hf")]) == 2

@@ -26,6 +26,7 @@ from megalite.inference.generation import GenerationError, generate
 from megalite.inference.kv_cache import KVCache
 from megalite.inference.sampling import SamplingParams, filter_logits, sample
 from megalite.parallel.groups import ProcessGroups
+from megalite.tensor_parallel.param_meta import param_meta
 from tests.cli_utils import load_tool
 from tests.harness import run_ranks
 from tests.tp_utils import GPT2, LLAMA_GQA, build
@@ -72,7 +73,7 @@ def write_test_checkpoint(path: str, flags: dict, tp: int, pp: int, vocab: int =
     if edit is not None:
         with torch.no_grad():
             edit(model)
-    full = {key: p.shard_spec.unshard([p.detach()]) for _, key, p in named_params([model])}
+    full = {key: param_meta(p).spec.unshard([p.detach()]) for _, key, p in named_params([model])}
     write_checkpoint(path, config_dict(ModelConfig(**flags), vocab), full.__getitem__, tp=tp, pp=pp, iteration=5)
     if tokenizer is not None:
         meta_path = os.path.join(path, iter_dirname(5), "metadata.json")

@@ -27,6 +27,7 @@ from megalite.config import validate
 from megalite.config.arguments import MegaliteConfig
 from megalite.model.build import build_model
 from megalite.model.gpt import GPTModel
+from megalite.tensor_parallel.param_meta import param_meta
 from megalite.tensor_parallel.random import RNGTracker, model_parallel_seed
 from megalite.training.loop import pretrain
 from tests.cli_utils import load_tool
@@ -269,7 +270,7 @@ def test_name_table_round_trips_every_tensor(model, bias):
     conf = config_dict(cfg, VOCAB)
     meta = GPTModel(cfg, groups_for(1, 0), VOCAB, RNGTracker(), device=torch.device("meta"))
     g = torch.Generator().manual_seed(0)
-    full = {k: torch.randn(getattr(p, "full_shape", p.shape), generator=g) for n, k, p in named_params([meta])
+    full = {k: torch.randn(param_meta(p).full_shape, generator=g) for n, k, p in named_params([meta])
             if n == k}
     hf = to_hf_state_dict(conf, full.__getitem__)
     back = from_hf_state_dict(conf, hf)

@@ -13,6 +13,7 @@ from megalite.model.gpt import GPTModel
 from megalite.parallel.groups import ProcessGroups
 from megalite.parallel.layout import RankLayout
 from megalite.tensor_parallel.init import initialize_parameters
+from megalite.tensor_parallel.param_meta import param_meta
 from megalite.tensor_parallel.random import model_parallel_seed
 from megalite.training.batches import RunData
 
@@ -41,10 +42,10 @@ def build(cfg: ModelConfig, pg: ProcessGroups, vocab: int, seed: int = 1234) -> 
 def gather_full(param: torch.nn.Parameter, tensor: torch.Tensor, pg: ProcessGroups) -> torch.Tensor:
     """The full (layout-free) tensor of a parameter-shaped ``tensor`` sharded over TP."""
     if pg.tp_size == 1:
-        return param.shard_spec.unshard([tensor])
+        return param_meta(param).spec.unshard([tensor])
     parts = [torch.empty_like(tensor) for _ in range(pg.tp_size)]
     dist.all_gather(parts, tensor.contiguous(), group=pg.groups["tp"])
-    return param.shard_spec.unshard(parts)
+    return param_meta(param).spec.unshard(parts)
 
 
 def mock_data(vocab: int, seq: int, seed: int, n: int) -> RunData:

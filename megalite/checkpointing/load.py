@@ -18,6 +18,7 @@ from megalite.checkpointing.paths import rng_filename
 from megalite.checkpointing.reader import CheckpointError, CheckpointReader
 from megalite.checkpointing.stored import named_params
 from megalite.parallel.groups import ProcessGroups
+from megalite.tensor_parallel.param_meta import param_meta
 
 # Model fields that change what the weights mean; the rest (dropout, init, padding) may differ.
 SHAPE_FIELDS = ["num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
@@ -59,7 +60,8 @@ def load_checkpoint(load_dir: str, chunks: list[nn.Module], optimizer: Any, pg: 
     for _, key, p in named_params(chunks):
         local = reader.local_param(key, pg.tp_rank) if same_tp else None
         if local is None or local.shape != p.shape:
-            local = p.shard_spec.shard(reader.full_param(key, p.shard_spec), pg.tp_rank, pg.tp_size)
+            spec = param_meta(p).spec
+            local = spec.shard(reader.full_param(key, spec), pg.tp_rank, pg.tp_size)
         p.copy_(local.view(p.shape).to(p.dtype))
     if load_optim and optimizer is not None:
         if not reader.has_optimizer():
@@ -85,7 +87,7 @@ def _load_optimizer(reader: CheckpointReader, chunks: list[nn.Module], optimizer
     slices, _ = optimizer.state_tensors()
     values = []
     for s in slices:
-        key, spec = key_of[id(s.param)], s.param.shard_spec
+        key, spec = key_of[id(s.param)], param_meta(s.param).spec
         v = {}
         for f in OPTIM_FIELDS:
             local = reader.local_optim(key, f, pg.tp_rank) if reader.tp == pg.tp_size else None

@@ -18,6 +18,7 @@ from megalite.model.gpt import GPTModel
 from megalite.parallel.groups import ProcessGroups
 from megalite.parallel.layout import RankLayout
 from megalite.pipeline.partition import chunk_layers, virtual_stage
+from megalite.tensor_parallel.param_meta import param_meta
 from megalite.tensor_parallel.random import RNGTracker
 from megalite.tensor_parallel.sharding import ShardSpec
 
@@ -25,7 +26,7 @@ from megalite.tensor_parallel.sharding import ShardSpec
 def checkpoint_key(name: str, param: nn.Parameter) -> str:
     """The layout-free name a parameter is stored under (the last stage's tied embedding copy is the
     embedding itself, stored once by the first stage)."""
-    return getattr(param, "init_name", name)
+    return param_meta(param).copy_of or name
 
 
 def named_params(chunks: list[nn.Module]) -> list[tuple[str, str, nn.Parameter]]:
@@ -55,7 +56,7 @@ def stage_params(config: dict[str, Any], tp: int, pp: int, vp: int = 1) -> list[
             chunks.append(GPTModel(cfg, pg, vocab, tracker, device=torch.device("meta"),
                                    layer_numbers=chunk_layers(cfg.num_layers, pp, vp, rank, c),
                                    pre_process=stage == 0, post_process=stage == last))
-        stages.append([StoredParam(k, p.shard_spec) for n, k, p in named_params(chunks) if n == k])
+        stages.append([StoredParam(k, param_meta(p).spec) for n, k, p in named_params(chunks) if n == k])
     return stages
 
 

@@ -15,11 +15,12 @@ from torch import nn
 
 from megalite.distributed.grad_buffer import GradBuffer
 from megalite.parallel.groups import ProcessGroups
+from megalite.tensor_parallel.param_meta import param_meta
 
 
 def tied_embedding_params(modules: list[nn.Module]) -> list[nn.Parameter]:
     """The tied word-embedding weight on the first stage and its copy on the last one (PP > 1)."""
-    return [p for m in modules for p in m.parameters() if getattr(p, "tied_embedding_copy", False)]
+    return [p for m in modules for p in m.parameters() if param_meta(p).tied_embedding]
 
 
 @torch.no_grad()
@@ -28,7 +29,7 @@ def finalize_grads(modules: list[nn.Module], buffers: list[GradBuffer], pg: Proc
         b.finish_grad_sync()
     for m in modules:
         for p in m.parameters():
-            p.shard_spec.finalize_grad(p.main_grad, pg)
+            param_meta(p).spec.finalize_grad(p.main_grad, pg)
     if pg.pp_size > 1:
         for p in tied_embedding_params(modules):
             pg.all_reduce(p.main_grad, "embd")

@@ -27,7 +27,8 @@ from megalite.tensor_parallel.layers import (
     padded_vocab_size,
 )
 from megalite.tensor_parallel.mappings import copy_to_tp, gather_from_tp, scatter_to_sp
-from megalite.tensor_parallel.random import RNGTracker
+from megalite.tensor_parallel.param_meta import amend_param
+from megalite.tensor_parallel.random import RNGTracker, hidden_dropout
 from megalite.tensor_parallel.recompute import recompute
 from megalite.tensor_parallel.sharding import VocabShardSpec
 
@@ -58,13 +59,8 @@ class Embedding(nn.Module):
             x = x + self.position.weight[position_offset: position_offset + tokens.shape[1]].unsqueeze(1)
         if self.sequence_parallel:
             x = scatter_to_sp(x, self.pg)
-        p = self.cfg.hidden_dropout if self.training else 0.0
-        if p > 0:
-            if self.sequence_parallel:
-                with self.tracker.fork():
-                    return F.dropout(x, p)
-            return F.dropout(x, p)
-        return x
+        return hidden_dropout(x, self.cfg.hidden_dropout if self.training else 0.0, self.tracker,
+                              self.sequence_parallel)
 
 
 class GPTModel(nn.Module):
@@ -93,12 +89,11 @@ class GPTModel(nn.Module):
                     cfg.hidden_size, self.padded_vocab, pg, bias=False, sequence_parallel=sequence_parallel,
                     spec=VocabShardSpec(dim=0, vocab_size=vocab_size, padded_vocab=self.padded_vocab),
                     dtype=dtype, device=device)
-                self.output_layer.weight.full_shape = (vocab_size, cfg.hidden_size)
+                amend_param(self.output_layer.weight, full_shape=(vocab_size, cfg.hidden_size))
                 if cfg.tied_embeddings:  # the last stage's copy of the tied embedding
-                    self.output_layer.weight.init_name = TIED_EMBEDDING
-                    self.output_layer.weight.tied_embedding_copy = True
+                    amend_param(self.output_layer.weight, copy_of=TIED_EMBEDDING, tied_embedding=True)
         if cfg.tied_embeddings and pre_process and not post_process:  # the first stage's side of the tie
-            self.embedding.word.weight.tied_embedding_copy = True
+            amend_param(self.embedding.word.weight, tied_embedding=True)
         self._rope_cache: tuple[int, torch.Tensor] | None = None
 
     def _rope(self, seq_len: int, device: torch.device, offset: int = 0) -> torch.Tensor | None:

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megalite.tensor_parallel.sharding import ShardSpec, set_spec
+from megalite.tensor_parallel.param_meta import declare_param
+from megalite.tensor_parallel.sharding import ShardSpec
 
 
 class Norm(nn.Module):
@@ -22,10 +23,10 @@ class Norm(nn.Module):
         self.kind, self.eps, self.hidden = kind, eps, hidden
         spec = ShardSpec(partial_grad=sequence_parallel)
         self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype, device=device))
-        set_spec(self.weight, spec, (hidden,), "ones")
+        declare_param(self.weight, spec, (hidden,), "ones")
         if kind == "LayerNorm":
             self.bias = nn.Parameter(torch.zeros(hidden, dtype=dtype, device=device))
-            set_spec(self.bias, spec, (hidden,), "zeros")
+            declare_param(self.bias, spec, (hidden,), "zeros")
         else:
             self.register_parameter("bias", None)
 

@@ -18,7 +18,8 @@ from megalite.model.norm import Norm
 from megalite.model.rope import apply_rope
 from megalite.parallel.groups import ProcessGroups
 from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from megalite.tensor_parallel.random import RNGTracker
+from megalite.tensor_parallel.param_meta import amend_param
+from megalite.tensor_parallel.random import RNGTracker, hidden_dropout
 from megalite.tensor_parallel.recompute import recompute
 from megalite.tensor_parallel.sharding import QKVShardSpec, ShardSpec
 
@@ -65,9 +66,9 @@ class Attention(nn.Module):
                                         bias=cfg.add_bias_linear or cfg.add_qkv_bias, spec=spec,
                                         sequence_parallel=sequence_parallel, dtype=dtype, device=device)
         # The layer was sized for out_local * tp rows; record the true full shape of the fused layout.
-        self.qkv.weight.full_shape = (out_full, cfg.hidden_size)
+        amend_param(self.qkv.weight, full_shape=(out_full, cfg.hidden_size))
         if self.qkv.bias is not None:
-            self.qkv.bias.full_shape = (out_full,)
+            amend_param(self.qkv.bias, full_shape=(out_full,))
         self.proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size, pg,
                                       bias=cfg.add_bias_linear, sequence_parallel=sequence_parallel,
                                       dtype=dtype, device=device)
@@ -139,12 +140,8 @@ class TransformerLayer(nn.Module):
         self.mlp = MLP(cfg, pg, sequence_parallel, dtype, device)
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
-        p = self.cfg.hidden_dropout if self.training else 0.0
-        if p == 0.0:
-            return x
-        # Sequence-parallel activations are sharded: their masks must differ per TP rank.
-        with self.tracker.fork() if self.sequence_parallel else contextlib.nullcontext():
-            return F.dropout(x, p, training=True)
+        return hidden_dropout(x, self.cfg.hidden_dropout if self.training else 0.0, self.tracker,
+                              self.sequence_parallel)
 
     def forward(self, x: torch.Tensor, rope_angles: torch.Tensor | None = None, kv_cache=None) -> torch.Tensor:
         x = x + self._dropout(self.attention(self.input_norm(x), rope_angles, kv_cache))

@@ -12,14 +12,16 @@ import torch
 from torch import nn
 
 from megalite.parallel.groups import ProcessGroups
+from megalite.tensor_parallel.param_meta import param_meta
 
 
 def counted_ranges(param: nn.Parameter, pg: ProcessGroups, lo: int, hi: int) -> list[tuple[int, int]]:
     """Ranges, relative to ``lo``, of the slice [lo, hi) of ``param``'s flat gradient that count."""
-    if getattr(param, "tied_embedding_copy", False) and not pg.is_first_stage:
+    meta = param_meta(param)
+    if meta.tied_embedding and not pg.is_first_stage:
         return []
     out = []
-    for s, e in param.shard_spec.counted_ranges(tuple(param.shape), pg.tp_rank, pg.tp_size):
+    for s, e in meta.spec.counted_ranges(tuple(param.shape), pg.tp_rank, pg.tp_size):
         s, e = max(s, lo), min(e, hi)
         if s < e:
             out.append((s - lo, e - lo))
@@ -28,14 +30,10 @@ def counted_ranges(param: nn.Parameter, pg: ProcessGroups, lo: int, hi: int) -> 
 
 @torch.no_grad()
 def global_grad_norm(params: list[nn.Parameter], pg: ProcessGroups) -> float:
-    """The global L2 norm of whole-parameter gradients (``main_grad`` if present, else ``grad``)."""
+    """The global L2 norm of whole-parameter gradients, finalized in their GradBuffer (``main_grad``)."""
     total = torch.zeros((), dtype=torch.float32)
     for p in params:
-        g = getattr(p, "main_grad", None)
-        g = p.grad if g is None else g
-        if g is None:
-            continue
-        flat = g.reshape(-1).float().cpu()
+        flat = p.main_grad.reshape(-1).float().cpu()
         for s, e in counted_ranges(p, pg, 0, flat.numel()):
             total += flat[s:e].square().sum()
     total = total.to(next(iter(params)).device) if params else total

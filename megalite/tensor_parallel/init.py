@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from megalite.parallel.groups import ProcessGroups
+from megalite.tensor_parallel.param_meta import param_meta
 
 
 def param_seed(seed: int, name: str) -> int:
@@ -39,9 +40,9 @@ def full_init(name: str, shape: tuple[int, ...], kind: str, seed: int, std: floa
 def initialize_parameters(model: nn.Module, pg: ProcessGroups, seed: int, std: float, num_layers: int) -> None:
     """Fill every parameter of ``model`` with its shard of the deterministic full init.
 
-    A parameter may name the full tensor it copies with ``init_name`` (a tied output layer on
+    A parameter may name the full tensor it copies with ``ParamMeta.copy_of`` (a tied output layer on
     the last pipeline stage starts as the embedding)."""
     for name, param in model.named_parameters():
-        source = getattr(param, "init_name", name)
-        full = full_init(source, param.full_shape, param.init_kind, seed, std, num_layers)
-        param.copy_(param.shard_spec.shard(full, pg.tp_rank, pg.tp_size))
+        meta = param_meta(param)
+        full = full_init(meta.copy_of or name, meta.full_shape, meta.init, seed, std, num_layers)
+        param.copy_(meta.spec.shard(full, pg.tp_rank, pg.tp_size))

@@ -17,7 +17,8 @@ from megalite.tensor_parallel.mappings import (
     reduce_from_tp,
     reduce_scatter_to_sp,
 )
-from megalite.tensor_parallel.sharding import REPLICATED, ShardSpec, VocabShardSpec, set_spec
+from megalite.tensor_parallel.param_meta import declare_param
+from megalite.tensor_parallel.sharding import REPLICATED, ShardSpec, VocabShardSpec
 
 
 def _new_param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | None) -> nn.Parameter:
@@ -75,10 +76,10 @@ class ColumnParallelLinear(nn.Module):
             raise ValueError(f"output features {out_features} not divisible by TP size {pg.tp_size}")
         spec = spec or ShardSpec(dim=0)
         self.weight = _new_param((out_features // pg.tp_size, in_features), dtype, device)
-        set_spec(self.weight, spec, (out_features, in_features), init)
+        declare_param(self.weight, spec, (out_features, in_features), init)
         if bias:
             self.bias = _new_param((out_features // pg.tp_size,), dtype, device)
-            set_spec(self.bias, spec, (out_features,), "zeros")
+            declare_param(self.bias, spec, (out_features,), "zeros")
         else:
             self.register_parameter("bias", None)
 
@@ -105,10 +106,10 @@ class RowParallelLinear(nn.Module):
         if in_features % pg.tp_size:
             raise ValueError(f"input features {in_features} not divisible by TP size {pg.tp_size}")
         self.weight = _new_param((out_features, in_features // pg.tp_size), dtype, device)
-        set_spec(self.weight, ShardSpec(dim=1), (out_features, in_features), init)
+        declare_param(self.weight, ShardSpec(dim=1), (out_features, in_features), init)
         if bias:
             self.bias = _new_param((out_features,), dtype, device)
-            set_spec(self.bias, ShardSpec(partial_grad=sequence_parallel), (out_features,), "zeros")
+            declare_param(self.bias, ShardSpec(partial_grad=sequence_parallel), (out_features,), "zeros")
         else:
             self.register_parameter("bias", None)
 
@@ -138,7 +139,7 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = pg.tp_rank * per_rank
         self.vocab_end = self.vocab_start + per_rank
         self.weight = _new_param((per_rank, hidden), dtype, device)
-        set_spec(self.weight, VocabShardSpec(dim=0, vocab_size=vocab_size, padded_vocab=padded_vocab),
+        declare_param(self.weight, VocabShardSpec(dim=0, vocab_size=vocab_size, padded_vocab=padded_vocab),
                  (vocab_size, hidden), "normal")
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -160,4 +161,4 @@ class ReplicatedEmbedding(nn.Embedding):
     def __init__(self, num: int, dim: int, dtype: torch.dtype = torch.float32,
                  device: torch.device | None = None) -> None:
         super().__init__(num, dim, dtype=dtype, device=device)
-        set_spec(self.weight, REPLICATED, (num, dim), "normal")
+        declare_param(self.weight, REPLICATED, (num, dim), "normal")

@@ -1,8 +1,9 @@
 """How a full (layout-free) parameter maps to one tensor-parallel rank's shard, and back.
 
-Every parameter carries a ShardSpec. It is the single source of truth used by deterministic init
-(build the full tensor, keep this rank's slice), gradient tests (gather the full gradient), grad-norm
-counting (a replicated gradient counts once), checkpoint resharding and Hugging Face conversion.
+Every parameter carries a ShardSpec (in its ParamMeta, see param_meta.py). It is the single source
+of truth used by deterministic init (build the full tensor, keep this rank's slice), gradient tests
+(gather the full gradient), grad-norm counting (a replicated gradient counts once), checkpoint
+resharding and Hugging Face conversion.
 """
 
 from __future__ import annotations
@@ -149,11 +150,3 @@ class QKVShardSpec(ShardSpec):
 
 REPLICATED = ShardSpec()
 
-
-def set_spec(param: torch.nn.Parameter, spec: ShardSpec, full_shape: tuple[int, ...], init: str) -> None:
-    """Attach the sharding and init description to a parameter.
-
-    init: 'normal' (std), 'output' (std / sqrt(2 * layers)), 'zeros' or 'ones'."""
-    param.shard_spec = spec
-    param.full_shape = tuple(full_shape)
-    param.init_kind = init
