@@ -45,8 +45,8 @@ from megalite.parallel.groups import ProcessGroups  # noqa: E402
 from megalite.parallel.layout import RankLayout  # noqa: E402
 from megalite.tensor_parallel.random import model_parallel_seed  # noqa: E402
 from megalite.training.batches import build_run_data, global_batch  # noqa: E402
-from megalite.training.loop import TrainResult, build_buffers, pretrain, reported_loss  # noqa: E402
-from megalite.training.step import run_microbatches  # noqa: E402
+from megalite.training.loop import TrainResult, pretrain  # noqa: E402
+from megalite.training.step import build_buffers, reported_loss, run_microbatches  # noqa: E402
 from tests.harness import run_ranks  # noqa: E402
 
 QUIET = lambda s: None  # noqa: E731
@@ -184,7 +184,6 @@ class Trainer:
         self.finished: list[int] = []
         for c in self.chunks:
             c.train()
-            c.register_forward_pre_hook(lambda *_: self.optimizer.wait_param_gather())
 
     def step(self, iteration: int) -> float:
         t = self.cfg.training
@@ -197,6 +196,7 @@ class Trainer:
         def last_backward(chunk: int) -> None:
             self.buffers[chunk].last_microbatch = True
 
+        self.optimizer.wait_param_gather()
         losses = run_microbatches(self.chunks, microbatches, self.pg, last_backward=last_backward)
         # buckets whose reduction was launched during backward, and of those, already finished
         works = [b.work for buf in self.buffers for b in buf.buckets if b.work is not None]

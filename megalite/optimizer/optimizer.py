@@ -180,6 +180,9 @@ class MegaliteOptimizer:
             self.adam.state.clear()
 
     def wait_param_gather(self) -> None:
+        """Finish the all-gather of updated parameters that step() left running (--overlap-param-gather).
+        Whoever reads the parameters next calls it: the training step before its forward, evaluation, a
+        save. The model knows nothing of it."""
         for w in self.pending_gathers:
             w.wait()
         self.pending_gathers = []

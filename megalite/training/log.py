@@ -1,8 +1,23 @@
-"""Megatron's log line, which users' log parsers expect, plus throughput and MFU."""
+"""Megatron's log line, which users' log parsers expect, plus throughput and MFU, and the logging window
+that produces it every --log-interval iterations."""
 
 from __future__ import annotations
 
 import datetime
+import time
+from collections.abc import Callable
+
+from megalite import device
+from megalite.config.arguments import MegaliteConfig
+from megalite.parallel.groups import ProcessGroups
+from megalite.training.flops import training_flops
+from megalite.training.resume import TrainState
+from megalite.training.step import StepOutput
+from megalite.training.timers import Timers
+from megalite.training.writers import MetricWriters
+
+COMM_WARN_SHARE = 0.30  # the checklist: communication under 30% of the step
+IMBALANCE_WARN = 1.2  # and no rank computing 20% longer than another
 
 
 def format_iteration_line(iteration: int, train_iters: int, consumed: int, elapsed_ms: float, lr: float,
@@ -41,3 +56,59 @@ def format_validation_line(iteration: int, loss: float, label: str = "validation
 
     ppl = math.exp(min(20.0, loss))
     return f" {label} loss at iteration {iteration} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} |"
+
+
+class LogWindow:
+    """The iterations since the last log line. Their wall time per iteration gives the throughput and MFU
+    of the line logged every --log-interval iterations and at the last one, with the timers' breakdown."""
+
+    def __init__(self, cfg: MegaliteConfig, pg: ProcessGroups, vocab_size: int, timers: Timers,
+                 writers: MetricWriters, say: Callable[[str], None]) -> None:
+        self.cfg, self.pg, self.timers, self.writers, self.say = cfg, pg, timers, writers, say
+        m = cfg.model
+        self.tokens_per_iter = cfg.training.global_batch_size * m.seq_length
+        self.flops_per_iter = training_flops(m, vocab_size, m.seq_length, self.tokens_per_iter)
+        self.peak = cfg.logging.peak_tflops or device.peak_tflops(cfg.precision.params_dtype)
+        self.start, self.iters = time.perf_counter(), 0
+
+    def restart_clock(self) -> None:
+        """Leave out of the window the time of what ran besides training (evaluation, a save)."""
+        self.start = time.perf_counter()
+
+    def step_done(self, state: TrainState, lr: float, out: StepOutput) -> None:
+        """Count the step just finished; log the window when it is due (on every rank: timers reduce)."""
+        self.iters += 1
+        t = self.cfg.training
+        if state.iteration % t.log_interval == 0 or state.iteration == t.train_iters:
+            self._log(state, lr, out)
+            self.timers.reset()
+            self.start, self.iters = time.perf_counter(), 0
+
+    def _log(self, state: TrainState, lr: float, out: StepOutput) -> None:
+        device.synchronize()
+        t, step = self.cfg.training, state.iteration
+        elapsed = (time.perf_counter() - self.start) / self.iters
+        tflops = self.flops_per_iter / elapsed / self.pg.layout.world_size / 1e12
+        mfu = tflops / self.peak if self.peak else None
+        timer_line, timer_vals = self.timers.report(self.pg, self.iters, elapsed) if self.timers.level else ("", {})
+        memory = device.memory_stats() if self.cfg.logging.log_memory else {}
+        self.say(format_iteration_line(step, t.train_iters, state.consumed_samples, elapsed * 1e3, lr,
+                                       t.global_batch_size, out.loss, out.loss_scale, out.grad_norm,
+                                       state.skipped_iterations, state.nan_iterations, self.tokens_per_iter / elapsed,
+                                       tflops, mfu, memory))
+        if timer_line:
+            self.say(timer_line)
+            self._warn(timer_vals)
+        self.writers.scalars({"lm-loss": out.loss, "learning-rate": lr, "grad-norm": out.grad_norm,
+                              "loss-scale": out.loss_scale, "tokens-per-second": self.tokens_per_iter / elapsed,
+                              "tflops-per-device": tflops, "mfu": mfu,
+                              **{f"memory/{k}": v for k, v in memory.items()},
+                              **{f"time/{k}": v for k, v in timer_vals.items()}}, step)
+
+    def _warn(self, timer_vals: dict[str, float]) -> None:
+        if timer_vals["communication_share"] > COMM_WARN_SHARE:
+            self.say(f" WARNING: communication is {timer_vals['communication_share']:.0%} of the step "
+                     f"(> {COMM_WARN_SHARE:.0%}): see docs/troubleshooting.md ('slow')")
+        if timer_vals["imbalance"] > IMBALANCE_WARN:
+            self.say(f" WARNING: the slowest rank computes {timer_vals['imbalance']:.2f}x the fastest: "
+                     "pipeline stages (or data) are unbalanced; see docs/troubleshooting.md ('slow')")

@@ -77,6 +77,7 @@ def train_step(chunks: list[nn.Module], buffers: list[GradBuffer], optimizer: Me
         buffers[chunk].last_microbatch = True
 
     loss_scale = optimizer.loss_scale
+    optimizer.wait_param_gather()  # the last step's updated parameters (overlapped until here)
     losses = run_microbatches(chunks, microbatches, pg, schedule=cfg.parallel.pipeline_schedule, record=record,
                               loss_scale=loss_scale, last_backward=last_backward)
     timers.add("forward-compute", record.forward_s)
