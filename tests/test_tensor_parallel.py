@@ -9,7 +9,11 @@ import torch
 from megalite.config.model import ModelConfig
 from megalite.distributed.finalize import finalize_grads
 from megalite.distributed.grad_buffer import GradBuffer
+from megalite.model.gpt import TIED_EMBEDDING, GPTModel
 from megalite.optimizer.clip import global_grad_norm
+from megalite.tensor_parallel.param_meta import param_meta
+from megalite.tensor_parallel.random import RNGTracker
+from megalite.tensor_parallel.sharding import VocabShardSpec
 from tests.harness import run_ranks
 from tests.tp_utils import GPT2, LLAMA_GQA, build, gather_full, groups_for
 
@@ -77,3 +81,16 @@ def reports() -> list[dict]:
 def test_tp_matches_serial_logits_loss_and_grads(reports, case, tp):
     for rank, report in enumerate(reports):
         assert report[(case, tp)] == [], f"rank {rank}: {report[(case, tp)]}"
+
+
+def test_param_meta_declared_once_with_defaults():
+    """Every parameter's metadata is read through param_meta(); the model amends the tie and the fused QKV."""
+    cfg = ModelConfig(**{**GPT2, "untie_embeddings_and_output_weights": False})
+    last = GPTModel(cfg, groups_for(1, 0), VOCAB, RNGTracker(), pre_process=False, device=torch.device("meta"))
+    out = param_meta(last.output_layer.weight)
+    assert (out.copy_of, out.tied_embedding, out.full_shape) == (TIED_EMBEDDING, True, (VOCAB, cfg.hidden_size))
+    assert isinstance(out.spec, VocabShardSpec)
+    qkv = param_meta(last.layers["0"].attention.qkv.weight)
+    assert qkv.full_shape == (3 * cfg.hidden_size, cfg.hidden_size) and qkv.copy_of is None and qkv.init == "normal"
+    bare = param_meta(torch.nn.Parameter(torch.zeros(3, 2)))
+    assert (bare.full_shape, bare.spec.replicated, bare.init, bare.tied_embedding) == ((3, 2), True, "normal", False)
