@@ -28,8 +28,8 @@ CASES = {
                         4),
     "tp2_pp2": (PIPE, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], 4),
     "pp2_1f1b_m4": (PIPE_M4, ["--pipeline-model-parallel-size", "2"], 2),
-    "pp2_interleaved": (PIPE_M4, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
-                        2),
+    "pp2_interleaved": (PIPE_M4, ["--pipeline-model-parallel-size", "2",
+                                  "--num-layers-per-virtual-pipeline-stage", "1"], 2),
     "dp4_distopt": (PIPE, ["--use-distributed-optimizer"], 4),
     "tp2_dp2_distopt": (GPT2, ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer"], 4),
 }
