@@ -39,6 +39,7 @@ class Group(StrEnum):
     EMBD = "embd"  # first and last pipeline stage: tied embedding gradients
     DP_INTRA = "dp_intra"  # this rank's DP group, the ranks on its node (--hierarchical-dp-reduce)
     DP_INTER = "dp_inter"  # this rank's DP group, one rank per node
+    WORLD = "world"  # every rank (start-up checks, timers, exit agreement)
 
 
 # Group kinds and the layout axes each varies over.
@@ -68,7 +69,7 @@ class ProcessGroups:
         """A one-rank layout with no communication (tests, tools, the single-process run)."""
         layout = RankLayout(1)
         pg = cls(layout, 0)
-        for kind in [*GROUP_AXES, Group.EMBD]:
+        for kind in [*GROUP_AXES, Group.EMBD, Group.WORLD]:
             pg.ranks[kind], pg.groups[kind] = [0], None
         return pg
 
@@ -84,6 +85,7 @@ class ProcessGroups:
         for ranks in layout.embedding_groups():  # middle pipeline stages belong to none
             if rank in ranks:
                 pg.ranks[Group.EMBD], pg.groups[Group.EMBD] = ranks, None
+        pg.ranks[Group.WORLD], pg.groups[Group.WORLD] = list(range(layout.world_size)), None
         return pg
 
     @classmethod
@@ -108,6 +110,7 @@ class ProcessGroups:
                 group = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
                 if rank in ranks:
                     pg.ranks[kind], pg.groups[kind] = ranks, group
+        pg.ranks[Group.WORLD], pg.groups[Group.WORLD] = list(range(layout.world_size)), dist.group.WORLD
         if os.environ.get(NCCL_SEMANTICS_ENV, "0") == "1":
             from megalite.parallel.nccl_emulation import NcclEmulation
 
@@ -165,7 +168,9 @@ class ProcessGroups:
         if self.emulation is not None and kind == Group.PP:
             work = self.emulation.collective(self.ranks[kind], fn, args, kwargs, self.groups[kind])
             return work if async_op else work.wait()
-        return fn(*args, group=self.groups[kind], async_op=async_op, **kwargs)
+        if async_op:
+            kwargs["async_op"] = True
+        return fn(*args, group=self.groups[kind], **kwargs)
 
     def all_reduce(self, tensor: torch.Tensor, kind: str, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
                    async_op: bool = False, label: str = "all_reduce") -> torch.Tensor | dist.Work | None:
@@ -230,7 +235,15 @@ class ProcessGroups:
 
     def barrier(self) -> None:
         if self.layout.world_size > 1:
-            dist.barrier()
+            self._run(Group.WORLD, dist.barrier)
+
+    def all_gather_object(self, obj: object, kind: str = Group.WORLD) -> list:
+        """Every rank's picklable ``obj``, in group order (start-up checks only: it syncs the host)."""
+        if self.size(kind) == 1:
+            return [obj]
+        out: list = [None] * self.size(kind)
+        self._run(kind, dist.all_gather_object, out, obj)
+        return out
 
     # ---- point to point (pipeline): see docs/parallelism.md, "Pipeline messages" ----------------
     def post_p2p(self, ops: Sequence[P2POp], where: str = "", batched: bool = True) -> P2PWork:

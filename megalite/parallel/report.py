@@ -49,9 +49,7 @@ def announce_layout(pg: ProcessGroups, print_layout: bool = False,
     layout = pg.layout
     placement: list[str] = []
     if layout.world_size > 1 and dist.is_initialized():
-        ids: list[str] = [""] * layout.world_size
-        dist.all_gather_object(ids, node_id())
-        placement = placement_warnings(layout, ids)
+        placement = placement_warnings(layout, pg.all_gather_object(node_id()))
     if pg.rank == 0:
         if print_layout:  # the table ends with the layout's own warnings
             say(layout.describe(hierarchical_dp=pg.hierarchical_dp))

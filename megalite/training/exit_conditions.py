@@ -14,13 +14,14 @@ import torch
 import torch.distributed as dist
 
 from megalite import device
+from megalite.parallel.groups import Group, ProcessGroups
 
 
 class ExitConditions:
-    def __init__(self, signal_handler: bool, duration_mins: float | None, world_size: int) -> None:
+    def __init__(self, signal_handler: bool, duration_mins: float | None, pg: ProcessGroups) -> None:
         self.start = time.monotonic()
         self.duration = duration_mins * 60.0 if duration_mins else None
-        self.world_size = world_size
+        self.pg = pg
         self.signalled = False
         self.active = signal_handler or self.duration is not None
         if signal_handler:
@@ -35,8 +36,7 @@ class ExitConditions:
             return None
         timed_out = self.duration is not None and time.monotonic() - self.start > self.duration
         flags = torch.tensor([float(self.signalled), float(timed_out)], device=device.current_device())
-        if self.world_size > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        self.pg.all_reduce(flags, Group.WORLD, op=dist.ReduceOp.MAX)
         if flags[0] > 0:
             return "SIGTERM received (--exit-signal-handler)"
         if flags[1] > 0:

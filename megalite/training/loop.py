@@ -134,7 +134,7 @@ def pretrain(cfg: MegaliteConfig, pg: ProcessGroups, data: RunData | None = None
     writers = MetricWriters(lg, is_logger, cfg.to_dict())
     profiler = StepProfiler(lg.profile, lg.profile_step_start, lg.profile_step_end, lg.profile_dir, pg.rank,
                             lg.profile_ranks)
-    exits = ExitConditions(t.exit_signal_handler, t.exit_duration_in_mins, pg.layout.world_size)
+    exits = ExitConditions(t.exit_signal_handler, t.exit_duration_in_mins, pg)
     window = LogWindow(cfg, pg, run.vocab_size, timers, writers, run.say)
     try:
         while run.state.iteration < t.train_iters:

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megalite import device
-from megalite.parallel.groups import ProcessGroups
+from megalite.parallel.groups import Group, ProcessGroups
 
 PHASES = ["batch-generator", "forward-compute", "backward-compute", "pipeline-wait", "grads-reduce", "optimizer"]
 COMM_PHASES = {"pipeline-wait", "grads-reduce"}
@@ -52,9 +52,8 @@ class Timers:
         """The timers line (min/max ms per iteration over all ranks) and the max-over-ranks values."""
         vals = torch.tensor([self.elapsed.get(p, 0.0) / max(iterations, 1) for p in PHASES], dtype=torch.float64)
         lo, hi = vals.clone(), vals.clone()
-        if pg.layout.world_size > 1:
-            dist.all_reduce(lo, op=dist.ReduceOp.MIN)
-            dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+        pg.all_reduce(lo, Group.WORLD, op=dist.ReduceOp.MIN)
+        pg.all_reduce(hi, Group.WORLD, op=dist.ReduceOp.MAX)
         parts = [f"{p}: ({1e3 * a:.1f}, {1e3 * b:.1f})" for p, a, b in zip(PHASES, lo.tolist(), hi.tolist())]
         comm = sum(b for p, b in zip(PHASES, hi.tolist()) if p in COMM_PHASES)
         share = comm / step_seconds if step_seconds > 0 else 0.0
