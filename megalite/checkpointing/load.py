@@ -7,6 +7,7 @@ differs from the checkpoint's is refused with every differing flag named.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,6 +74,8 @@ def load_checkpoint(load_dir: str, chunks: list[nn.Module], optimizer: Any, pg: 
         from safetensors.torch import load_file
 
         path = f"{reader.dir}/{rng_filename(pg.rank)}"
+        if os.path.isfile(path):
+            reader.verify(path)
         try:
             rng = load_file(path)
         except Exception as e:  # noqa: BLE001

@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from megalite import __version__
+from megalite.checkpointing.checksum import file_checksum
 from megalite.checkpointing.reader import CheckpointError
 from megalite.config.model import ModelConfig
 
@@ -47,11 +48,12 @@ def _fsync(path: str) -> None:
 
 
 def save_tensors(tensors: dict[str, torch.Tensor], path: str, metadata: dict[str, str] | None = None) -> str:
-    """One safetensors file, made durable (the commit that follows must never expose a partial file)."""
+    """One safetensors file, made durable (the commit that follows must never expose a partial file).
+    Returns its checksum, which metadata.json records."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     save_file({k: _owned(v) for k, v in tensors.items()}, path, metadata=metadata)
     _fsync(path)
-    return path
+    return file_checksum(path)
 
 
 def layout_meta(*, world_size: int | None, tp: int, pp: int, dp: int, vp: int, order: str,
@@ -62,10 +64,13 @@ def layout_meta(*, world_size: int | None, tp: int, pp: int, dp: int, vp: int, o
 
 
 def write_metadata(staged: str, *, iteration: int, layout: dict[str, Any], config: dict[str, Any],
-                   state: dict[str, Any], device: str, extra: dict[str, Any] | None = None) -> None:
-    """metadata.json of the checkpoint being written in ``staged``."""
+                   state: dict[str, Any], device: str, extra: dict[str, Any] | None = None,
+                   checksums: dict[str, str] | None = None) -> None:
+    """metadata.json of the checkpoint being written in ``staged``; ``checksums`` maps each tensor
+    file's path relative to the iteration directory to its ``file_checksum``."""
     meta = {"format_version": FORMAT_VERSION, "megalite_version": __version__, "iteration": iteration,
-            "layout": layout, "config": config, "state": state, "device": device, **(extra or {})}
+            "layout": layout, "config": config, "state": state, "device": device, **(extra or {}),
+            "checksums": dict(sorted((checksums or {}).items()))}
     path = os.path.join(staged, "metadata.json")
     with open(path, "w") as f:
         json.dump(meta, f, indent=1, default=str)

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from megalite.checkpointing.checksum import file_checksum
 from megalite.checkpointing.paths import iter_dirname, optim_filename, read_tracker, shard_dirname
 from megalite.tensor_parallel.sharding import ShardSpec
 
@@ -36,6 +37,8 @@ class CheckpointReader:
             raise CheckpointError(f"{meta_path} is corrupt: {e}") from None
         lay = self.meta["layout"]
         self.tp, self.pp, self.dp = lay["tp"], lay["pp"], lay["dp"]
+        self.checksums: dict[str, str] = self.meta.get("checksums") or {}  # none in older checkpoints
+        self._verified: set[str] = set()
         self._handles: dict[str, Any] = {}
         self._regions: dict[str, dict[str, list]] = {}
         self._stage_of: dict[str, int] = {}
@@ -57,10 +60,24 @@ class CheckpointReader:
     def _model_path(self, tp: int, pp: int) -> str:
         return os.path.join(self.dir, shard_dirname(tp, pp), "model.safetensors")
 
+    def verify(self, path: str) -> None:
+        """Check a file of this checkpoint against the checksum metadata.json recorded when it was saved
+        (once per file; files of checkpoints written before checksums existed are not checked)."""
+        expected = self.checksums.get(os.path.relpath(path, self.dir))
+        if expected is None or path in self._verified:
+            return
+        got = file_checksum(path)
+        if got != expected:
+            raise CheckpointError(f"checkpoint file {path} is corrupt or truncated: its checksum is {got}, "
+                                  f"{os.path.join(self.dir, 'metadata.json')} recorded {expected} when it was "
+                                  "saved; restore the file from a copy or load an earlier iteration")
+        self._verified.add(path)
+
     def _open(self, path: str):
         if path not in self._handles:
             if not os.path.isfile(path):
                 raise CheckpointError(f"checkpoint shard {path} is missing (saved with TP={self.tp}, PP={self.pp})")
+            self.verify(path)
             try:
                 self._handles[path] = safe_open(path, framework="pt")
             except Exception as e:  # noqa: BLE001 - safetensors raises several kinds

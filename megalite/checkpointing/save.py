@@ -6,14 +6,17 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from megalite import device
 from megalite.checkpointing.metadata import OPTIM_FIELDS, layout_meta, save_tensors, write_metadata
-from megalite.checkpointing.paths import commit, optim_filename, rng_filename, shard_dirname, staging_dir
+from megalite.checkpointing.paths import TRACKER, commit, optim_filename, rng_filename, shard_dirname, staging_dir
+from megalite.checkpointing.reader import CheckpointError
 from megalite.checkpointing.stored import named_params
 from megalite.parallel.groups import ProcessGroups
 
@@ -33,35 +36,84 @@ def optimizer_tensors(chunks: list[nn.Module], optimizer: Any) -> tuple[dict[str
     return tensors, {"regions": regions, "step": step}
 
 
+class CheckpointSaveError(CheckpointError):
+    """A save failed on some rank; its staging directory is gone and the tracker still names the
+    previous checkpoint."""
+
+
+def _agree(pg: ProcessGroups, error: str | None, payload: Any = None) -> list[tuple[str | None, Any]]:
+    """Every rank's (error, payload): a barrier that also tells each rank whether another one failed,
+    so a failing rank never leaves its peers waiting in a collective it will not join."""
+    if pg.layout.world_size == 1:
+        return [(error, payload)]
+    out: list = [None] * pg.layout.world_size
+    dist.all_gather_object(out, (error, payload))
+    return out
+
+
+def _attempt(fn: Callable[[], Any]) -> tuple[str | None, Any]:
+    try:
+        return None, fn()
+    except OSError as e:  # a full disk, a read-only or vanished directory: reported, then cleaned up
+        return f"{type(e).__name__}: {e}", None
+
+
+def _check(results: list, pg: ProcessGroups, save_dir: str, iteration: int) -> None:
+    """Raise on every rank when any rank failed, after rank 0 removed the staging directory."""
+    failed = [(rank, err) for rank, (err, _) in enumerate(results) if err]
+    if not failed:
+        return
+    if pg.rank == 0:
+        shutil.rmtree(staging_dir(save_dir, iteration), ignore_errors=True)
+    tracker = os.path.join(save_dir, TRACKER)
+    kept = (f"{tracker} still names iteration {open(tracker).read().strip()}" if os.path.isfile(tracker)
+            else f"no earlier checkpoint in {save_dir}")
+    rank, err = failed[0]
+    raise CheckpointSaveError(f"--save {save_dir}: saving iteration {iteration} failed on rank {rank} ({err}); "
+                              f"its staging directory was removed and {kept}")
+
+
+def _write_rank_files(staged: str, chunks: list[nn.Module], optimizer: Any, pg: ProcessGroups,
+                      rng_states: dict[str, torch.Tensor]) -> dict[str, str]:
+    """This rank's tensor files; returns their checksums by path relative to ``staged``."""
+    shard = shard_dirname(pg.tp_rank, pg.pp_rank)
+    files: dict[str, tuple[dict, dict | None]] = {}
+    if pg.dp_rank == 0:  # weights are identical over DP
+        weights = {k: p for n, k, p in named_params(chunks) if n == k}
+        files[os.path.join(shard, "model.safetensors")] = (weights, {"format": "megalite-model"})
+    if optimizer is not None and (optimizer.distributed or pg.dp_rank == 0):
+        tensors, meta = optimizer_tensors(chunks, optimizer)
+        name = optim_filename(pg.dp_rank if optimizer.distributed else 0)
+        files[os.path.join(shard, name)] = (tensors, {"format": "megalite-optim", "meta": json.dumps(meta)})
+    files[rng_filename(pg.rank)] = (rng_states, None)
+    return {rel: save_tensors(t, os.path.join(staged, rel), m) for rel, (t, m) in files.items()}
+
+
 def save_checkpoint(save_dir: str, iteration: int, chunks: list[nn.Module], optimizer: Any, pg: ProcessGroups,
                     config: dict, state: dict[str, Any], rng_states: dict[str, torch.Tensor],
                     extra_meta: dict[str, Any] | None = None) -> str:
     """Write iteration ``iteration``; returns the committed directory. All ranks must call it.
-    ``extra_meta`` (e.g. the tokenizer the run used) is stored in metadata.json."""
+    ``extra_meta`` (e.g. the tokenizer the run used) is stored in metadata.json. A failure on any rank
+    (e.g. a full disk) raises CheckpointSaveError on every rank and leaves the previous checkpoint as is."""
     staged = staging_dir(save_dir, iteration)
-    if pg.rank == 0:
+
+    def prepare() -> None:
         shutil.rmtree(staged, ignore_errors=True)
         os.makedirs(staged)
-    pg.barrier()
-    shard = os.path.join(staged, shard_dirname(pg.tp_rank, pg.pp_rank))
-    if pg.dp_rank == 0:  # weights are identical over DP
-        weights = {k: p for n, k, p in named_params(chunks) if n == k}
-        save_tensors(weights, os.path.join(shard, "model.safetensors"), {"format": "megalite-model"})
-    if optimizer is not None and (optimizer.distributed or pg.dp_rank == 0):
-        tensors, meta = optimizer_tensors(chunks, optimizer)
-        save_tensors(tensors, os.path.join(shard, optim_filename(pg.dp_rank if optimizer.distributed else 0)),
-                     {"format": "megalite-optim", "meta": json.dumps(meta)})
-    save_tensors(rng_states, os.path.join(staged, rng_filename(pg.rank)))
-    if pg.rank == 0:
+
+    _check(_agree(pg, *(_attempt(prepare) if pg.rank == 0 else (None, None))), pg, save_dir, iteration)
+    results = _agree(pg, *_attempt(lambda: _write_rank_files(staged, chunks, optimizer, pg, rng_states)))
+    _check(results, pg, save_dir, iteration)
+
+    def finish() -> None:
         lay = pg.layout
         sharded = bool(optimizer is not None and optimizer.distributed)
         layout = layout_meta(world_size=lay.world_size, tp=lay.tp, pp=lay.pp, dp=lay.dp, vp=len(chunks),
                              order=lay.order, distributed_optimizer=sharded)
+        checksums = {k: v for _, sums in results for k, v in sums.items()}
         write_metadata(staged, iteration=iteration, layout=layout, config=config, state=state,
-                       device=device.device_type(), extra=extra_meta)
-    pg.barrier()
-    if pg.rank == 0:
+                       device=device.device_type(), extra=extra_meta, checksums=checksums)
         commit(save_dir, iteration)
-    pg.barrier()
-    return os.path.join(save_dir, f"iter_{iteration:07d}")
 
+    _check(_agree(pg, *(_attempt(finish) if pg.rank == 0 else (None, None))), pg, save_dir, iteration)
+    return os.path.join(save_dir, f"iter_{iteration:07d}")

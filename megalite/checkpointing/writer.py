@@ -42,12 +42,13 @@ def write_checkpoint(save_dir: str, config: dict[str, Any], get_param: Callable[
                      tp: int, pp: int, layers_per_virtual_stage: int | None = None,
                      optimizer: OptimizerSource | None = None, iteration: int = 0,
                      state: dict[str, Any] | None = None, note: dict[str, Any] | None = None,
-                     dtype: torch.dtype | None = None) -> str:
+                     dtype: torch.dtype | None = None, extra: dict[str, Any] | None = None) -> str:
     """Write a checkpoint of the model ``config`` at layout (tp, pp, vp) from full tensors.
 
     ``get_param(key)`` returns the full tensor of a layout-free key. Stage by stage, every tensor is
     read once, cut for every TP rank and written, so at most one pipeline stage is held in memory.
-    Nothing is visible in ``save_dir`` until the whole checkpoint is committed. Returns its directory."""
+    Nothing is visible in ``save_dir`` until the whole checkpoint is committed. ``extra`` goes into
+    metadata.json as is (e.g. the source's ``tokenizer`` entry). Returns its directory."""
     cfg, _ = model_config(config)
     errors = layout_errors(cfg, tp, pp, layers_per_virtual_stage)
     if errors:
@@ -58,25 +59,29 @@ def write_checkpoint(save_dir: str, config: dict[str, Any], get_param: Callable[
     staged = staging_dir(save_dir, iteration)
     shutil.rmtree(staged, ignore_errors=True)
     os.makedirs(staged)
+    checksums: dict[str, str] = {}
     try:
         for pp_rank, stored in enumerate(stages):
-            _write_stage(staged, pp_rank, stored, tp, get_param, optimizer, dtype)
-    except BaseException:  # a bad source shard or an interrupt: leave nothing behind
+            checksums.update(_write_stage(staged, pp_rank, stored, tp, get_param, optimizer, dtype))
+        layout = layout_meta(world_size=None, tp=tp, pp=pp, dp=1, vp=vp, order="tp-cp-dp-pp",
+                             distributed_optimizer=False)
+        write_metadata(staged, iteration=iteration, layout=layout, config=config,
+                       state={**{k: 0 for k in STATE_KEYS}, **(state or {}), "iteration": iteration}, device="cpu",
+                       extra={**(extra or {}), "written_by": note or {}}, checksums=checksums)
+        return commit(save_dir, iteration)
+    except BaseException:  # a bad source shard, a full disk or an interrupt: leave nothing behind
         shutil.rmtree(staged, ignore_errors=True)
-        if created and not os.listdir(save_dir):
+        if created and os.path.isdir(save_dir) and not os.listdir(save_dir):
             os.rmdir(save_dir)
         raise
-    layout = layout_meta(world_size=None, tp=tp, pp=pp, dp=1, vp=vp, order="tp-cp-dp-pp", distributed_optimizer=False)
-    write_metadata(staged, iteration=iteration, layout=layout, config=config,
-                   state={**{k: 0 for k in STATE_KEYS}, **(state or {}), "iteration": iteration}, device="cpu",
-                   extra={"written_by": note or {}})
-    return commit(save_dir, iteration)
 
 
 def _write_stage(staged: str, pp_rank: int, stored: Iterable[StoredParam], tp: int,
                  get_param: Callable[[str], torch.Tensor], optimizer: OptimizerSource | None,
-                 dtype: torch.dtype | None) -> None:
+                 dtype: torch.dtype | None) -> dict[str, str]:
+    """Write one pipeline stage's files for every TP rank; returns their checksums (relative paths)."""
     stored = list(stored)
+    sums: dict[str, str] = {}
     weights: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
     for p in stored:
         full = get_param(p.key)
@@ -85,11 +90,11 @@ def _write_stage(staged: str, pp_rank: int, stored: Iterable[StoredParam], tp: i
         for r in range(tp):
             weights[r][p.key] = p.spec.shard(full, r, tp)
     for r in range(tp):
-        save_tensors(weights[r], os.path.join(staged, shard_dirname(r, pp_rank), "model.safetensors"),
-                     {"format": "megalite-model"})
+        rel = os.path.join(shard_dirname(r, pp_rank), "model.safetensors")
+        sums[rel] = save_tensors(weights[r], os.path.join(staged, rel), {"format": "megalite-model"})
     del weights
     if optimizer is None:
-        return
+        return sums
     tensors: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
     regions: list[dict[str, list]] = [{} for _ in range(tp)]
     for p in stored:
@@ -101,5 +106,7 @@ def _write_stage(staged: str, pp_rank: int, stored: Iterable[StoredParam], tp: i
                 regions[r][p.key] = [0, local.numel(), list(local.shape)]
     for r in range(tp):
         meta = {"regions": regions[r], "step": float(optimizer.step)}
-        save_tensors(tensors[r], os.path.join(staged, shard_dirname(r, pp_rank), optim_filename(0)),
-                     {"format": "megalite-optim", "meta": json.dumps(meta)})
+        rel = os.path.join(shard_dirname(r, pp_rank), optim_filename(0))
+        sums[rel] = save_tensors(tensors[r], os.path.join(staged, rel),
+                                 {"format": "megalite-optim", "meta": json.dumps(meta)})
+    return sums
