@@ -8,6 +8,9 @@ import sys
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from megalite.checkpointing.guard import check_save_target
+from megalite.checkpointing.load import CheckpointMismatch
+from megalite.checkpointing.reader import CheckpointError
 from megalite.config import ConfigError, parse_args, validate
 from megalite.distributed.launch import distributed_run, launcher_env
 from megalite.training.loop import pretrain
@@ -19,11 +22,16 @@ def main(argv: list[str] | None = None) -> int:
     _, world, _, local_world = launcher_env()
     try:
         validate(cfg, world, local_world)  # before any process group exists
-    except ConfigError as e:
+        check_save_target(cfg.checkpoint, cfg.model)  # never replace another run's checkpoint
+    except (ConfigError, CheckpointError) as e:
         print(f"pretrain_gpt.py: error: {e}", file=sys.stderr)
         return 2
-    with distributed_run(cfg) as pg:
-        pretrain(cfg, pg)
+    try:
+        with distributed_run(cfg) as pg:
+            pretrain(cfg, pg)
+    except (CheckpointError, CheckpointMismatch) as e:  # a damaged --load, a failed save: named, no traceback
+        print(f"pretrain_gpt.py: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -19,9 +19,11 @@ Nothing is downloaded. Every output appears only once complete. See docs/checkpo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import sys
+from collections.abc import Iterator
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -78,10 +80,41 @@ def _open_checkpoint(load: str, iteration: int | None) -> FullCheckpoint:
     return FullCheckpoint(load, iteration)
 
 
+def _refuse_existing(save: str, overwrite: bool) -> None:
+    """An output is never written over something that is there unless --overwrite says so."""
+    if os.path.exists(save) and not os.path.isdir(save):
+        raise FileExistsError(f"--save {save} is a file; choose a new folder")
+    if os.path.isdir(save) and os.listdir(save) and not overwrite:
+        held = (f" (it holds a checkpoint at iteration {open(os.path.join(save, TRACKER)).read().strip()})"
+                if os.path.isfile(os.path.join(save, TRACKER)) else "")
+        raise FileExistsError(f"--save {save} exists and is not empty{held}; choose a new folder or pass "
+                              "--overwrite to replace it")
+
+
+@contextlib.contextmanager
+def _staged_output(save: str) -> Iterator[str]:
+    """A sibling folder to write into; it replaces ``save`` only once complete, and is removed on failure
+    (so another run's tracker in ``save`` is never rewound, and a failed write leaves ``save`` as it was)."""
+    staged = save.rstrip("/") + ".incomplete"
+    shutil.rmtree(staged, ignore_errors=True)
+    try:
+        yield staged
+    except BaseException:
+        shutil.rmtree(staged, ignore_errors=True)
+        raise
+    swap_into_place(staged, save)
+
+
 def cmd_reshard(a: argparse.Namespace) -> None:
-    path = reshard(a.load, a.save, a.tensor_model_parallel_size, a.pipeline_model_parallel_size,
-                   a.num_layers_per_virtual_pipeline_stage, iteration=a.iteration, with_optimizer=not a.no_optim)
-    copy_tokenizer_files(os.path.join(a.load, TOKENIZER_DIR), os.path.join(a.save, TOKENIZER_DIR))
+    if os.path.abspath(a.save) == os.path.abspath(a.load):
+        raise ValueError(f"--save {a.save} must differ from --load (a reshard never overwrites its source)")
+    _refuse_existing(a.save, a.overwrite)
+    with _staged_output(a.save) as staged:
+        path = reshard(a.load, staged, a.tensor_model_parallel_size, a.pipeline_model_parallel_size,
+                       a.num_layers_per_virtual_pipeline_stage, iteration=a.iteration,
+                       with_optimizer=not a.no_optim)
+        copy_tokenizer_files(os.path.join(a.load, TOKENIZER_DIR), os.path.join(staged, TOKENIZER_DIR))
+    path = os.path.join(a.save, os.path.basename(path))
     print(f"wrote {path} (TP={a.tensor_model_parallel_size} PP={a.pipeline_model_parallel_size}"
           + (f" VP layers={a.num_layers_per_virtual_pipeline_stage}" if a.num_layers_per_virtual_pipeline_stage
              else "") + ")")
@@ -105,12 +138,9 @@ def cmd_to_hf(a: argparse.Namespace) -> None:
     ckpt = _open_checkpoint(a.load, a.iteration)
     cfg, _ = model_config(ckpt.config)
     arch = architecture(cfg)  # fail before reading any tensor
-    if os.path.exists(a.save) and os.listdir(a.save) and not a.overwrite:
-        raise FileExistsError(f"--save {a.save} exists and is not empty; choose a new folder or pass --overwrite")
-    staged = a.save.rstrip("/") + ".incomplete"
-    shutil.rmtree(staged, ignore_errors=True)
-    os.makedirs(staged)
-    try:
+    _refuse_existing(a.save, a.overwrite)
+    with _staged_output(a.save) as staged:
+        os.makedirs(staged)
         eod, tok = None, _tokenizer_source(a, ckpt)
         if tok:
             try:
@@ -121,10 +151,6 @@ def cmd_to_hf(a: argparse.Namespace) -> None:
         dtype = DTYPES[a.dtype] if a.dtype else None
         get = (lambda k: ckpt.param(k).to(dtype)) if dtype else ckpt.param
         save_hf_model(staged, to_hf_config(ckpt.config, eod), to_hf_state_dict(ckpt.config, get))
-    except BaseException:
-        shutil.rmtree(staged, ignore_errors=True)
-        raise
-    swap_into_place(staged, a.save)
     print(f"wrote {a.save}: {'GPT2LMHeadModel' if arch == 'gpt2' else 'LlamaForCausalLM'} from iteration "
           f"{ckpt.iteration} of {a.load} (saved at TP={ckpt.layout['tp']} PP={ckpt.layout['pp']})"
           + (", with tokenizer" if os.path.isfile(os.path.join(a.save, "tokenizer_config.json")) else ""))
@@ -133,6 +159,7 @@ def cmd_to_hf(a: argparse.Namespace) -> None:
 def cmd_from_hf(a: argparse.Namespace) -> None:
     if os.path.isfile(os.path.join(a.load, TRACKER)):
         raise HFConversionError(f"--load {a.load} is a megalite checkpoint; from-hf reads a transformers folder")
+    _refuse_existing(a.save, a.overwrite)
     where = os.path.join(a.load, "config.json")
     hf_config = read_hf_config(a.load)
     config = from_hf_config(hf_config, where, qkv_bias_only=True)  # every config check before the weights
@@ -147,10 +174,12 @@ def cmd_from_hf(a: argparse.Namespace) -> None:
     dtype = DTYPES[a.dtype] if a.dtype else None
     note = {"tool": "convert_checkpoint.py from-hf", "source": os.path.abspath(a.load),
             "architecture": type(hf_config).__name__}
-    path = write_checkpoint(a.save, config, params.__getitem__, tp=a.tensor_model_parallel_size,
-                            pp=a.pipeline_model_parallel_size,
-                            layers_per_virtual_stage=a.num_layers_per_virtual_pipeline_stage, note=note, dtype=dtype)
-    tok = copy_tokenizer_files(a.load, os.path.join(a.save, TOKENIZER_DIR))
+    with _staged_output(a.save) as staged:
+        path = write_checkpoint(staged, config, params.__getitem__, tp=a.tensor_model_parallel_size,
+                                pp=a.pipeline_model_parallel_size, note=note, dtype=dtype,
+                                layers_per_virtual_stage=a.num_layers_per_virtual_pipeline_stage)
+        tok = copy_tokenizer_files(a.load, os.path.join(staged, TOKENIZER_DIR))
+    path = os.path.join(a.save, os.path.basename(path))
     print(f"wrote {path} (TP={a.tensor_model_parallel_size} PP={a.pipeline_model_parallel_size}, "
           f"vocab {config['vocab_size']}). Continue pretraining with:\n  --load {a.save} --finetune "
           f"{model_flags(config)}"
@@ -173,6 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--save", required=True, help="output checkpoint directory (not --load)")
     r.add_argument("--iteration", type=int, default=None, help="iteration to read (default: the tracker's)")
     r.add_argument("--no-optim", action="store_true", help="weights only")
+    r.add_argument("--overwrite", action="store_true", help="replace a non-empty --save folder")
     layout(r)
     r.set_defaults(func=cmd_reshard)
 
@@ -192,6 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--load", required=True, help="transformers folder (config.json + weights)")
     f.add_argument("--save", required=True, help="output checkpoint directory")
     f.add_argument("--dtype", choices=list(DTYPES), default=None, help="cast weights (default: as stored)")
+    f.add_argument("--overwrite", action="store_true", help="replace a non-empty --save folder")
     layout(f)
     f.set_defaults(func=cmd_from_hf)
     return p

@@ -18,7 +18,8 @@ from megalite.config.validate import layout_errors
 def reshard(load_dir: str, save_dir: str, tp: int, pp: int, layers_per_virtual_stage: int | None = None, *,
             iteration: int | None = None, with_optimizer: bool = True) -> str:
     """Write the checkpoint in ``load_dir`` at another (TP, PP, VP) layout into ``save_dir``: weights,
-    optimizer state (when saved and ``with_optimizer``), iteration and training state."""
+    optimizer state (when saved and ``with_optimizer``), iteration, training state and the tokenizer the
+    source was trained with."""
     if os.path.abspath(save_dir) == os.path.abspath(load_dir):
         raise ValueError(f"--save {save_dir} must differ from --load (a reshard never overwrites its source)")
     src = FullCheckpoint(load_dir, iteration)
@@ -29,8 +30,9 @@ def reshard(load_dir: str, save_dir: str, tp: int, pp: int, layers_per_virtual_s
     optimizer = None
     if with_optimizer and src.has_optimizer():
         optimizer = OptimizerSource(src.optim, src.optimizer_step())
+    kept = {k: src.reader.meta[k] for k in ("tokenizer",) if k in src.reader.meta}  # so to-hf still finds it
     note = {"tool": "convert_checkpoint.py reshard", "source": os.path.abspath(load_dir),
             "source_layout": src.layout}
     return write_checkpoint(save_dir, src.config, src.param, tp=tp, pp=pp,
                             layers_per_virtual_stage=layers_per_virtual_stage, optimizer=optimizer,
-                            iteration=src.iteration, state=src.state, note=note)
+                            iteration=src.iteration, state=src.state, note=note, extra=kept)

@@ -81,3 +81,6 @@ class CheckpointConfig:
     no_load_rng: bool = option(False, help="Do not restore the RNG states.")
     finetune: bool = option(False, help="Load weights only and start at iteration 0 (new optimizer, new data "
                             "position).")
+    overwrite_checkpoint: bool = option(False, help="Let --save replace the checkpoint of another run that "
+                                        "is already there (another model, no --load, --finetune, or a later "
+                                        "iteration than --load's); without it such a run is refused at start-up.")
