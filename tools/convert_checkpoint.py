@@ -144,8 +144,8 @@ def cmd_to_hf(a: argparse.Namespace) -> None:
         eod, tok = None, _tokenizer_source(a, ckpt)
         if tok:
             try:
-                eod = save_tokenizer(staged, **{k: tok.get(k) for k in
-                                                ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model")})
+                eod = save_tokenizer(staged, max_length=cfg.max_position_embeddings, **{
+                    k: tok.get(k) for k in ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model")})
             except Exception as e:  # noqa: BLE001 - best effort: the model is what matters
                 print(f"warning: tokenizer not exported ({type(e).__name__}: {e})", file=sys.stderr)
         dtype = DTYPES[a.dtype] if a.dtype else None

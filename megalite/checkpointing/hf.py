@@ -113,15 +113,17 @@ def to_hf_config(config: dict[str, Any], eod: int | None = None):
                           initializer_range=cfg.init_method_std, tie_word_embeddings=tied,
                           bos_token_id=eod, eos_token_id=eod, architectures=["GPT2LMHeadModel"])
     groups = cfg.num_query_groups or cfg.num_attention_heads
-    return LlamaConfig(vocab_size=vocab, hidden_size=cfg.hidden_size, intermediate_size=cfg.ffn_hidden_size,
+    hf = LlamaConfig(vocab_size=vocab, hidden_size=cfg.hidden_size, intermediate_size=cfg.ffn_hidden_size,
                        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_attention_heads,
                        num_key_value_heads=groups, head_dim=cfg.kv_channels, hidden_act="silu",
                        max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.norm_epsilon,
                        rope_parameters={"rope_type": "default", "rope_theta": float(cfg.rotary_base)},
                        attention_bias=cfg.add_bias_linear or cfg.add_qkv_bias, mlp_bias=cfg.add_bias_linear,
                        attention_dropout=cfg.attention_dropout, initializer_range=cfg.init_method_std,
-                       tie_word_embeddings=tied, bos_token_id=None, eos_token_id=eod,
+                       tie_word_embeddings=tied, bos_token_id=eod, eos_token_id=eod,
                        architectures=["LlamaForCausalLM"])
+    hf.rope_theta = float(cfg.rotary_base)  # transformers 4.x reads this key, not rope_parameters
+    return hf
 
 
 def hf_architecture(hf_config, where: str) -> str:
@@ -397,11 +399,35 @@ def copy_tokenizer_files(src_dir: str, dst_dir: str) -> list[str]:
     return names
 
 
+def portable_tokenizer_config(out_dir: str, max_length: int | None) -> None:
+    """Make ``tokenizer_config.json`` loadable by transformers 4.x as well as 5.x: a tokenizer.json-backed
+    tokenizer is named ``PreTrainedTokenizerFast`` (5.x writes its own ``TokenizersBackend``, unknown to
+    4.x), and ``model_max_length`` is the model's positions instead of transformers' "unbounded" value."""
+    path = os.path.join(out_dir, "tokenizer_config.json")
+    conf = json.load(open(path)) if os.path.isfile(path) else {}
+    if os.path.isfile(os.path.join(out_dir, "tokenizer.json")):
+        conf["tokenizer_class"] = "PreTrainedTokenizerFast"
+        conf.pop("backend", None)
+    if max_length is not None:
+        conf["model_max_length"] = max_length
+    with open(path, "w") as f:
+        json.dump(conf, f, indent=2, sort_keys=True)
+
+
 def save_tokenizer(out_dir: str, tokenizer_type: str, vocab_file: str | None = None, merge_file: str | None = None,
-                   tokenizer_model: str | None = None) -> int | None:
+                   tokenizer_model: str | None = None, max_length: int | None = None) -> int | None:
     """Write a transformers tokenizer for megalite's ``--tokenizer-type`` files into ``out_dir``; returns
-    its end-of-document id (HF's eos). The tokenizers-based types are saved from the very
-    ``tokenizers.Tokenizer`` megalite encodes with, so both sides split text the same way."""
+    its end-of-document id (HF's bos and eos). The tokenizers-based types are saved from the very
+    ``tokenizers.Tokenizer`` megalite encodes with, so both sides split text the same way.
+    ``max_length`` (the model's positions) becomes ``model_max_length``."""
+    eod = _save_tokenizer_files(out_dir, tokenizer_type, vocab_file, merge_file, tokenizer_model)
+    if tokenizer_type != "NullTokenizer":
+        portable_tokenizer_config(out_dir, max_length)
+    return eod
+
+
+def _save_tokenizer_files(out_dir: str, tokenizer_type: str, vocab_file: str | None, merge_file: str | None,
+                          tokenizer_model: str | None) -> int | None:
     from types import SimpleNamespace
 
     from megalite.data.tokenizer import build_tokenizer
