@@ -17,7 +17,9 @@ setup(
         "safetensors",
         "tokenizers",
         "sentencepiece",
-        "transformers",
+        # the converter writes configs with transformers 5's API (rope_parameters); what it exports also
+        # loads in transformers 4.x (docs/checkpoints.md, tests/test_hf_export_compat.py)
+        "transformers>=5.0",
         "datasets",
     ],
     extras_require={

@@ -9,7 +9,9 @@ All in one run, on the same filesystem (``--dir``):
 2. load: ``load_checkpoint`` of that checkpoint into the same layout (weights and optimizer state),
    against one process reading the plain file back. "cold" evicts the files from this machine's page
    cache first (posix_fadvise DONTNEED on clean, fsynced pages); "warm" reads them from the cache.
-3. conversion: ``convert_checkpoint.py reshard`` (TP=2 PP=1 -> TP=1 PP=2, optimizer included) and
+3. checksums: steps 1 and 2 are also run with the per-file CRC-32 turned off (saved as null, so not
+   checked on load), and the time with it is printed as a ratio of the time without it.
+4. conversion: ``convert_checkpoint.py reshard`` (TP=2 PP=1 -> TP=1 PP=2, optimizer included) and
    ``to-hf`` (-> GPT2LMHeadModel safetensors), single process, wall time and GB/s of the bytes written.
 
 Each figure is the median of ``--repeats`` runs. GB/s = 1e9 bytes / s.
@@ -91,6 +93,34 @@ def make_cfg(a: dict) -> MegaliteConfig:
         train_iters=1, mock_data=True, vocab_size=a["vocab"], hidden_dropout=0.0, attention_dropout=0.0))
 
 
+def _checksums(on: bool) -> None:
+    """Turn the per-file CRC-32 of saves (and so its check on load) on or off in this process."""
+    from megalite.checkpointing import checksum, metadata
+
+    metadata.file_checksum = checksum.file_checksum if on else (lambda path: None)
+
+
+def _save_load(rank: int, pg, chunks, optimizer, tracker, config: dict, ckpt: str, repeats: int, out: dict,
+               tag: str = "") -> None:
+    """Median-able save, cold load and warm load times into out[save+tag], out[load_cold+tag], ..."""
+    for _ in range(repeats):
+        if rank == 0:
+            shutil.rmtree(ckpt, ignore_errors=True)
+        dist.barrier()
+        t0 = time.perf_counter()
+        save_checkpoint(ckpt, 1, chunks, optimizer, pg, config, {"iteration": 1}, rng_states(tracker))
+        out.setdefault("save" + tag, []).append(time.perf_counter() - t0)  # save_checkpoint ends in a collective
+    for kind in ("load_cold", "load_warm"):
+        for _ in range(repeats):
+            if rank == 0 and kind == "load_cold":
+                evict(ckpt)
+            dist.barrier()
+            t0 = time.perf_counter()
+            load_checkpoint(ckpt, chunks, optimizer, pg, config)
+            dist.barrier()
+            out.setdefault(kind + tag, []).append(time.perf_counter() - t0)
+
+
 def _ranks(rank: int, world: int, a: dict, root: str) -> dict:
     cfg = make_cfg(a)
     validate(cfg, world)
@@ -99,25 +129,13 @@ def _ranks(rank: int, world: int, a: dict, root: str) -> dict:
     chunks = build_model(cfg, pg, a["vocab"], tracker)
     optimizer = MegaliteOptimizer(build_buffers(chunks, cfg, pg), cfg, pg)
     config = config_dict(cfg.model, a["vocab"])
-    out: dict = {k: [] for k in ("save", "load_cold", "load_warm", "write", "read_cold", "read_warm")}
+    out: dict = {k: [] for k in ("write", "read_cold", "read_warm")}
     ckpt = os.path.join(root, "ckpt")
-    for _ in range(a["repeats"]):
-        if rank == 0:
-            shutil.rmtree(ckpt, ignore_errors=True)
-        dist.barrier()
-        t0 = time.perf_counter()
-        save_checkpoint(ckpt, 1, chunks, optimizer, pg, config, {"iteration": 1}, rng_states(tracker))
-        out["save"].append(time.perf_counter() - t0)  # save_checkpoint ends with a barrier
+    _checksums(False)  # the same saves and loads without the checksum, for the ratio
+    _save_load(rank, pg, chunks, optimizer, tracker, config, ckpt, a["repeats"], out, "_nocrc")
+    _checksums(True)
+    _save_load(rank, pg, chunks, optimizer, tracker, config, ckpt, a["repeats"], out)
     out["bytes"] = dir_bytes(ckpt)
-    for kind in ("load_cold", "load_warm"):
-        for _ in range(a["repeats"]):
-            if rank == 0 and kind == "load_cold":
-                evict(ckpt)
-            dist.barrier()
-            t0 = time.perf_counter()
-            load_checkpoint(ckpt, chunks, optimizer, pg, config)
-            dist.barrier()
-            out[kind].append(time.perf_counter() - t0)
     if rank == 0:  # the disk's plain sequential rate, same bytes, same filesystem
         plain = os.path.join(root, "plain.bin")
         for _ in range(a["repeats"]):
@@ -191,6 +209,10 @@ def main() -> None:
         print(f"{name:36s} {sec:8.3f} {b / sec / 1e9:7.2f}")
     print(f"save / plain write: {(nbytes / slowest('save')) / (nbytes / med(ranks[0]['write'])):.2f}x   "
           f"cold load / plain read: {med(ranks[0]['read_cold']) / slowest('load_cold'):.2f}x")
+    print("time with the per-file CRC-32 / time without it: "
+          + "   ".join(f"{k} {slowest(k) / slowest(k + '_nocrc'):.2f}x" for k in ("save", "load_cold", "load_warm"))
+          + f"   (without: save {slowest('save_nocrc'):.3f} s, cold load {slowest('load_cold_nocrc'):.3f} s, "
+          f"warm load {slowest('load_warm_nocrc'):.3f} s)")
     if args.json:
         json.dump({"args": a, "rows": [{"name": n, "seconds": s, "bytes": b} for n, s, b in rows]},
                   open(args.json, "w"), indent=1)
