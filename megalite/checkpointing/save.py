@@ -10,7 +10,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from megalite import device
@@ -44,11 +43,7 @@ class CheckpointSaveError(CheckpointError):
 def _agree(pg: ProcessGroups, error: str | None, payload: Any = None) -> list[tuple[str | None, Any]]:
     """Every rank's (error, payload): a barrier that also tells each rank whether another one failed,
     so a failing rank never leaves its peers waiting in a collective it will not join."""
-    if pg.layout.world_size == 1:
-        return [(error, payload)]
-    out: list = [None] * pg.layout.world_size
-    dist.all_gather_object(out, (error, payload))
-    return out
+    return pg.all_gather_object((error, payload))
 
 
 def _attempt(fn: Callable[[], Any]) -> tuple[str | None, Any]:
