@@ -44,8 +44,15 @@ class ModelConfig:
                                    "--recompute-num-layers layers, 'block' the first --recompute-num-layers "
                                    "layers of each pipeline stage.", choices=["uniform", "block"])
     recompute_num_layers: int = option(1, help="Layers per recomputed group (uniform) or per stage (block).")
-    attention_backend: str = option("auto", help="Core attention kernel: torch SDPA ('auto'/'sdpa') or the "
-                                    "unfused reference ('unfused').", choices=["auto", "sdpa", "unfused"])
+    attention_backend: str = option(
+        "auto", help="Core attention kernel. 'auto': torch SDPA, which picks its fastest kernel; 'flash' and "
+        "'fused': SDPA restricted to its flash / memory-efficient kernel on CUDA ('flash' needs fp16/bf16 "
+        "there; on CPU both run SDPA's CPU kernel); 'unfused' and 'local': the explicit softmax(QK^T)V "
+        "reference. 'sdpa': the same as 'auto' (older checkpoints name it).",
+        choices=["auto", "flash", "fused", "unfused", "local", "sdpa"])
+    cross_entropy_loss_fusion: bool = option(
+        False, help="Fuse the output layer with the vocab-parallel cross-entropy, in chunks of tokens, so the "
+        "full [s, b, vocab/tp] fp32 logits never exist (backward recomputes each chunk's logits).")
 
     def __post_init__(self) -> None:
         if self.max_position_embeddings is None:

@@ -19,6 +19,7 @@ from megalite.model.rope import rope_frequencies
 from megalite.model.transformer import TransformerLayer
 from megalite.parallel.groups import ProcessGroups
 from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megalite.tensor_parallel.fused_cross_entropy import fused_linear_cross_entropy
 from megalite.tensor_parallel.layers import (
     ColumnParallelLinear,
     ReplicatedEmbedding,
@@ -154,6 +155,9 @@ class GPTModel(nn.Module):
                 x = layer(x, angles, kv_cache.layer(int(number)))
         if not self.post_process:
             return x
+        if labels is not None and self.cfg.cross_entropy_loss_fusion:  # never the full fp32 logits
+            return fused_linear_cross_entropy(self.final_norm(x), self.output_weight(), labels.t(), self.pg,
+                                              self.vocab_size, self.sequence_parallel).t()
         logits = self.logits(x)
         if labels is None:
             full = gather_from_tp(logits, self.pg, dim=-1)[..., : self.vocab_size]
