@@ -5,6 +5,7 @@ Nothing else in megalite calls ``torch.cuda``; everything asks here, so the CPU 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 from typing import Any
@@ -78,6 +79,24 @@ def device_name() -> str:
     if has_cuda():
         return torch.cuda.get_device_name()
     return "cpu"
+
+
+def sdpa_kernels(backend: str, where: torch.device) -> contextlib.AbstractContextManager:
+    """Restrict SDPA to the kernel --attention-backend names: on CUDA 'flash' is the flash kernel and
+    'fused' the memory-efficient one. Elsewhere (CPU) SDPA runs its own CPU kernel for every choice."""
+    if where.type != "cuda" or backend not in ("flash", "fused"):
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(SDPBackend.FLASH_ATTENTION if backend == "flash" else SDPBackend.EFFICIENT_ATTENTION)
+
+
+def attention_backend_error(backend: str, dtype: torch.dtype) -> str | None:
+    """Why --attention-backend cannot run on this device in ``dtype``, or None."""
+    if backend == "flash" and has_cuda() and dtype not in (torch.float16, torch.bfloat16):
+        return ("--attention-backend flash needs --bf16 or --fp16 on CUDA (the flash kernel has no fp32 path); "
+                "use 'fused', 'auto' or 'unfused' for fp32")
+    return None
 
 
 # Dense (no sparsity) peak TFLOP/s by device name fragment and dtype, from vendor data sheets.

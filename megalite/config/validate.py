@@ -198,6 +198,14 @@ def precision_errors(pr: "PrecisionConfig", dd: "DDPConfig") -> list[str]:
     return errors
 
 
+def kernel_errors(m: "ModelConfig", pr: "PrecisionConfig") -> list[str]:
+    """Kernel choices this device cannot run in the run's dtype (--attention-backend flash in fp32 on CUDA)."""
+    from megalite.device import attention_backend_error  # lazily: config stays importable without torch
+
+    err = attention_backend_error(m.attention_backend, pr.params_dtype)
+    return [err] if err else []
+
+
 def logging_errors(lg: "LoggingConfig") -> list[str]:
     if lg.profile and not 0 <= lg.profile_step_start < lg.profile_step_end:
         return [f"need 0 <= --profile-step-start ({lg.profile_step_start}) < --profile-step-end "
@@ -241,6 +249,7 @@ def validate(cfg: "MegaliteConfig", world_size: int, local_world_size: int | Non
     _raise_if(positive_errors(cfg))
     _raise_if([*model_errors(cfg.model), *parallel_errors(cfg, world_size, local_world_size or world_size),
                *training_errors(cfg, world_size), *optimizer_errors(cfg.optimizer),
-               *precision_errors(cfg.precision, cfg.ddp), *logging_errors(cfg.logging),
+               *precision_errors(cfg.precision, cfg.ddp), *kernel_errors(cfg.model, cfg.precision),
+               *logging_errors(cfg.logging),
                *checkpoint_errors(cfg.checkpoint), *data_errors(cfg.data)])
     fill_derived_defaults(cfg, world_size)

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megalite import device
 from megalite.config.model import ModelConfig
 from megalite.model.norm import Norm
 from megalite.model.rope import apply_rope
@@ -23,6 +24,9 @@ from megalite.tensor_parallel.random import RNGTracker, hidden_dropout
 from megalite.tensor_parallel.recompute import recompute
 from megalite.tensor_parallel.sharding import QKVShardSpec, ShardSpec
 
+# --attention-backend choices that run the explicit softmax(QK^T)V reference instead of SDPA.
+UNFUSED_BACKENDS = ("unfused", "local")
+
 
 def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, backend: str
                    ) -> torch.Tensor:
@@ -31,10 +35,16 @@ def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p:
     t >= s: with a KV cache the s queries are the last s of the t positions (query i sees keys
     0..t-s+i); t == s is plain causal self-attention."""
     past = k.shape[2] - q.shape[2]
-    if backend in ("auto", "sdpa"):
+    if backend not in UNFUSED_BACKENDS:
         gqa = q.shape[1] != k.shape[1]
-        if past == 0:
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=gqa)
+        if gqa and backend == "fused":  # SDPA's memory-efficient kernel has no GQA: one K/V per head
+            rep = q.shape[1] // k.shape[1]
+            k, v, gqa = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1), False
+        if past == 0:  # training and prefill: the kernel --attention-backend names (device.py decides)
+            with device.sdpa_kernels(backend, q.device):
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
+                                                      enable_gqa=gqa)
+        # decoding with a KV cache needs an explicit mask, which the flash kernel lacks: SDPA's own choice
         allowed = None if q.shape[2] == 1 else torch.ones(
             q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril(past)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p, enable_gqa=gqa)
