@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megalite import apex_kernels
 from megalite.tensor_parallel.param_meta import declare_param
 from megalite.tensor_parallel.sharding import ShardSpec
 
@@ -31,6 +32,11 @@ class Norm(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = apex_kernels.fused_norm(self.kind, x.device.type)  # apex on CUDA when installed
         if self.kind == "LayerNorm":
+            if fused is not None:
+                return fused(x, self.weight, self.bias, (self.hidden,), self.eps)
             return F.layer_norm(x, (self.hidden,), self.weight, self.bias, self.eps)
+        if fused is not None:
+            return fused(x, self.weight, (self.hidden,), self.eps)
         return F.rms_norm(x, (self.hidden,), self.weight, self.eps)

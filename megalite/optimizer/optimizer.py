@@ -19,7 +19,7 @@ from torch import nn
 from megalite import device
 from megalite.config.arguments import MegaliteConfig
 from megalite.distributed.grad_buffer import GradBuffer
-from megalite.optimizer.adam import apex_fused_adam
+from megalite.optimizer.adam import build_adamw
 from megalite.optimizer.clip import counted_ranges
 from megalite.optimizer.loss_scaler import ConstantLossScaler, DynamicLossScaler
 from megalite.parallel.groups import ProcessGroups
@@ -85,14 +85,8 @@ class MegaliteOptimizer:
                 self.entries.append(Entry(p, lo, hi, main, alias, counted_ranges(p, pg, lo, hi)))
                 (no_decay if p.ndim == 1 else decay).append(main)
         groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        kw = dict(lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps)
-        fused = apex_fused_adam() if not offload else None
-        if fused is not None:
-            self.adam = fused(groups, adam_w_mode=True, **kw)
-        elif device.has_cuda() and not offload:
-            self.adam = torch.optim.AdamW(groups, fused=True, **kw)
-        else:
-            self.adam = torch.optim.AdamW(groups, foreach=True, **kw)
+        self.adam = build_adamw(groups, on_gpu=device.has_cuda() and not offload, lr=o.lr,
+                                betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps)
         self.pending_gathers: list = []
 
     @property
@@ -173,7 +167,7 @@ class MegaliteOptimizer:
             if not e.alias:  # the weight is the low-precision copy of the fp32 main param
                 e.param.data.view(-1)[e.lo:e.hi].copy_(e.main)
             state = self.adam.state[e.main]
-            state["step"] = torch.tensor(step, dtype=torch.float32)
+            state["step"] = torch.tensor(step, dtype=torch.float32, device=e.main.device)  # fused: on device
             state["exp_avg"] = v["exp_avg"].to(e.main.device).clone()
             state["exp_avg_sq"] = v["exp_avg_sq"].to(e.main.device).clone()
         if step == 0:
