@@ -46,9 +46,24 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.allclose(a, b, **TOL)
 
 
+def _upstream(shape: torch.Size) -> dict[str, torch.Tensor]:
+    """Upstream gradients of the per-token loss: a token mean (training's case), a masked mean (some tokens
+    weigh 0), arbitrary per-token weights (every token differs)."""
+    n = shape.numel()
+    mask = (torch.arange(n) % 5 != 2).float()
+    return {"mean": torch.full(shape, 1.0 / n), "masked": (mask / mask.sum()).view(shape),
+            "weighted": torch.linspace(-1.0, 2.0, n).view(shape) / n}
+
+
 def _function_pair(x, w, target, pg, vocab, sp: bool, rows: int) -> list[str]:
     """Unfused (gathered input -> GEMM -> CE) against fused, same upstream gradient; differences found."""
-    grad_out = torch.linspace(-1.0, 2.0, target.numel()).view(target.shape)
+    bad = []
+    for kind, grad_out in _upstream(target.shape).items():
+        bad += [f"{m} ({kind})" for m in _one_pair(x, w, target, pg, vocab, sp, rows, grad_out)]
+    return bad
+
+
+def _one_pair(x, w, target, pg, vocab, sp: bool, rows: int, grad_out: torch.Tensor) -> list[str]:
     results = []
     for fused in (False, True):
         xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
@@ -99,9 +114,13 @@ def _model_outputs(kw: dict, pg, sp: bool, fused: bool) -> tuple[torch.Tensor, d
     initialize_parameters(model, pg, 1234, cfg.init_method_std, cfg.num_layers)
     gen = torch.Generator().manual_seed(7)
     tokens = torch.randint(0, VOCAB, (3, cfg.seq_length + 1), generator=gen)
-    loss = model(tokens[:, :-1], labels=tokens[:, 1:])
-    (loss * torch.linspace(0.5, 1.5, loss.numel()).view(loss.shape)).mean().backward()  # as training: a mean
-    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+    grads = {}
+    for kind, grad_out in _upstream(tokens[:, 1:].shape).items():  # both backwards consume their graph
+        model.zero_grad()
+        loss = model(tokens[:, :-1], labels=tokens[:, 1:])
+        (loss * grad_out).sum().backward()
+        grads.update({f"{n} ({kind})": p.grad.clone() for n, p in model.named_parameters()})
+    return loss.detach(), grads
 
 
 def _ranks_model(rank: int, world: int) -> dict:

@@ -2,11 +2,16 @@
 
 The unfused path builds this rank's logits [s, b, v/tp] in fp32 and keeps them (as the softmax) until
 backward: with a large vocabulary that one tensor is the step's peak. Here the tokens (s*b, flattened)
-are processed in chunks: each chunk's logits exist only while that chunk is processed, in the compute
-dtype and then fp32. Forward keeps per token only the local max, the local exp-sum (rescaled to the global
-max afterwards: two TP all-reduces in all, whatever the chunk count) and the target logit; backward
-recomputes each chunk's logits from the saved input and weight (one more GEMM of the output layer)
-and turns them into that chunk's share of the gradients wrt the hidden states and the weight.
+are processed in chunks, and a chunk's logits exist only while that chunk is processed.
+
+The gradient wrt token n's logits is g_n * D_n with D_n = softmax_n - onehot_n, where g_n (the upstream
+gradient of that token's loss) is known only in backward. Forward therefore computes, per chunk,
+D_c @ W (the hidden-state gradient up to g, [c, h]) and accumulates P = sum_n D_n^T x_n (the weight
+gradient if every g_n were 1, [v/tp, h]): the same three GEMMs the unfused step runs. Backward scales:
+grad_x = g * (D @ W) exactly, and grad_W = g0 * P + sum over the tokens whose g_n differs from the most
+common value g0 of (g_n - g0) D_n^T x_n, recomputing the logits of those tokens only. A loss averaged over
+tokens has one g0 for all tokens; a loss mask adds its masked tokens; arbitrary per-token weights
+recompute every token (correct, one more GEMM).
 
 Same rules as megalite/tensor_parallel/cross_entropy.py: padded vocabulary entries (ids >= vocab_size)
 never take part, so the loss depends neither on the padding nor on the TP size.
@@ -38,69 +43,82 @@ def _chunk_logits(x: torch.Tensor, weight: torch.Tensor, n_real: int) -> torch.T
     return logits
 
 
+def _softmax_minus_onehot(exp: torch.Tensor, sum_exp: torch.Tensor, local_target: torch.Tensor,
+                          outside: torch.Tensor) -> torch.Tensor:
+    """D = softmax - onehot of one chunk, in place on its exp(logits - global max) (onehot only where
+    this rank owns the target)."""
+    d = exp.mul_(sum_exp.reciprocal().unsqueeze(-1))
+    minus_one = torch.full_like(sum_exp, -1.0).masked_fill_(outside, 0.0)
+    return d.scatter_add_(-1, local_target.unsqueeze(-1), minus_one.unsqueeze(-1))
+
+
+def _accumulate(out: torch.Tensor, d: torch.Tensor, x: torch.Tensor) -> None:
+    """out (fp32) += d^T x, the GEMM in the compute dtype."""
+    if out.dtype == d.dtype:
+        out.addmm_(d.t(), x)
+    else:
+        out += d.t().matmul(x).float()
+
+
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, pg: ProcessGroups,
-                vocab_size: int, sequence_parallel: bool, rows: int) -> torch.Tensor:
+                vocab_size: int, sequence_parallel: bool, rows: int, with_grad: bool) -> torch.Tensor:
         # x [s, b, h] ([s/tp, b, h] with sequence parallelism), weight [v/tp, h], target [s, b] global ids.
-        full = pg.all_gather(x, "tp", dim=0) if sequence_parallel and pg.tp_size > 1 else x
-        local_v = weight.shape[0]
-        vocab_start = pg.tp_rank * local_v
-        n_real = min(max(vocab_size - vocab_start, 0), local_v)
-        flat, tgt = full.reshape(-1, full.shape[-1]), target.reshape(-1)
-        local_target = tgt - vocab_start
+        sp = sequence_parallel and pg.tp_size > 1
+        flat = (pg.all_gather(x, "tp", dim=0) if sp else x).reshape(-1, x.shape[-1])
+        local_v, n = weight.shape[0], flat.shape[0]
+        n_real = min(max(vocab_size - pg.tp_rank * local_v, 0), local_v)
+        local_target = target.reshape(-1) - pg.tp_rank * local_v
         outside = (local_target < 0) | (local_target >= local_v)
         local_target = local_target.masked_fill(outside, 0)
-        n = flat.shape[0]
-        local_max = torch.empty(n, dtype=torch.float32, device=x.device)
-        sums = torch.empty(2, n, dtype=torch.float32, device=x.device)  # exp-sum (local max), target logit
+        global_max, sum_exp, loss = (torch.empty(n, dtype=torch.float32, device=x.device) for _ in range(3))
+        grad_x_unit = torch.empty_like(flat) if with_grad else None  # D @ W
+        grad_w_unit = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if with_grad else None
         for lo in range(0, n, rows):
-            hi = min(lo + rows, n)
-            logits = _chunk_logits(flat[lo:hi], weight, n_real)
-            m = logits.amax(dim=-1)
-            m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # a rank holding only padding
-            local_max[lo:hi] = m if n_real > 0 else float("-inf")
-            sums[1, lo:hi] = logits.gather(-1, local_target[lo:hi].unsqueeze(-1)).squeeze(-1)
-            sums[0, lo:hi] = logits.sub_(m.unsqueeze(-1)).exp_().sum(dim=-1)
-        global_max = local_max.clone()
-        pg.all_reduce(global_max, "tp", op=dist.ReduceOp.MAX)
-        sums[0].mul_((local_max - global_max).exp_())
-        sums[1].sub_(global_max).masked_fill_(outside, 0.0)  # target logit shifted by the global max
-        pg.all_reduce(sums, "tp")
-        loss = sums[0].log() - sums[1]
-        ctx.pg, ctx.vocab_size, ctx.sequence_parallel, ctx.rows = pg, vocab_size, sequence_parallel, rows
-        ctx.save_for_backward(x, weight, global_max, sums[0], local_target, outside)
+            r = slice(lo, min(lo + rows, n))
+            logits = _chunk_logits(flat[r], weight, n_real)
+            m = logits.amax(dim=-1)  # -inf on a rank holding only padding; the MAX over TP is finite
+            pg.all_reduce(m, "tp", op=dist.ReduceOp.MAX)
+            target_logit = logits.gather(-1, local_target[r].unsqueeze(-1)).squeeze(-1).sub_(m)
+            exp = logits.sub_(m.unsqueeze(-1)).exp_()
+            stats = torch.stack([exp.sum(dim=-1), target_logit.masked_fill_(outside[r], 0.0)])
+            pg.all_reduce(stats, "tp")  # exp-sum, target logit (only its owner contributes)
+            global_max[r], sum_exp[r] = m, stats[0]
+            loss[r] = stats[0].log() - stats[1]
+            if with_grad:
+                d = _softmax_minus_onehot(exp, stats[0], local_target[r], outside[r]).to(weight.dtype)
+                torch.matmul(d, weight, out=grad_x_unit[r])
+                _accumulate(grad_w_unit, d, flat[r])
+        ctx.pg, ctx.vocab_size, ctx.sp, ctx.rows = pg, vocab_size, sp, rows
+        if with_grad:
+            ctx.save_for_backward(x, weight, global_max, sum_exp, local_target, outside, grad_x_unit, grad_w_unit)
         return loss.view(target.shape)
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
-        x, weight, global_max, sum_exp, local_target, outside = ctx.saved_tensors
-        pg, sp = ctx.pg, ctx.sequence_parallel and ctx.pg.tp_size > 1
-        full = pg.all_gather(x, "tp", dim=0) if sp else x
-        flat = full.reshape(-1, full.shape[-1])
-        n_real = min(max(ctx.vocab_size - pg.tp_rank * weight.shape[0], 0), weight.shape[0])
+        x, weight, global_max, sum_exp, local_target, outside, grad_x_unit, grad_w_unit = ctx.saved_tensors
+        pg = ctx.pg
         g = grad_loss.reshape(-1).float()
-        scale = g / sum_exp
-        onehot = g.masked_fill(outside, 0.0).neg_().unsqueeze(-1)
-        grad_x = torch.empty_like(flat)
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        for lo in range(0, flat.shape[0], ctx.rows):
-            hi = min(lo + ctx.rows, flat.shape[0])
-            # (softmax - onehot) * grad_loss, as the unfused backward computes it
-            grad = _chunk_logits(flat[lo:hi], weight, n_real).sub_(global_max[lo:hi].unsqueeze(-1)).exp_()
-            grad.mul_(scale[lo:hi].unsqueeze(-1)).scatter_add_(-1, local_target[lo:hi].unsqueeze(-1), onehot[lo:hi])
-            grad = grad.to(weight.dtype)
-            torch.matmul(grad, weight, out=grad_x[lo:hi])
-            if grad_w.dtype == grad.dtype:
-                grad_w.addmm_(grad.t(), flat[lo:hi])
-            else:
-                grad_w += grad.t().matmul(flat[lo:hi]).float()
-        grad_x = grad_x.view(full.shape)
-        if sp:
+        grad_x = grad_x_unit.mul_(g.unsqueeze(-1).to(grad_x_unit.dtype))
+        g0 = g.mode().values if g.numel() else g.new_zeros(())
+        grad_w = grad_w_unit.mul_(g0)
+        redo = (g != g0).nonzero().squeeze(-1)  # the same on every TP rank (the loss is replicated there)
+        if redo.numel():
+            flat = (pg.all_gather(x, "tp", dim=0) if ctx.sp else x).reshape(-1, x.shape[-1])
+            n_real = min(max(ctx.vocab_size - pg.tp_rank * weight.shape[0], 0), weight.shape[0])
+            for lo in range(0, redo.numel(), ctx.rows):
+                idx = redo[lo:lo + ctx.rows]
+                xs = flat[idx]
+                exp = _chunk_logits(xs, weight, n_real).sub_(global_max[idx].unsqueeze(-1)).exp_()
+                d = _softmax_minus_onehot(exp, sum_exp[idx], local_target[idx], outside[idx])
+                _accumulate(grad_w, d.mul_((g[idx] - g0).unsqueeze(-1)).to(weight.dtype), xs)
+        grad_x = grad_x.view(-1, *x.shape[1:])  # [s, b, h], the gathered sequence with SP
+        if ctx.sp:
             grad_x = pg.reduce_scatter(grad_x, "tp", dim=0)
         elif pg.tp_size > 1:
-            pg.all_reduce(grad_x, "tp")  # every rank's columns contributed to the replicated input
-        return grad_x, grad_w.to(weight.dtype), None, None, None, None, None
+            pg.all_reduce(grad_x, "tp")  # every rank's vocab columns contributed to the replicated input
+        return grad_x, grad_w.to(weight.dtype), None, None, None, None, None, None
 
 
 def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
@@ -110,4 +128,6 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
     states ``hidden`` [s, b, h] (or this rank's [s/tp, b, h] with sequence parallelism), against global
     target ids [s, b]; ``rows``: tokens per chunk (default: about CHUNK_ELEMENTS fp32 logits)."""
     rows = rows or chunk_rows(weight.shape[0])
-    return _FusedLinearCrossEntropy.apply(hidden, weight, target, pg, vocab_size, sequence_parallel, rows)
+    with_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    return _FusedLinearCrossEntropy.apply(hidden, weight, target, pg, vocab_size, sequence_parallel, rows,
+                                          with_grad)
