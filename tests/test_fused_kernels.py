@@ -124,7 +124,8 @@ def _model_outputs(kw: dict, pg, sp: bool, fused: bool) -> tuple[torch.Tensor, d
 
 
 def _ranks_model(rank: int, world: int) -> dict:
-    fused_cross_entropy.CHUNK_ELEMENTS = 7 * 512  # several chunks of 7 tokens, the last one short
+    # several chunks of 7 tokens, the last one short
+    fused_cross_entropy.CHUNK_ELEMENTS, fused_cross_entropy.MIN_CHUNK_TOKENS = 7 * 512, 1
     report = {}
     for case, kw in {"gpt2_tied": GPT2, "llama_untied": LLAMA_GQA}.items():
         for layout, tp, sp in (("tp1", 1, False), ("tp2", 2, False), ("tp2_sp", 2, True)):

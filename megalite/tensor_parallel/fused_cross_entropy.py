@@ -24,20 +24,26 @@ import torch.distributed as dist
 
 from megalite.parallel.groups import ProcessGroups
 
-# fp32 logit elements per chunk (16 MiB): large enough that the GEMMs stay efficient, small enough that a
-# chunk's logits are a small share of the activations. Measured in bench/bench_fused_cross_entropy.py.
-CHUNK_ELEMENTS = 1 << 22
+# A chunk holds about CHUNK_ELEMENTS fp32 logits (64 MiB), and at least MIN_CHUNK_TOKENS tokens: below that
+# the per-chunk accumulation of the [v/tp, h] weight gradient costs more than the chunk's GEMMs gain
+# (bench/bench_fused_cross_entropy.py measures the step against the unfused one).
+CHUNK_ELEMENTS = 1 << 24
+MIN_CHUNK_TOKENS = 512
 
 
-def chunk_rows(local_vocab: int, chunk_elements: int | None = None) -> int:
-    """Tokens per chunk so that one chunk's fp32 logits hold about ``chunk_elements`` (default
-    CHUNK_ELEMENTS) elements."""
-    return max(1, (chunk_elements or CHUNK_ELEMENTS) // max(local_vocab, 1))
+def chunk_rows(local_vocab: int) -> int:
+    """Tokens per chunk for this rank's ``local_vocab`` logit columns."""
+    return max(MIN_CHUNK_TOKENS, CHUNK_ELEMENTS // max(local_vocab, 1), 1)
 
 
-def _chunk_logits(x: torch.Tensor, weight: torch.Tensor, n_real: int) -> torch.Tensor:
-    """fp32 logits [c, v/tp] of one chunk (GEMM in the compute dtype), padded columns at -inf."""
-    logits = x.matmul(weight.t()).float()
+def _chunk_logits(x: torch.Tensor, weight: torch.Tensor, n_real: int, buf: torch.Tensor) -> torch.Tensor:
+    """fp32 logits [c, v/tp] of one chunk (GEMM in the compute dtype), padded columns at -inf, written
+    into the reused fp32 buffer ``buf`` (a fresh large buffer per chunk costs its page faults each time)."""
+    logits = buf[: x.shape[0]]
+    if weight.dtype == torch.float32:
+        torch.matmul(x, weight.t(), out=logits)
+    else:
+        logits.copy_(x.matmul(weight.t()))
     if n_real < logits.shape[-1]:
         logits[:, n_real:] = float("-inf")
     return logits
@@ -75,9 +81,10 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         global_max, sum_exp, loss = (torch.empty(n, dtype=torch.float32, device=x.device) for _ in range(3))
         grad_x_unit = torch.empty_like(flat) if with_grad else None  # D @ W
         grad_w_unit = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if with_grad else None
+        buf = torch.empty(min(rows, n), local_v, dtype=torch.float32, device=x.device)
         for lo in range(0, n, rows):
             r = slice(lo, min(lo + rows, n))
-            logits = _chunk_logits(flat[r], weight, n_real)
+            logits = _chunk_logits(flat[r], weight, n_real, buf)
             m = logits.amax(dim=-1)  # -inf on a rank holding only padding; the MAX over TP is finite
             pg.all_reduce(m, "tp", op=dist.ReduceOp.MAX)
             target_logit = logits.gather(-1, local_target[r].unsqueeze(-1)).squeeze(-1).sub_(m)
@@ -107,10 +114,11 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         if redo.numel():
             flat = (pg.all_gather(x, "tp", dim=0) if ctx.sp else x).reshape(-1, x.shape[-1])
             n_real = min(max(ctx.vocab_size - pg.tp_rank * weight.shape[0], 0), weight.shape[0])
+            buf = torch.empty(min(ctx.rows, redo.numel()), weight.shape[0], dtype=torch.float32, device=x.device)
             for lo in range(0, redo.numel(), ctx.rows):
                 idx = redo[lo:lo + ctx.rows]
                 xs = flat[idx]
-                exp = _chunk_logits(xs, weight, n_real).sub_(global_max[idx].unsqueeze(-1)).exp_()
+                exp = _chunk_logits(xs, weight, n_real, buf).sub_(global_max[idx].unsqueeze(-1)).exp_()
                 d = _softmax_minus_onehot(exp, sum_exp[idx], local_target[idx], outside[idx])
                 _accumulate(grad_w, d.mul_((g[idx] - g0).unsqueeze(-1)).to(weight.dtype), xs)
         grad_x = grad_x.view(-1, *x.shape[1:])  # [s, b, h], the gathered sequence with SP
@@ -126,7 +134,7 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
                                rows: int | None = None) -> torch.Tensor:
     """Per-token loss [s, b] of the output layer ``weight`` [v_pad/tp, h] applied to the final hidden
     states ``hidden`` [s, b, h] (or this rank's [s/tp, b, h] with sequence parallelism), against global
-    target ids [s, b]; ``rows``: tokens per chunk (default: about CHUNK_ELEMENTS fp32 logits)."""
+    target ids [s, b]; ``rows``: tokens per chunk (default: chunk_rows())."""
     rows = rows or chunk_rows(weight.shape[0])
     with_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     return _FusedLinearCrossEntropy.apply(hidden, weight, target, pg, vocab_size, sequence_parallel, rows,
