@@ -3,7 +3,7 @@ apex), each against the path it replaces, in fp32 on CPU:
 - the chunked output layer + vocab-parallel cross-entropy gives the unfused per-token loss and the
   gradients of every parameter at 1e-6, at TP 1 and 2, with sequence parallelism, tied and untied,
   GPT-2 and Llama style, whatever the chunk size (also a rank holding only vocabulary padding);
-- through the CLI its loss curve is the unfused one;
+- through the CLI its loss curve is the unfused one (TP with SP; PP with the embedding tied across stages);
 - every --attention-backend choice runs on CPU and gives the unfused attention's loss; 'flash' in fp32 on
   a GPU is refused by name;
 - AdamW selection: apex's FusedAdam on a GPU when the real apex is importable, torch's fused AdamW on a
@@ -149,12 +149,13 @@ def test_model_loss_and_grads_match_unfused(model_reports, case, layout):
         assert report[(case, layout)] == [], f"rank {rank}: {report[(case, layout)]}"
 
 
-def test_cli_loss_curve_matches_unfused():
+@pytest.mark.parametrize("layout", [["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+                                    ["--pipeline-model-parallel-size", "2"]], ids=["tp2_sp", "pp2_tied"])
+def test_cli_loss_curve_matches_unfused(layout):
     args = ["--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "6", "--lr", "1e-3",
             "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000", "--hidden-dropout", "0",
             "--attention-dropout", "0", "--log-interval", "1", "--eval-iters", "0", "--num-layers", "2",
-            "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-            "--tensor-model-parallel-size", "2", "--sequence-parallel"]
+            "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32", *layout]
     plain = losses(run_pretrain(args, nproc=2))
     fused = losses(run_pretrain(args + ["--cross-entropy-loss-fusion"], nproc=2))
     assert sorted(fused) == sorted(plain) == list(range(1, 7))
