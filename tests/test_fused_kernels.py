@@ -90,6 +90,24 @@ def test_function_matches_unfused_for_any_chunk_size():
         assert _function_pair(x, w, target, ProcessGroups.single(), vocab, False, rows) == []
 
 
+def test_bf16_matches_unfused_within_bf16_rounding():
+    """The 16-bit path (GEMMs in bf16, softmax and weight-gradient sums in fp32) against unfused bf16."""
+    gen = torch.Generator().manual_seed(2)
+    s, b, h, vocab = 16, 2, 32, 200
+    x, w = torch.randn(s, b, h, generator=gen).bfloat16(), (torch.randn(256, h, generator=gen) * 0.2).bfloat16()
+    target = torch.randint(0, vocab, (s, b), generator=gen)
+    pg, out = ProcessGroups.single(), []
+    for fused in (False, True):
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        loss = (fused_linear_cross_entropy(xi, wi, target, pg, vocab, rows=5) if fused
+                else vocab_parallel_cross_entropy(F.linear(xi, wi), target, pg, vocab))
+        (loss * 1e3).mean().backward()
+        assert xi.grad.dtype == wi.grad.dtype == torch.bfloat16
+        out.append((loss.float(), xi.grad.float(), wi.grad.float()))
+    for a, b_ in zip(*out):
+        assert torch.allclose(a, b_, rtol=2e-2, atol=2e-2 * b_.abs().max().item())
+
+
 def _ranks_function(rank: int, world: int) -> list[str]:
     """TP 2, with and without SP, vocab 100 padded to 256: rank 1's 128 columns are all padding."""
     pg = groups_for(world, rank, tp=2)

@@ -107,7 +107,10 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         x, weight, global_max, sum_exp, local_target, outside, grad_x_unit, grad_w_unit = ctx.saved_tensors
         pg = ctx.pg
         g = grad_loss.reshape(-1).float()
-        grad_x = grad_x_unit.mul_(g.unsqueeze(-1).to(grad_x_unit.dtype))
+        if grad_x_unit.dtype == torch.float32:
+            grad_x = grad_x_unit.mul_(g.unsqueeze(-1))
+        else:  # scale in fp32: g carries the fp16 loss scale, which alone may exceed the 16-bit range
+            grad_x = (grad_x_unit.float() * g.unsqueeze(-1)).to(grad_x_unit.dtype)
         g0 = g.mode().values if g.numel() else g.new_zeros(())
         grad_w = grad_w_unit.mul_(g0)
         redo = (g != g0).nonzero().squeeze(-1)  # the same on every TP rank (the loss is replicated there)
