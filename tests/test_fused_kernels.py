@@ -90,6 +90,17 @@ def test_function_matches_unfused_for_any_chunk_size():
         assert _function_pair(x, w, target, ProcessGroups.single(), vocab, False, rows) == []
 
 
+def test_no_grad_evaluation_matches_unfused():
+    """Evaluation (no_grad) runs the chunked loss without the gradient products."""
+    gen = torch.Generator().manual_seed(4)
+    x, w = torch.randn(9, 2, 16, generator=gen), torch.randn(128, 16, generator=gen) * 0.3
+    target = torch.randint(0, 100, (9, 2), generator=gen)
+    pg = ProcessGroups.single()
+    with torch.no_grad():
+        fused = fused_linear_cross_entropy(x.requires_grad_(), w, target, pg, 100, rows=4)
+        assert _close(fused, vocab_parallel_cross_entropy(F.linear(x, w), target, pg, 100))
+
+
 def test_bf16_matches_unfused_within_bf16_rounding():
     """The 16-bit path (GEMMs in bf16, softmax and weight-gradient sums in fp32) against unfused bf16."""
     gen = torch.Generator().manual_seed(2)
