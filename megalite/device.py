@@ -1,4 +1,5 @@
-"""The one module that knows the accelerator: cuda vs cpu, nccl vs gloo, sync, memory, RNG, peak FLOPs.
+"""The one module that knows the accelerator: cuda vs cpu, nccl vs gloo, sync, memory, RNG, peak FLOPs,
+SDPA kernel choice and the optional NVIDIA apex kernels.
 
 Nothing else in megalite calls ``torch.cuda``; everything asks here, so the CPU path cannot rot.
 """
@@ -6,8 +7,12 @@ Nothing else in megalite calls ``torch.cuda``; everything asks here, so the CPU 
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib
 import os
 import resource
+from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -125,3 +130,39 @@ def peak_tflops(dtype: torch.dtype) -> float | None:
 
 def info() -> dict[str, Any]:
     return {"device": device_name(), "backend": backend(), "torch": torch.__version__}
+
+
+# NVIDIA apex's fused GPU kernels (Adam, LayerNorm, RMSNorm), used when the real apex is importable. apex is
+# built from source on GPU machines and is never a dependency. The PyPI package named ``apex`` is an
+# unrelated project, so apex is recognised by the modules megalite uses (``apex.optimizers``,
+# ``apex.normalization.fused_layer_norm``) and their names, never by the top-level name. Looked up lazily,
+# once per process; anything that fails to import counts as absent, and the callers fall back to torch.
+
+
+@functools.cache
+def _apex_module(name: str) -> ModuleType | None:
+    try:
+        return importlib.import_module(name)
+    except Exception:  # noqa: BLE001 - absent, the unrelated PyPI 'apex', or a build that cannot load
+        return None
+
+
+def clear_apex_cache() -> None:
+    """Forget earlier look-ups (tests that install or remove a module)."""
+    _apex_module.cache_clear()
+
+
+def apex_fused_adam_class() -> type | None:
+    """``apex.optimizers.FusedAdam``, or None without the real apex."""
+    return getattr(_apex_module("apex.optimizers"), "FusedAdam", None)
+
+
+def apex_fused_norm(kind: str, device_type: str) -> Callable | None:
+    """apex's fused affine norm for ``kind`` ('LayerNorm' or 'RMSNorm') on CUDA tensors, else None.
+
+    LayerNorm: f(x, weight, bias, shape, eps); RMSNorm: f(x, weight, shape, eps)."""
+    if device_type != "cuda":
+        return None
+    name = "fused_layer_norm_affine" if kind == "LayerNorm" else "fused_rms_norm_affine"
+    return getattr(_apex_module("apex.normalization.fused_layer_norm"), name, None)
+

@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megalite import apex_kernels, device
+from megalite import device
 from megalite.config import ConfigError, validate
 from megalite.config.arguments import MegaliteConfig, parse_args
 from megalite.config.model import ModelConfig
@@ -231,14 +231,14 @@ def test_cross_entropy_loss_fusion_flag():
 def _install(monkeypatch, modules: dict[str, types.ModuleType | None]) -> None:
     for name, mod in modules.items():
         monkeypatch.setitem(sys.modules, name, mod)
-    apex_kernels.clear_cache()
+    device.clear_apex_cache()
 
 
 @pytest.fixture(autouse=True)
 def _fresh_apex_lookup():
-    apex_kernels.clear_cache()
+    device.clear_apex_cache()
     yield
-    apex_kernels.clear_cache()
+    device.clear_apex_cache()
 
 
 def _params() -> list[dict]:
@@ -267,8 +267,8 @@ def test_torch_fused_adamw_computes_the_foreach_numbers(monkeypatch):
 
 def test_unrelated_pypi_apex_counts_as_absent(monkeypatch):
     _install(monkeypatch, {"apex": types.ModuleType("apex")})  # a plain module: no apex.optimizers inside
-    assert apex_kernels.fused_adam_class() is None
-    assert apex_kernels.fused_norm("LayerNorm", "cuda") is None
+    assert device.apex_fused_adam_class() is None
+    assert device.apex_fused_norm("LayerNorm", "cuda") is None
     assert isinstance(build_adamw(_params(), on_gpu=True, lr=1e-3, betas=(0.9, 0.99), eps=1e-8),
                       torch.optim.AdamW)
 
@@ -310,8 +310,8 @@ def test_real_apex_is_used_on_gpu_only(monkeypatch):
             on_gpu.state[p]["step"] = torch.tensor(10.0)
     _run(on_gpu, 1)
     assert all(g["step"] == 11 for g in on_gpu.param_groups)
-    assert apex_kernels.fused_norm("LayerNorm", "cpu") is None
-    assert apex_kernels.fused_norm("RMSNorm", "cuda") is sys.modules[
+    assert device.apex_fused_norm("LayerNorm", "cpu") is None
+    assert device.apex_fused_norm("RMSNorm", "cuda") is sys.modules[
         "apex.normalization.fused_layer_norm"].fused_rms_norm_affine
 
 
@@ -329,5 +329,5 @@ def test_norm_calls_apex_with_its_argument_order(monkeypatch, kind):
         norm.weight.uniform_(0.5, 1.5)
     x = torch.randn(4, 2, 8)
     expected = norm(x)
-    monkeypatch.setattr(apex_kernels, "fused_norm", fake)
+    monkeypatch.setattr(device, "apex_fused_norm", fake)
     assert torch.equal(norm(x), expected) and calls == [kind]

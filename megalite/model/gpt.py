@@ -156,8 +156,9 @@ class GPTModel(nn.Module):
         if not self.post_process:
             return x
         if labels is not None and self.cfg.cross_entropy_loss_fusion:  # never the full fp32 logits
-            return fused_linear_cross_entropy(self.final_norm(x), self.output_weight(), labels.t(), self.pg,
-                                              self.vocab_size, self.sequence_parallel).t()
+            weight = self.embedding.word.weight if self.output_layer is None else self.output_layer.weight
+            return fused_linear_cross_entropy(self.final_norm(x), weight, labels.t(), self.pg, self.vocab_size,
+                                              self.sequence_parallel).t()
         logits = self.logits(x)
         if labels is None:
             full = gather_from_tp(logits, self.pg, dim=-1)[..., : self.vocab_size]

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megalite import apex_kernels
+from megalite import device
 from megalite.tensor_parallel.param_meta import declare_param
 from megalite.tensor_parallel.sharding import ShardSpec
 
@@ -32,7 +32,7 @@ class Norm(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fused = apex_kernels.fused_norm(self.kind, x.device.type)  # apex on CUDA when installed
+        fused = device.apex_fused_norm(self.kind, x.device.type)  # apex on CUDA when installed
         if self.kind == "LayerNorm":
             if fused is not None:
                 return fused(x, self.weight, self.bias, (self.hidden,), self.eps)

@@ -1,6 +1,6 @@
 """AdamW (decoupled weight decay) on the fp32 main params: which implementation runs.
 
-On a GPU: NVIDIA apex's FusedAdam when the real apex is importable (megalite/apex_kernels.py), else
+On a GPU: NVIDIA apex's FusedAdam when the real apex is importable (megalite/device.py), else
 torch's fused AdamW. Elsewhere (CPU, or main params offloaded to the host): torch's foreach AdamW, the
 tested fallback. All compute the same update; tests/test_fused_kernels.py checks fused against foreach.
 """
@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from megalite import apex_kernels
+from megalite import device
 
 
 def _apex_adamw(fused_adam: type) -> type:
@@ -38,7 +38,7 @@ def build_adamw(groups: list[dict[str, Any]], *, on_gpu: bool, lr: float, betas:
                 eps: float) -> torch.optim.Optimizer:
     """AdamW over ``groups`` (each with its weight_decay); ``on_gpu``: the main params live on a GPU."""
     if on_gpu:
-        fused_adam = apex_kernels.fused_adam_class()
+        fused_adam = device.apex_fused_adam_class()
         if fused_adam is not None:
             return _apex_adamw(fused_adam)(groups, adam_w_mode=True, lr=lr, betas=betas, eps=eps)
         return torch.optim.AdamW(groups, fused=True, lr=lr, betas=betas, eps=eps)
