@@ -135,8 +135,9 @@ def info() -> dict[str, Any]:
 # NVIDIA apex's fused GPU kernels (Adam, LayerNorm, RMSNorm), used when the real apex is importable. apex is
 # built from source on GPU machines and is never a dependency. The PyPI package named ``apex`` is an
 # unrelated project, so apex is recognised by the modules megalite uses (``apex.optimizers``,
-# ``apex.normalization.fused_layer_norm``) and their names, never by the top-level name. Looked up lazily,
-# once per process; anything that fails to import counts as absent, and the callers fall back to torch.
+# ``apex.normalization.fused_layer_norm``) and their compiled CUDA extensions (``amp_C``,
+# ``fused_layer_norm_cuda``), never by the top-level name. Looked up lazily, once per process; anything
+# that fails to import counts as absent, and the callers fall back to torch.
 
 
 @functools.cache
@@ -153,7 +154,9 @@ def clear_apex_cache() -> None:
 
 
 def apex_fused_adam_class() -> type | None:
-    """``apex.optimizers.FusedAdam``, or None without the real apex."""
+    """``apex.optimizers.FusedAdam``, or None without the real apex or its CUDA extension (``amp_C``)."""
+    if _apex_module("amp_C") is None:
+        return None
     return getattr(_apex_module("apex.optimizers"), "FusedAdam", None)
 
 
@@ -161,7 +164,7 @@ def apex_fused_norm(kind: str, device_type: str) -> Callable | None:
     """apex's fused affine norm for ``kind`` ('LayerNorm' or 'RMSNorm') on CUDA tensors, else None.
 
     LayerNorm: f(x, weight, bias, shape, eps); RMSNorm: f(x, weight, shape, eps)."""
-    if device_type != "cuda":
+    if device_type != "cuda" or _apex_module("fused_layer_norm_cuda") is None:  # the kernels' extension
         return None
     name = "fused_layer_norm_affine" if kind == "LayerNorm" else "fused_rms_norm_affine"
     return getattr(_apex_module("apex.normalization.fused_layer_norm"), name, None)

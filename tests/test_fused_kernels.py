@@ -287,14 +287,15 @@ class _FakeFusedAdam(torch.optim.AdamW):
 
 
 def _fake_apex() -> dict[str, types.ModuleType]:
-    apex, opt, norm, fln = (types.ModuleType(n) for n in (
-        "apex", "apex.optimizers", "apex.normalization", "apex.normalization.fused_layer_norm"))
+    apex, opt, norm, fln, amp_c, ln_cuda = (types.ModuleType(n) for n in (
+        "apex", "apex.optimizers", "apex.normalization", "apex.normalization.fused_layer_norm", "amp_C",
+        "fused_layer_norm_cuda"))
     apex.__path__, norm.__path__ = [], []
     opt.FusedAdam = _FakeFusedAdam
     fln.fused_layer_norm_affine = lambda x, w, b, shape, eps: F.layer_norm(x, shape, w, b, eps) + 0
     fln.fused_rms_norm_affine = lambda x, w, shape, eps: F.rms_norm(x, shape, w, eps) + 0
     return {"apex": apex, "apex.optimizers": opt, "apex.normalization": norm,
-            "apex.normalization.fused_layer_norm": fln}
+            "apex.normalization.fused_layer_norm": fln, "amp_C": amp_c, "fused_layer_norm_cuda": ln_cuda}
 
 
 def test_real_apex_is_used_on_gpu_only(monkeypatch):
@@ -313,6 +314,14 @@ def test_real_apex_is_used_on_gpu_only(monkeypatch):
     assert device.apex_fused_norm("LayerNorm", "cpu") is None
     assert device.apex_fused_norm("RMSNorm", "cuda") is sys.modules[
         "apex.normalization.fused_layer_norm"].fused_rms_norm_affine
+
+
+def test_apex_without_its_cuda_extensions_counts_as_absent(monkeypatch):
+    _install(monkeypatch, {**_fake_apex(), "amp_C": None, "fused_layer_norm_cuda": None})
+    assert device.apex_fused_adam_class() is None
+    assert device.apex_fused_norm("LayerNorm", "cuda") is None
+    assert not isinstance(build_adamw(_params(), on_gpu=True, lr=1e-3, betas=(0.9, 0.99), eps=1e-8),
+                          _FakeFusedAdam)
 
 
 @pytest.mark.parametrize("kind", ["LayerNorm", "RMSNorm"])

@@ -52,7 +52,7 @@ class ModelConfig:
         choices=["auto", "flash", "fused", "unfused", "local", "sdpa"])
     cross_entropy_loss_fusion: bool = option(
         False, help="Fuse the output layer with the vocab-parallel cross-entropy, in chunks of tokens, so the "
-        "full [s, b, vocab/tp] fp32 logits never exist (backward recomputes each chunk's logits).")
+        "full [s, b, vocab/tp] fp32 logits never exist (the logit gradient is formed chunk by chunk in forward).")
 
     def __post_init__(self) -> None:
         if self.max_position_embeddings is None:
