@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One short, prepared GPU check (for a machine with CUDA; ~3-5 minutes on one H100/H200):
+# One short, prepared GPU check (for a machine with CUDA; ~5-7 minutes on one H100/H200, section 4 about 2):
 #  1. the CUDA paths: device layer, NCCL init (1 rank), fp32/bf16/fp16 training steps, fused AdamW,
 #     flash attention through SDPA, the distributed optimizer and sequence parallelism code paths at TP=1;
 #  2. MFU of a GPT-2-medium-sized model in bf16, read from the log line (the device's known peak);
