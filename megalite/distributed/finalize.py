@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from megalite.distributed.grad_buffer import GradBuffer
-from megalite.parallel.groups import ProcessGroups
+from megalite.parallel.groups import Group, ProcessGroups
 from megalite.tensor_parallel.param_meta import param_meta
 
 
@@ -32,4 +32,4 @@ def finalize_grads(modules: list[nn.Module], buffers: list[GradBuffer], pg: Proc
             param_meta(p).spec.finalize_grad(p.main_grad, pg)
     if pg.pp_size > 1:
         for p in tied_embedding_params(modules):
-            pg.all_reduce(p.main_grad, "embd")
+            pg.all_reduce(p.main_grad, Group.EMBD)

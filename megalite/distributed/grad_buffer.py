@@ -58,7 +58,7 @@ class GradBuffer:
         self.dp = pg.dp_size
         self.hierarchical = pg.hierarchical_dp and self.dp > 1
         bucket_size = bucket_size or default_bucket_size(self.dp)
-        align = self.dp if distributed else pg.size("dp_intra") if self.hierarchical else 1
+        align = self.dp if distributed else pg.size(Group.DP_INTRA) if self.hierarchical else 1
         separate = [p for p in (separate or []) if p.requires_grad]
         rest = [p for p in reversed(params) if p.requires_grad and all(p is not s for s in separate)]
         groups: list[list[nn.Parameter]] = [[p] for p in separate]
@@ -145,7 +145,7 @@ class GradBuffer:
     # ---- hierarchical reduction (--hierarchical-dp-reduce) ------------------------------------
     def _start_hierarchical(self, bucket: Bucket, data: torch.Tensor) -> None:
         """Step 1, asynchronous: reduce-scatter inside the node."""
-        k, n = self.pg.size("dp_intra"), self.pg.size("dp_inter")
+        k, n = self.pg.size(Group.DP_INTRA), self.pg.size(Group.DP_INTER)
         if self.distributed:
             # DP index d = node * k + j owns shard d. Reorder [n, k, S] -> [k, n, S] so that the intra-node
             # reduce-scatter hands position j the shards of every node, and the inter-node one then shard d.
@@ -159,7 +159,7 @@ class GradBuffer:
 
     def _finish_hierarchical(self, bucket: Bucket) -> None:
         """Steps 2 and 3: across nodes on the 1/k shard, then (all-reduce path) all-gather inside the node."""
-        k, n = self.pg.size("dp_intra"), self.pg.size("dp_inter")
+        k, n = self.pg.size(Group.DP_INTRA), self.pg.size(Group.DP_INTER)
         part = bucket.intra_out  # [numel / k], summed over this node's DP ranks
         if self.distributed:
             shard = part

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from megalite.inference.pipeline import from_last_stage, pipeline_forward
-from megalite.parallel.groups import ProcessGroups
+from megalite.parallel.groups import Group, ProcessGroups
 
 # ---- detokenizers (undo WikiText's / PTB's tokenized spacing before our tokenizer sees the text) -----
 
@@ -193,7 +193,7 @@ def score_examples(chunks: list[nn.Module], pg: ProcessGroups, examples: Sequenc
             out = pipeline_forward(chunks, pg, inputs)
             if out is not None:
                 scores[idx] = cloze_correct(out[..., :vocab].argmax(dim=-1), labels, mask)
-    pg.all_reduce(scores, "dp")  # one contributor per slot
+    pg.all_reduce(scores, Group.DP)  # one contributor per slot
     return from_last_stage(scores if pg.is_last_stage else None, pg, (n,), torch.float64, device)
 
 

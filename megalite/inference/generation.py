@@ -22,7 +22,7 @@ from torch import nn
 from megalite.inference.kv_cache import KVCache
 from megalite.inference.pipeline import from_last_stage, pipeline_forward
 from megalite.inference.sampling import SamplingParams, sample
-from megalite.parallel.groups import ProcessGroups
+from megalite.parallel.groups import Group, ProcessGroups
 
 
 class GenerationError(ValueError):
@@ -97,7 +97,7 @@ def generate(chunks: list[nn.Module], pg: ProcessGroups, prompts: Sequence[Seque
         chosen = None
         if pg.is_last_stage:
             chosen = sample(out[:, -1, :vocab], params, generator)
-            pg.broadcast(chosen, "tp", src_index=0)
+            pg.broadcast(chosen, Group.TP, src_index=0)
         chosen = from_last_stage(chosen, pg, (b,), torch.long, dev)
         # Prompt positions keep the prompt; finished sequences and positions past their end get padding.
         past_end = (t >= ends_t) | done

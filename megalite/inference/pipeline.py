@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megalite.parallel.groups import ProcessGroups
+from megalite.parallel.groups import Group, ProcessGroups
 from megalite.pipeline.executor import run_table
 from megalite.pipeline.schedule_table import Action
 
@@ -48,4 +48,4 @@ def from_last_stage(tensor: torch.Tensor | None, pg: ProcessGroups, shape: tuple
         assert tensor is not None
         return tensor
     buf = tensor.contiguous() if pg.is_last_stage else torch.empty(shape, dtype=dtype, device=device)
-    return pg.broadcast(buf, "pp", src_index=pg.pp_size - 1)
+    return pg.broadcast(buf, Group.PP, src_index=pg.pp_size - 1)

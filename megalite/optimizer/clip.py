@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megalite.parallel.groups import ProcessGroups
+from megalite.parallel.groups import Group, ProcessGroups
 from megalite.tensor_parallel.param_meta import param_meta
 
 
@@ -37,5 +37,5 @@ def global_grad_norm(params: list[nn.Parameter], pg: ProcessGroups) -> float:
         for s, e in counted_ranges(p, pg, 0, flat.numel()):
             total += flat[s:e].square().sum()
     total = total.to(next(iter(params)).device) if params else total
-    pg.all_reduce(total, "mp")
+    pg.all_reduce(total, Group.MP)
     return float(total.sqrt())

@@ -22,7 +22,7 @@ from megalite.distributed.grad_buffer import GradBuffer
 from megalite.optimizer.adam import build_adamw
 from megalite.optimizer.clip import counted_ranges
 from megalite.optimizer.loss_scaler import ConstantLossScaler, DynamicLossScaler
-from megalite.parallel.groups import ProcessGroups
+from megalite.parallel.groups import Group, ProcessGroups
 
 
 @dataclass
@@ -99,9 +99,9 @@ class MegaliteOptimizer:
 
     def _reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         """Over the model-parallel group, and over DP too when each DP rank holds a different shard."""
-        self.pg.all_reduce(t, "mp", op=op)
+        self.pg.all_reduce(t, Group.MP, op=op)
         if self.distributed:
-            self.pg.all_reduce(t, "dp", op=op)
+            self.pg.all_reduce(t, Group.DP, op=op)
         return t
 
     @torch.no_grad()

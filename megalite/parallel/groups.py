@@ -126,27 +126,27 @@ class ProcessGroups:
 
     @property
     def tp_size(self) -> int:
-        return self.size("tp")
+        return self.size(Group.TP)
 
     @property
     def tp_rank(self) -> int:
-        return self.index("tp")
+        return self.index(Group.TP)
 
     @property
     def dp_size(self) -> int:
-        return self.size("dp")
+        return self.size(Group.DP)
 
     @property
     def dp_rank(self) -> int:
-        return self.index("dp")
+        return self.index(Group.DP)
 
     @property
     def pp_size(self) -> int:
-        return self.size("pp")
+        return self.size(Group.PP)
 
     @property
     def pp_rank(self) -> int:
-        return self.index("pp")
+        return self.index(Group.PP)
 
     @property
     def is_first_stage(self) -> bool:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megalite.parallel.groups import ProcessGroups
+from megalite.parallel.groups import Group, ProcessGroups
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -29,18 +29,18 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         local_max = logits.amax(dim=-1)
         if n_real == 0:
             local_max = torch.full_like(local_max, float("-inf"))
-        pg.all_reduce(local_max, "tp", op=dist.ReduceOp.MAX)
+        pg.all_reduce(local_max, Group.TP, op=dist.ReduceOp.MAX)
         shifted = logits.sub_(local_max.unsqueeze(-1))
 
         local_target = target - vocab_start
         outside = (local_target < 0) | (local_target >= local_v)
         local_target = local_target.masked_fill(outside, 0)
         target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
-        pg.all_reduce(target_logit, "tp")
+        pg.all_reduce(target_logit, Group.TP)
 
         exp = shifted.exp_()
         sum_exp = exp.sum(dim=-1)
-        pg.all_reduce(sum_exp, "tp")
+        pg.all_reduce(sum_exp, Group.TP)
         loss = sum_exp.log() - target_logit
         # softmax = exp / sum_exp is left to the backward, where it folds into the grad_loss scaling.
         ctx.save_for_backward(exp, sum_exp, local_target, outside)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megalite.parallel.groups import ProcessGroups
+from megalite.parallel.groups import Group, ProcessGroups
 
 # A chunk holds about CHUNK_ELEMENTS fp32 logits (64 MiB), and at least MIN_CHUNK_TOKENS tokens: below that
 # the per-chunk accumulation of the [v/tp, h] weight gradient costs more than the chunk's GEMMs gain
@@ -72,7 +72,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 vocab_size: int, sequence_parallel: bool, rows: int, with_grad: bool) -> torch.Tensor:
         # x [s, b, h] ([s/tp, b, h] with sequence parallelism), weight [v/tp, h], target [s, b] global ids.
         sp = sequence_parallel and pg.tp_size > 1
-        flat = (pg.all_gather(x, "tp", dim=0) if sp else x).reshape(-1, x.shape[-1])
+        flat = (pg.all_gather(x, Group.TP, dim=0) if sp else x).reshape(-1, x.shape[-1])
         local_v, n = weight.shape[0], flat.shape[0]
         n_real = min(max(vocab_size - pg.tp_rank * local_v, 0), local_v)
         local_target = target.reshape(-1) - pg.tp_rank * local_v
@@ -86,11 +86,11 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             r = slice(lo, min(lo + rows, n))
             logits = _chunk_logits(flat[r], weight, n_real, buf)
             m = logits.amax(dim=-1)  # -inf on a rank holding only padding; the MAX over TP is finite
-            pg.all_reduce(m, "tp", op=dist.ReduceOp.MAX)
+            pg.all_reduce(m, Group.TP, op=dist.ReduceOp.MAX)
             target_logit = logits.gather(-1, local_target[r].unsqueeze(-1)).squeeze(-1).sub_(m)
             exp = logits.sub_(m.unsqueeze(-1)).exp_()
             stats = torch.stack([exp.sum(dim=-1), target_logit.masked_fill_(outside[r], 0.0)])
-            pg.all_reduce(stats, "tp")  # exp-sum, target logit (only its owner contributes)
+            pg.all_reduce(stats, Group.TP)  # exp-sum, target logit (only its owner contributes)
             global_max[r], sum_exp[r] = m, stats[0]
             loss[r] = stats[0].log() - stats[1]
             if with_grad:
@@ -115,7 +115,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         grad_w = grad_w_unit.mul_(g0)
         redo = (g != g0).nonzero().squeeze(-1)  # the same on every TP rank (the loss is replicated there)
         if redo.numel():
-            flat = (pg.all_gather(x, "tp", dim=0) if ctx.sp else x).reshape(-1, x.shape[-1])
+            flat = (pg.all_gather(x, Group.TP, dim=0) if ctx.sp else x).reshape(-1, x.shape[-1])
             n_real = min(max(ctx.vocab_size - pg.tp_rank * weight.shape[0], 0), weight.shape[0])
             buf = torch.empty(min(ctx.rows, redo.numel()), weight.shape[0], dtype=torch.float32, device=x.device)
             for lo in range(0, redo.numel(), ctx.rows):
@@ -126,9 +126,9 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 _accumulate(grad_w, d.mul_((g[idx] - g0).unsqueeze(-1)).to(weight.dtype), xs)
         grad_x = grad_x.view(-1, *x.shape[1:])  # [s, b, h], the gathered sequence with SP
         if ctx.sp:
-            grad_x = pg.reduce_scatter(grad_x, "tp", dim=0)
+            grad_x = pg.reduce_scatter(grad_x, Group.TP, dim=0)
         elif pg.tp_size > 1:
-            pg.all_reduce(grad_x, "tp")  # every rank's vocab columns contributed to the replicated input
+            pg.all_reduce(grad_x, Group.TP)  # every rank's vocab columns contributed to the replicated input
         return grad_x, grad_w.to(weight.dtype), None, None, None, None, None, None
 
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megalite.parallel.groups import ProcessGroups
+from megalite.parallel.groups import Group, ProcessGroups
 from megalite.tensor_parallel.mappings import (
     copy_to_tp,
     gather_from_tp,
@@ -39,13 +39,13 @@ class _GatherLinear(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pg: ProcessGroups):
         ctx.pg, ctx.has_bias = pg, bias is not None
         ctx.save_for_backward(x, weight)
-        return F.linear(pg.all_gather(x, "tp", dim=0), weight, bias)
+        return F.linear(pg.all_gather(x, Group.TP, dim=0), weight, bias)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
         x, weight = ctx.saved_tensors
-        full = ctx.pg.all_gather(x, "tp", dim=0)
-        grad_x = ctx.pg.reduce_scatter(g.matmul(weight), "tp", dim=0)
+        full = ctx.pg.all_gather(x, Group.TP, dim=0)
+        grad_x = ctx.pg.reduce_scatter(g.matmul(weight), Group.TP, dim=0)
         grad_w = g.reshape(-1, g.shape[-1]).t().matmul(full.reshape(-1, full.shape[-1]))
         grad_b = g.reshape(-1, g.shape[-1]).sum(0) if ctx.has_bias else None
         return grad_x, grad_w, grad_b, None

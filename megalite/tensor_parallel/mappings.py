@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from megalite.parallel.groups import ProcessGroups
+from megalite.parallel.groups import Group, ProcessGroups
 
 
 def _split(x: torch.Tensor, pg: ProcessGroups, dim: int) -> torch.Tensor:
@@ -31,13 +31,13 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return ctx.pg.all_reduce(g.clone(memory_format=torch.contiguous_format), "tp"), None
+        return ctx.pg.all_reduce(g.clone(memory_format=torch.contiguous_format), Group.TP), None
 
 
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, pg):
-        return pg.all_reduce(x.clone(memory_format=torch.contiguous_format), "tp")
+        return pg.all_reduce(x.clone(memory_format=torch.contiguous_format), Group.TP)
 
     @staticmethod
     def backward(ctx, g):
@@ -52,14 +52,14 @@ class _ScatterToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return ctx.pg.all_gather(g, "tp", dim=ctx.dim), None, None
+        return ctx.pg.all_gather(g, Group.TP, dim=ctx.dim), None, None
 
 
 class _GatherFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, pg, dim):
         ctx.pg, ctx.dim = pg, dim
-        return pg.all_gather(x, "tp", dim=dim)
+        return pg.all_gather(x, Group.TP, dim=dim)
 
     @staticmethod
     def backward(ctx, g):
@@ -70,11 +70,11 @@ class _ReduceScatterToSP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, pg):
         ctx.pg = pg
-        return pg.reduce_scatter(x.contiguous(), "tp", dim=0)
+        return pg.reduce_scatter(x.contiguous(), Group.TP, dim=0)
 
     @staticmethod
     def backward(ctx, g):
-        return ctx.pg.all_gather(g, "tp", dim=0), None
+        return ctx.pg.all_gather(g, Group.TP, dim=0), None
 
 
 def copy_to_tp(x: torch.Tensor, pg: ProcessGroups) -> torch.Tensor:

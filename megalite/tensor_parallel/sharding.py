@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megalite.parallel.groups import ProcessGroups
+from megalite.parallel.groups import Group, ProcessGroups
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -62,7 +62,7 @@ class ShardSpec:
 
     def finalize_grad(self, grad: torch.Tensor, pg: ProcessGroups) -> None:
         if self.partial_grad:
-            pg.all_reduce(grad, "tp")
+            pg.all_reduce(grad, Group.TP)
 
 
 @dataclass(frozen=True)
@@ -144,7 +144,7 @@ class QKVShardSpec(ShardSpec):
         slots = kv.new_zeros((self.groups, *kv.shape))
         group = pg.tp_rank // rep
         slots[group] = kv
-        pg.all_reduce(slots, "tp")
+        pg.all_reduce(slots, Group.TP)
         kv.copy_(slots[group])
 
 

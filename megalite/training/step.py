@@ -21,7 +21,7 @@ from megalite.distributed.finalize import finalize_grads, tied_embedding_params
 from megalite.distributed.grad_buffer import GradBuffer
 from megalite.model.steps import hidden_shape, lm_forward_step
 from megalite.optimizer.optimizer import MegaliteOptimizer
-from megalite.parallel.groups import ProcessGroups
+from megalite.parallel.groups import Group, ProcessGroups
 from megalite.pipeline.executor import PipelineRecord
 from megalite.pipeline.schedules import forward_backward
 from megalite.training.batches import global_batch
@@ -48,9 +48,9 @@ def reported_loss(losses: list[torch.Tensor], pg: ProcessGroups) -> float:
     t = torch.zeros(1, dtype=torch.float32, device=device.current_device())
     if pg.is_last_stage:
         t += torch.stack(losses).float().mean()
-        pg.all_reduce(t, "dp")
+        pg.all_reduce(t, Group.DP)
         t /= pg.dp_size
-    pg.broadcast(t, "pp", src_index=pg.pp_size - 1)
+    pg.broadcast(t, Group.PP, src_index=pg.pp_size - 1)
     return float(t)
 
 
