@@ -124,29 +124,12 @@ class ProcessGroups:
     def index(self, kind: str) -> int:
         return self.ranks[kind].index(self.rank)
 
-    @property
-    def tp_size(self) -> int:
-        return self.size(Group.TP)
-
-    @property
-    def tp_rank(self) -> int:
-        return self.index(Group.TP)
-
-    @property
-    def dp_size(self) -> int:
-        return self.size(Group.DP)
-
-    @property
-    def dp_rank(self) -> int:
-        return self.index(Group.DP)
-
-    @property
-    def pp_size(self) -> int:
-        return self.size(Group.PP)
-
-    @property
-    def pp_rank(self) -> int:
-        return self.index(Group.PP)
+    tp_size = property(lambda self: self.size(Group.TP), doc="Ranks in this rank's tensor-parallel group.")
+    tp_rank = property(lambda self: self.index(Group.TP), doc="This rank's position in its tensor-parallel group.")
+    dp_size = property(lambda self: self.size(Group.DP), doc="Ranks in this rank's data-parallel group.")
+    dp_rank = property(lambda self: self.index(Group.DP), doc="This rank's position in its data-parallel group.")
+    pp_size = property(lambda self: self.size(Group.PP), doc="Pipeline stages.")
+    pp_rank = property(lambda self: self.index(Group.PP), doc="This rank's pipeline stage.")
 
     @property
     def is_first_stage(self) -> bool:
