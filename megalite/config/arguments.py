@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from megalite.config.flags import add_dataclass_flags, field_types
+from megalite.config.file_values import ConfigFileError, did_you_mean, load_config_file
+from megalite.config.flags import add_dataclass_flags, field_specs, field_types
+from megalite.config.megatron_compat import add_compat_flags, pop_compat_flags, warn_ignored
 from megalite.config.model import ModelConfig
 from megalite.config.parallel import ParallelConfig
 from megalite.config.precision import DDPConfig, PrecisionConfig
@@ -71,44 +71,45 @@ def build_parser() -> argparse.ArgumentParser:
                              "flags given on the command line win.")
     for klass in SECTIONS.values():
         add_dataclass_flags(parser, klass)
+    add_compat_flags(parser)
     return parser
 
 
-def _load_config_file(path: str) -> dict[str, Any]:
-    p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"--config: file {path} does not exist")
-    text = p.read_text()
-    if p.suffix in (".yaml", ".yml"):
-        import yaml
+def _file_fields() -> dict[str, tuple[Any, bool, list | None]]:
+    return {name: spec for klass in SECTIONS.values() for name, spec in field_specs(klass).items()}
 
-        data = yaml.safe_load(text) or {}
-    else:
-        data = json.loads(text)
-    if not isinstance(data, dict):
-        raise ValueError(f"--config: {path} must hold a mapping of flag names to values")
-    flat: dict[str, Any] = {}
-    for key, value in data.items():
-        if key in SECTIONS and isinstance(value, dict):
-            flat.update({k.replace("-", "_"): v for k, v in value.items()})
-        else:
-            flat[key.replace("-", "_")] = value
-    return flat
+
+def _reject_unknown(parser: argparse.ArgumentParser, unknown: list[str]) -> None:
+    """argparse's 'unrecognized arguments' error, with the closest known flag suggested."""
+    flags = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+    named = [u for u in unknown if u.startswith("-")]
+    if not named:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    parser.error("; ".join(f"unrecognized argument {u.split('=')[0]}{did_you_mean(u.split('=')[0], flags)}"
+                           for u in named))
 
 
 def parse_args(argv: Sequence[str] | None = None) -> MegaliteConfig:
-    """Parse flags (Megatron-LM names) and an optional --config file into a MegaliteConfig."""
+    """Parse flags (Megatron-LM names) and an optional --config file into a MegaliteConfig. Every
+    error (unknown flag, unreadable file, mistyped value) exits through ``parser.error``: status 2,
+    one message naming the flag, key, file or line."""
     parser = build_parser()
-    ns = vars(parser.parse_args(argv))
+    ns, unknown = parser.parse_known_args(argv)
+    if unknown:
+        _reject_unknown(parser, unknown)
+    ns = vars(ns)
+    ignored = pop_compat_flags(ns)
     values: dict[str, Any] = {}
     if "config" in ns:
         try:
-            values.update(_load_config_file(ns.pop("config")))
-        except ValueError as e:
+            values.update(load_config_file(ns.pop("config"), SECTIONS, _file_fields()))
+        except ConfigFileError as e:
             parser.error(str(e))
     values.update(ns)
     try:
-        return MegaliteConfig.from_flat(values)
+        cfg = MegaliteConfig.from_flat(values)
     except (TypeError, ValueError) as e:
         parser.error(f"--config: {e}")
         raise
+    warn_ignored(parser.prog, ignored)
+    return cfg

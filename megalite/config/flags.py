@@ -75,3 +75,9 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, title: str |
 def field_types(cls: type) -> dict[str, Any]:
     hints = typing.get_type_hints(cls)
     return {f.name: _unwrap(hints[f.name])[0] for f in dataclasses.fields(cls)}
+
+
+def field_specs(cls: type) -> dict[str, tuple[Any, bool, list | None]]:
+    """{field name: (type, accepts None, choices or None)}: what a --config file value must be."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: (*_unwrap(hints[f.name]), f.metadata.get("choices")) for f in dataclasses.fields(cls)}

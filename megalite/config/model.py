@@ -40,9 +40,10 @@ class ModelConfig:
     recompute_granularity: str | None = option(
         None, help="Recompute activations in backward: 'full' layers, or 'selective' (core attention only).",
         choices=["full", "selective"])
-    recompute_method: str = option("uniform", help="With full recompute: 'uniform' recomputes groups of "
-                                   "--recompute-num-layers layers, 'block' the first --recompute-num-layers "
-                                   "layers of each pipeline stage.", choices=["uniform", "block"])
+    recompute_method: str | None = option(
+        None, help="With --recompute-granularity full: 'uniform' (the default then) recomputes groups of "
+        "--recompute-num-layers layers, 'block' the first --recompute-num-layers layers of each pipeline stage.",
+        choices=["uniform", "block"])
     recompute_num_layers: int = option(1, help="Layers per recomputed group (uniform) or per stage (block).")
     attention_backend: str = option(
         "auto", help="Core attention kernel. 'auto': torch SDPA, which picks its fastest kernel; 'flash' and "
@@ -64,8 +65,8 @@ class ModelConfig:
                 self.ffn_hidden_size = ((8 * self.hidden_size // 3 + 63) // 64) * 64
             else:
                 self.ffn_hidden_size = 4 * self.hidden_size
-        if not self.group_query_attention:
-            self.num_query_groups = self.num_attention_heads
+        if not self.group_query_attention and self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads  # any other value is refused by validation
 
     @property
     def tied_embeddings(self) -> bool:

@@ -14,7 +14,11 @@ class TrainingConfig:
     micro_batch_size: int = option(2, help="Samples per micro-batch per data-parallel rank.")
     global_batch_size: int | None = option(
         None, help="Samples per optimizer step over all data-parallel ranks; default micro-batch x DP.")
-    train_iters: int = option(100, help="Optimizer steps to train.")
+    train_iters: int | None = option(
+        None, help="Optimizer steps to train; default 100 unless --train-samples is given.")
+    train_samples: int | None = option(
+        None, help="Samples to train on instead of --train-iters (iterations = samples // global batch); "
+        "the learning-rate schedule is then counted in samples (--lr-*-samples).")
     seed: int = option(1234, help="Seed of model init, data order and dropout; equal in every layout.")
     eval_interval: int = option(1000, help="Evaluate on the validation set every this many iterations.")
     eval_iters: int = option(10, help="Global batches per evaluation.")
@@ -27,6 +31,10 @@ class TrainingConfig:
     check_for_nan_in_loss_and_grad: bool = option(
         False, help="Stop with the rank and iteration when the loss or the gradient norm is NaN/inf.")
 
+    def __post_init__(self) -> None:
+        if self.train_iters is None and self.train_samples is None:
+            self.train_iters = 100
+
 
 @dataclass(kw_only=True)
 class OptimizerConfig:
@@ -35,10 +43,22 @@ class OptimizerConfig:
     optimizer: str = option("adam", help="Optimizer (AdamW with decoupled weight decay).", choices=["adam"])
     lr: float = option(1e-4, help="Peak learning rate.")
     min_lr: float = option(0.0, help="Learning rate at the end of the decay.")
-    lr_decay_style: str = option("cosine", help="Decay after warm-up.",
-                                 choices=["constant", "linear", "cosine"])
+    lr_decay_style: str = option("cosine", help="Decay after warm-up (WSD: warm-up, stable, then an anneal "
+                                 "over the last --lr-wsd-decay-iters).",
+                                 choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"])
     lr_decay_iters: int | None = option(None, help="Iterations to decay over; default --train-iters.")
-    lr_warmup_iters: int = option(0, help="Linear warm-up iterations from 0 to --lr.")
+    lr_decay_samples: int | None = option(None, help="Samples to decay over (with --train-samples); default "
+                                          "--train-samples.")
+    lr_warmup_iters: int = option(0, help="Linear warm-up iterations from --lr-warmup-init to --lr.")
+    lr_warmup_samples: int = option(0, help="Linear warm-up samples (with --train-samples).")
+    lr_warmup_fraction: float | None = option(
+        None, help="Warm-up as a fraction of the decay span, instead of --lr-warmup-iters/-samples.")
+    lr_warmup_init: float = option(0.0, help="Learning rate at the start of the warm-up.")
+    lr_wsd_decay_style: str = option("exponential", help="Anneal shape of the WSD schedule.",
+                                     choices=["exponential", "linear", "cosine", "minus_sqrt"])
+    lr_wsd_decay_iters: int | None = option(None, help="Iterations of the WSD anneal (the end of the decay "
+                                            "span).")
+    lr_wsd_decay_samples: int | None = option(None, help="Samples of the WSD anneal (with --train-samples).")
     weight_decay: float = option(0.01, help="Decoupled weight decay (not on biases and norm weights).")
     clip_grad: float = option(1.0, help="Clip gradients to this global L2 norm (0 disables).")
     adam_beta1: float = option(0.9, help="Adam beta1.")

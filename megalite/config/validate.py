@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from megalite.config.arguments import MegaliteConfig
     from megalite.config.model import ModelConfig
     from megalite.config.precision import DDPConfig, PrecisionConfig
-    from megalite.config.training import CheckpointConfig, LoggingConfig, OptimizerConfig
+    from megalite.config.training import CheckpointConfig, LoggingConfig, OptimizerConfig, TrainingConfig
     from megalite.data.config import DataConfig
 
 
@@ -36,15 +36,25 @@ def data_parallel_size(cfg: "MegaliteConfig", world_size: int) -> int:
 
 
 def positive_errors(cfg: "MegaliteConfig") -> list[str]:
-    """Sizes every other rule divides by: checked first, alone."""
-    m, p, t = cfg.model, cfg.parallel, cfg.training
-    return [f"{flag} must be positive, got {value}" for flag, value in [
+    """Sizes every other rule divides by (and other quantities only a positive value makes sense for):
+    checked first, alone. An unset optional size (None) is derived later and not checked here."""
+    m, p, t, pr = cfg.model, cfg.parallel, cfg.training, cfg.precision
+    sizes = [
         ("--num-layers", m.num_layers), ("--hidden-size", m.hidden_size),
         ("--num-attention-heads", m.num_attention_heads), ("--seq-length", m.seq_length),
+        ("--kv-channels", m.kv_channels), ("--ffn-hidden-size", m.ffn_hidden_size),
+        ("--num-query-groups", m.num_query_groups), ("--max-position-embeddings", m.max_position_embeddings),
+        ("--norm-epsilon", m.norm_epsilon), ("--init-method-std", m.init_method_std),
+        ("--rotary-base", m.rotary_base),
         ("--tensor-model-parallel-size", p.tensor_model_parallel_size),
         ("--pipeline-model-parallel-size", p.pipeline_model_parallel_size),
-        ("--micro-batch-size", t.micro_batch_size), ("--train-iters", t.train_iters),
-        ("--log-interval", t.log_interval), ("--eval-interval", t.eval_interval)] if value <= 0]
+        ("--context-parallel-size", p.context_parallel_size),
+        ("--distributed-timeout-minutes", p.distributed_timeout_minutes),
+        ("--micro-batch-size", t.micro_batch_size), ("--global-batch-size", t.global_batch_size),
+        ("--train-iters", t.train_iters), ("--train-samples", t.train_samples),
+        ("--log-interval", t.log_interval), ("--eval-interval", t.eval_interval),
+        ("--loss-scale", pr.loss_scale), ("--adam-eps", cfg.optimizer.adam_eps)]
+    return [f"{flag} must be positive, got {value}" for flag, value in sizes if value is not None and not value > 0]
 
 
 def model_errors(m: "ModelConfig") -> list[str]:
@@ -55,6 +65,14 @@ def model_errors(m: "ModelConfig") -> list[str]:
                       f"({m.num_attention_heads})")
     if m.group_query_attention and not m.num_query_groups:
         errors.append("--group-query-attention needs --num-query-groups")
+    if not m.group_query_attention and m.num_query_groups not in (None, m.num_attention_heads):
+        errors.append(f"--num-query-groups ({m.num_query_groups}) needs --group-query-attention (without it "
+                      "every head has its own key/value head and the flag would be ignored)")
+    if m.recompute_method is not None and m.recompute_granularity != "full":
+        errors.append(f"--recompute-method {m.recompute_method} needs --recompute-granularity full (it says which "
+                      "layers full recomputation covers, and would be ignored otherwise)")
+    if not 0.0 < m.rotary_percent <= 1.0:
+        errors.append(f"--rotary-percent must be in (0, 1], got {m.rotary_percent}")
     groups = m.num_query_groups or m.num_attention_heads
     if m.num_attention_heads % groups:
         errors.append(f"--num-attention-heads ({m.num_attention_heads}) must be divisible by "
@@ -161,6 +179,8 @@ def training_errors(cfg: "MegaliteConfig", world_size: int) -> list[str]:
         errors.append(f"--global-batch-size ({gbs}) must be divisible by --micro-batch-size "
                       f"({t.micro_batch_size}) x data-parallel size ({dp} = world {world_size} / "
                       f"(TP {tp} x PP {pp}))")
+    if t.train_samples is not None and 0 < t.train_samples < gbs:
+        errors.append(f"--train-samples ({t.train_samples}) must be at least one global batch ({gbs})")
     if t.eval_iters < 0:
         errors.append(f"--eval-iters must be >= 0, got {t.eval_iters}")
     if t.exit_duration_in_mins is not None and t.exit_duration_in_mins <= 0:
@@ -172,10 +192,48 @@ def optimizer_errors(o: "OptimizerConfig") -> list[str]:
     errors = []
     if o.lr < 0 or o.min_lr < 0 or o.min_lr > o.lr:
         errors.append(f"need 0 <= --min-lr ({o.min_lr}) <= --lr ({o.lr})")
-    if o.lr_warmup_iters < 0:
-        errors.append("--lr-warmup-iters must be >= 0")
-    if o.clip_grad < 0:
-        errors.append("--clip-grad must be >= 0")
+    if not 0 <= o.lr_warmup_init <= o.lr:
+        errors.append(f"need 0 <= --lr-warmup-init ({o.lr_warmup_init}) <= --lr ({o.lr})")
+    for flag, value in [("--lr-warmup-iters", o.lr_warmup_iters), ("--lr-warmup-samples", o.lr_warmup_samples),
+                        ("--clip-grad", o.clip_grad), ("--weight-decay", o.weight_decay)]:
+        if value < 0:
+            errors.append(f"{flag} must be >= 0, got {value}")
+    for flag, value in [("--lr-decay-iters", o.lr_decay_iters), ("--lr-decay-samples", o.lr_decay_samples),
+                        ("--lr-wsd-decay-iters", o.lr_wsd_decay_iters),
+                        ("--lr-wsd-decay-samples", o.lr_wsd_decay_samples)]:
+        if value is not None and value <= 0:
+            errors.append(f"{flag} must be positive, got {value}")
+    if o.lr_warmup_fraction is not None and not 0 <= o.lr_warmup_fraction < 1:
+        errors.append(f"--lr-warmup-fraction must be in [0, 1), got {o.lr_warmup_fraction}")
+    if o.lr_warmup_fraction is not None and (o.lr_warmup_iters or o.lr_warmup_samples):
+        errors.append("--lr-warmup-fraction and --lr-warmup-iters/--lr-warmup-samples are exclusive")
+    for flag, value in [("--adam-beta1", o.adam_beta1), ("--adam-beta2", o.adam_beta2)]:
+        if not 0 <= value < 1:
+            errors.append(f"{flag} must be in [0, 1), got {value}")
+    return errors
+
+
+def schedule_errors(t: "TrainingConfig", o: "OptimizerConfig") -> list[str]:
+    """The learning-rate schedule is counted in iterations or in samples, as the run's length is."""
+    by_samples = t.train_samples is not None
+    unit, other = ("samples", "iters") if by_samples else ("iters", "samples")
+    length = f"--train-{unit}"
+    errors = []
+    if by_samples and t.train_iters is not None:
+        errors.append("--train-iters and --train-samples are exclusive")
+    for flag in (f"--lr-decay-{other}", f"--lr-warmup-{other}", f"--lr-wsd-decay-{other}"):
+        if getattr(o, flag[2:].replace("-", "_")):
+            errors.append(f"{flag} needs --train-{other} (with {length} the schedule is counted in {unit}: "
+                          f"use --{flag[2:].replace(other, unit)})")
+    decay = getattr(o, f"lr_decay_{unit}") or getattr(t, f"train_{unit}")
+    warmup = getattr(o, f"lr_warmup_{unit}")
+    wsd = getattr(o, f"lr_wsd_decay_{unit}")
+    if o.lr_decay_style == "WSD" and wsd is None:
+        errors.append(f"--lr-decay-style WSD needs --lr-wsd-decay-{unit}")
+    if decay and o.lr_warmup_fraction is None and warmup >= decay:
+        errors.append(f"--lr-warmup-{unit} ({warmup}) must be below the decay span --lr-decay-{unit} ({decay})")
+    if o.lr_decay_style == "WSD" and decay and wsd and wsd > decay:
+        errors.append(f"--lr-wsd-decay-{unit} ({wsd}) must be <= the decay span --lr-decay-{unit} ({decay})")
     return errors
 
 
@@ -184,7 +242,7 @@ def precision_errors(pr: "PrecisionConfig", dd: "DDPConfig") -> list[str]:
     errors = []
     if pr.fp16 and pr.bf16:
         errors.append("--fp16 and --bf16 are exclusive")
-    if pr.loss_scale is not None and not pr.fp16:
+    if pr.loss_scale is not None and not pr.fp16 and pr.loss_scale > 0:
         errors.append("--loss-scale applies to --fp16 only")
     if pr.min_loss_scale <= 0 or pr.initial_loss_scale < pr.min_loss_scale:
         errors.append(f"need 0 < --min-loss-scale ({pr.min_loss_scale}) <= --initial-loss-scale "
@@ -237,10 +295,13 @@ def data_errors(d: "DataConfig") -> list[str]:
 
 
 def fill_derived_defaults(cfg: "MegaliteConfig", world_size: int) -> None:
-    """The values a valid config derives from others: --global-batch-size defaults to micro-batch x DP."""
+    """The values a valid config derives from others: --global-batch-size defaults to micro-batch x DP;
+    with --train-samples, --train-iters is samples // global batch (as Megatron-LM)."""
     t = cfg.training
     if t.global_batch_size is None:
         t.global_batch_size = t.micro_batch_size * data_parallel_size(cfg, world_size)
+    if t.train_samples is not None:
+        t.train_iters = t.train_samples // t.global_batch_size
 
 
 def validate(cfg: "MegaliteConfig", world_size: int, local_world_size: int | None = None) -> None:
@@ -249,6 +310,7 @@ def validate(cfg: "MegaliteConfig", world_size: int, local_world_size: int | Non
     _raise_if(positive_errors(cfg))
     _raise_if([*model_errors(cfg.model), *parallel_errors(cfg, world_size, local_world_size or world_size),
                *training_errors(cfg, world_size), *optimizer_errors(cfg.optimizer),
+               *schedule_errors(cfg.training, cfg.optimizer),
                *precision_errors(cfg.precision, cfg.ddp), *kernel_errors(cfg.model, cfg.precision),
                *logging_errors(cfg.logging),
                *checkpoint_errors(cfg.checkpoint), *data_errors(cfg.data)])

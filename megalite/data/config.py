@@ -25,8 +25,9 @@ class DataConfig:
     mid_level_dataset_surplus: float = option(
         0.005, help="Extra fraction of samples each blended dataset builds beyond its share of the blend.")
     mock_data: bool = option(False, help="Train on synthetic, learnable token sequences (no files needed).")
-    tokenizer_type: str = option(
-        "NullTokenizer", help="Tokenizer kind.",
+    tokenizer_type: str | None = option(
+        None, help="Tokenizer kind; default GPT2BPETokenizer when --vocab-file and --merge-file are given "
+        "(as Megatron-LM), else NullTokenizer.",
         choices=["NullTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer"])
     vocab_size: int | None = option(
         None, help="NullTokenizer: data ids are 0..V-1 and the eod id is V (vocabulary V + 1).")
@@ -34,4 +35,7 @@ class DataConfig:
     merge_file: str | None = option(None, help="GPT-2 BPE merges.txt.")
     tokenizer_model: str | None = option(
         None, help="tokenizer.json / tokenizer folder, or SentencePiece .model.")
-    num_workers: int = option(2, help="DataLoader worker processes per rank.")
+    def __post_init__(self) -> None:
+        if self.tokenizer_type is None:
+            bpe = self.vocab_file is not None and self.merge_file is not None
+            self.tokenizer_type = "GPT2BPETokenizer" if bpe else "NullTokenizer"

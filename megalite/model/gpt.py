@@ -118,7 +118,7 @@ class GPTModel(nn.Module):
                 x = layer(x, angles)
             return x
         n = cfg.recompute_num_layers
-        if cfg.recompute_method == "uniform":
+        if cfg.recompute_method in (None, "uniform"):
             for i in range(0, len(layers), n):
                 group = layers[i:i + n]
                 x = recompute(lambda h, a, g=group: _run(g, h, a), self.tracker, x, angles)

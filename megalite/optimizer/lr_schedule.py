@@ -1,31 +1,97 @@
-"""Learning rate: linear warm-up from 0 to --lr, then constant, linear or cosine decay to --min-lr."""
+"""Learning rate as Megatron's training loop drives megatron-core's OptimizerParamScheduler.
+
+The schedule counts *samples* of successful optimizer steps (Megatron steps its scheduler by the
+global batch size after every update that was not skipped by an fp16 overflow). Iteration ``k``
+(1-based) applies the rate at ``(k - 1 - skipped) * global_batch`` samples; the rate logged after
+iteration ``k`` is the one read back from the optimizer after the scheduler stepped, i.e. the rate at
+``(k - skipped) * global_batch`` samples — the rate the *next* iteration will apply. With warm-up the
+first iteration therefore applies ``--lr-warmup-init`` (default 0) and ``--lr`` is first applied at
+iteration ``warm-up + 1``.
+"""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from megalite.config.training import OptimizerConfig, TrainingConfig
+
+DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
+
+
+def _wsd_coeff(style: str, ratio: float) -> float:
+    """The annealing phase of warm-up/stable/decay: 1 at its start, 0 at its end."""
+    if style == "linear":
+        return 1.0 - ratio
+    if style == "cosine":
+        return 0.5 * (math.cos(math.pi * ratio) + 1.0)
+    if style == "exponential":
+        return 2.0 * math.pow(0.5, ratio) - 1.0
+    if style == "minus_sqrt":
+        return 1.0 - math.sqrt(ratio)
+    raise ValueError(f"--lr-wsd-decay-style must be one of {', '.join(WSD_DECAY_STYLES)}, got {style}")
 
 
 @dataclass
 class LRSchedule:
+    """Rate as a function of scheduler steps (samples). ``warmup_steps`` may be fractional
+    (--lr-warmup-fraction x decay steps), as in Megatron."""
+
     lr: float
     min_lr: float
-    warmup_iters: int
-    decay_iters: int
+    warmup_steps: float
+    decay_steps: int
     style: str = "cosine"
+    init_lr: float = 0.0
+    wsd_decay_steps: int | None = None
+    wsd_style: str = "exponential"
 
-    def __call__(self, iteration: int) -> float:
-        """Learning rate for optimizer step number ``iteration`` (0-based)."""
-        if self.warmup_iters > 0 and iteration < self.warmup_iters:
-            return self.lr * (iteration + 1) / self.warmup_iters
+    def at(self, steps: float) -> float:
+        """Learning rate after ``steps`` scheduler steps (samples of successful updates)."""
+        if self.warmup_steps > 0 and steps <= self.warmup_steps:
+            return self.init_lr + (self.lr - self.init_lr) * float(steps) / float(self.warmup_steps)
         if self.style == "constant":
             return self.lr
-        span = max(self.decay_iters - self.warmup_iters, 1)
-        frac = min(max(iteration - self.warmup_iters, 0) / span, 1.0)
+        if steps > self.decay_steps:
+            return self.min_lr
+        if self.style == "inverse-square-root":
+            return max(self.min_lr, self.lr * max(self.warmup_steps, 1) ** 0.5 / max(steps, 1) ** 0.5)
+        ratio = (steps - self.warmup_steps) / (self.decay_steps - self.warmup_steps)
         if self.style == "linear":
-            coeff = 1.0 - frac
+            coeff = 1.0 - ratio
         elif self.style == "cosine":
-            coeff = 0.5 * (math.cos(math.pi * frac) + 1.0)
+            coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
+        elif self.style == "WSD":
+            anneal_start = self.decay_steps - (self.wsd_decay_steps or 0)
+            coeff = 1.0 if steps <= anneal_start else _wsd_coeff(
+                self.wsd_style, (steps - anneal_start) / self.wsd_decay_steps)
         else:
-            raise ValueError(f"--lr-decay-style must be constant, linear or cosine, got {self.style}")
+            raise ValueError(f"--lr-decay-style must be one of {', '.join(DECAY_STYLES)}, got {self.style}")
         return self.min_lr + coeff * (self.lr - self.min_lr)
+
+    def after(self, iterations: int, skipped: int, global_batch_size: int) -> float:
+        """The rate once ``iterations`` steps are done, ``skipped`` of them skipped by an fp16 overflow
+        (which do not advance the schedule). Before iteration k it is the rate k applies; after it, the
+        rate Megatron logs for k (the scheduler has stepped: the next iteration's rate)."""
+        return self.at((iterations - skipped) * global_batch_size)
+
+
+def schedule_from_config(o: "OptimizerConfig", t: "TrainingConfig") -> LRSchedule:
+    """The schedule in samples, from iteration- or sample-based flags (a validated config, whose
+    --global-batch-size and --train-iters are filled in)."""
+    gbs = t.global_batch_size
+    if t.train_samples is None:
+        decay = (o.lr_decay_iters or t.train_iters) * gbs
+        wsd = o.lr_wsd_decay_iters * gbs if o.lr_wsd_decay_iters is not None else None
+        warmup = o.lr_warmup_iters * gbs
+    else:
+        decay = o.lr_decay_samples or t.train_samples
+        wsd = o.lr_wsd_decay_samples
+        warmup = o.lr_warmup_samples
+    if o.lr_warmup_fraction is not None:
+        warmup = o.lr_warmup_fraction * decay
+    return LRSchedule(o.lr, o.min_lr, warmup, decay, o.lr_decay_style, o.lr_warmup_init, wsd,
+                      o.lr_wsd_decay_style)

@@ -94,8 +94,9 @@ class LogWindow:
         memory = device.memory_stats() if self.cfg.logging.log_memory else {}
         self.say(format_iteration_line(step, t.train_iters, state.consumed_samples, elapsed * 1e3, lr,
                                        t.global_batch_size, out.loss, out.loss_scale, out.grad_norm,
-                                       state.skipped_iterations, state.nan_iterations, self.tokens_per_iter / elapsed,
-                                       tflops, mfu, memory))
+                                       state.skipped_iterations, state.nan_iterations,
+                                       *((self.tokens_per_iter / elapsed, tflops, mfu)
+                                         if self.cfg.logging.log_throughput else (None, None, None)), memory))
         if timer_line:
             self.say(timer_line)
             self._warn(timer_vals)

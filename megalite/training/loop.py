@@ -11,7 +11,7 @@ from torch import nn
 from megalite.config.arguments import MegaliteConfig
 from megalite.distributed.grad_buffer import GradBuffer
 from megalite.model.build import build_model
-from megalite.optimizer.lr_schedule import LRSchedule
+from megalite.optimizer.lr_schedule import LRSchedule, schedule_from_config
 from megalite.optimizer.optimizer import MegaliteOptimizer
 from megalite.parallel.groups import ProcessGroups
 from megalite.tensor_parallel.random import RNGTracker, model_parallel_seed
@@ -108,7 +108,7 @@ def start_run(cfg: MegaliteConfig, pg: ProcessGroups, data: RunData | None, say:
     optimizer = MegaliteOptimizer(buffers, cfg, pg)
     for c in chunks:
         c.train()
-    schedule = LRSchedule(o.lr, o.min_lr, o.lr_warmup_iters, o.lr_decay_iters or t.train_iters, o.lr_decay_style)
+    schedule = schedule_from_config(o, t)
     result = TrainResult(chunks=chunks, optimizer=optimizer)
     state = maybe_load(cfg, chunks, optimizer, pg, tracker, vocab, say)
     return Run(cfg, pg, data, tracker, chunks, buffers, optimizer, schedule, state, result, say)
@@ -139,7 +139,7 @@ def pretrain(cfg: MegaliteConfig, pg: ProcessGroups, data: RunData | None = None
     try:
         while run.state.iteration < t.train_iters:
             profiler.before(run.state.iteration)
-            lr = run.schedule(run.state.iteration)
+            lr = run.schedule.after(run.state.iteration, run.state.skipped_iterations, t.global_batch_size)
             out = train_step(run.chunks, run.buffers, run.optimizer, run.data.train, run.state.consumed_samples,
                              lr, cfg, pg, timers)
             step = run.record(out)
@@ -148,7 +148,9 @@ def pretrain(cfg: MegaliteConfig, pg: ProcessGroups, data: RunData | None = None
             trace = profiler.after(step)
             if trace:
                 run.say(f" wrote profiler trace {trace} (and one per profiled rank)")
-            window.step_done(run.state, lr, out)
+            # Megatron logs the rate read back after its scheduler stepped: the next iteration's.
+            window.step_done(run.state, run.schedule.after(step, run.state.skipped_iterations, t.global_batch_size),
+                             out)
             if run.validating and step % t.eval_interval == 0 and step < t.train_iters:
                 run.evaluate(writers)
                 window.restart_clock()
