@@ -63,6 +63,7 @@ class MegaliteConfig:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description="Pretrain a GPT with tensor, pipeline and data parallelism.",
+        usage="%(prog)s [--help] [--config FILE] [--FLAG VALUE ...]",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         allow_abbrev=False,
     )

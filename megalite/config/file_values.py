@@ -41,7 +41,8 @@ def _parse(path: str) -> Any:
 
 def _type_name(tp: Any) -> str:
     if typing.get_origin(tp) is list:
-        return f"a list of {_type_name(typing.get_args(tp)[0])}s"
+        elem = typing.get_args(tp)[0]
+        return "a list of " + {int: "integers", float: "numbers", str: "strings"}.get(elem, str(elem))
     return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(tp, str(tp))
 
 
