@@ -10,7 +10,7 @@ from typing import Any
 
 from megalite.config.file_values import ConfigFileError, did_you_mean, load_config_file
 from megalite.config.flags import add_dataclass_flags, field_specs, field_types
-from megalite.config.megatron_compat import add_compat_flags, pop_compat_flags, warn_ignored
+from megalite.config.megatron_compat import add_compat_flags, pop_compat_flags, refusal, warn_ignored
 from megalite.config.model import ModelConfig
 from megalite.config.parallel import ParallelConfig
 from megalite.config.precision import DDPConfig, PrecisionConfig
@@ -99,7 +99,9 @@ def parse_args(argv: Sequence[str] | None = None) -> MegaliteConfig:
     if unknown:
         _reject_unknown(parser, unknown)
     ns = vars(ns)
-    ignored = pop_compat_flags(ns)
+    ignored, refused = pop_compat_flags(ns)
+    if refused:
+        parser.error(refusal(refused))
     values: dict[str, Any] = {}
     if "config" in ns:
         try:

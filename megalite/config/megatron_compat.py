@@ -36,6 +36,17 @@ IGNORED: dict[str, tuple[bool, str]] = {
                                                         "(attention is causal in the kernel)"),
     "--no-mmap-bin-files": (False, "the .bin files are always memory-mapped"),
     "--ckpt-format": (True, "megalite writes its own sharded format (tools/convert_checkpoint.py converts)"),
+    "--tiktoken-pattern": (True, "only Megatron-LM's TikTokenizer reads it, and megalite has none"),
+}
+
+# flag -> why megalite refuses it (it would change the run, and megalite does not implement it)
+REFUSED: dict[str, str] = {
+    "--apply-layernorm-1p": "zero-centred norm weights (1 + w) are not implemented",
+    "--decoupled-lr": "a separate learning rate for the embedding and output layer is not implemented",
+    "--decoupled-min-lr": "a separate learning rate for the embedding and output layer is not implemented",
+    "--rampup-batch-size": "batch-size ramp-up is not implemented; give a constant --global-batch-size",
+    "--step-batch-size-schedule": "batch-size schedules are not implemented; give a constant --global-batch-size",
+    "--num-experts": "mixture-of-experts layers are not implemented",
 }
 
 # flag -> why it is honoured although no config field stores it
@@ -59,22 +70,30 @@ def add_compat_flags(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag, metavar="VALUE", **kw)
         else:
             group.add_argument(flag, action="store_true", **kw)
+    for flag, why in REFUSED.items():
+        group.add_argument(flag, dest=_DEST + "refused__" + flag.lstrip("-").replace("-", "_"), nargs="*",
+                           default=argparse.SUPPRESS, help=f"Refused: {why}.")
     for flag, why in HONOURED.items():
         group.add_argument(flag, dest=_DEST + flag.lstrip("-").replace("-", "_"), action="store_true",
                            default=argparse.SUPPRESS, help=f"Honoured: {why}.")
 
 
-def pop_compat_flags(ns: dict) -> list[str]:
-    """Remove the compatibility flags from parsed values; return the ignored ones that were given."""
+def pop_compat_flags(ns: dict) -> tuple[list[str], list[str]]:
+    """Remove the compatibility flags from parsed values; return the (ignored, refused) ones given."""
     given = [k for k in ns if k.startswith(_DEST)]
     for k in given:
         ns.pop(k)
-    names = {_DEST + f.lstrip("-").replace("-", "_"): f for f in IGNORED}
-    return [names[k] for k in given if k in names]
+    ignored = {_DEST + f.lstrip("-").replace("-", "_"): f for f in IGNORED}
+    refused = {_DEST + "refused__" + f.lstrip("-").replace("-", "_"): f for f in REFUSED}
+    return [ignored[k] for k in given if k in ignored], [refused[k] for k in given if k in refused]
+
+
+def refusal(flags: Sequence[str]) -> str:
+    return "; ".join(f"{f} is a Megatron-LM flag megalite refuses: {REFUSED[f]}" for f in flags)
 
 
 def warn_ignored(prog: str, flags: Sequence[str]) -> None:
     """One warning naming every accepted-and-ignored flag, printed by rank 0 only."""
     if flags and os.environ.get("RANK", "0") == "0":
-        print(f"{prog}: warning: accepted and ignored (no effect in megalite): "
-              + "; ".join(f"{f} ({IGNORED[f][1]})" for f in flags), file=sys.stderr, flush=True)
+        print(f"{prog}: warning: accepted and ignored, no effect in megalite: "
+              + "; ".join(f"{f}: {IGNORED[f][1]}" for f in flags), file=sys.stderr, flush=True)
