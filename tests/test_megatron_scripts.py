@@ -60,6 +60,15 @@ def test_llama3_script_trains(tmp_path):
     found = losses(proc)
     assert sorted(found) == [1, 2, 3, 4]
     assert "accepted and ignored" in proc.stderr and "Traceback" not in proc.stderr
+    assert "tokens per second" in proc.stdout  # --log-throughput (the default)
+
+
+def test_no_log_throughput_leaves_it_off_the_line():
+    proc = run_pretrain(["--mock-data", "--vocab-size", "64", "--train-iters", "1", "--num-layers", "1",
+                         "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8",
+                         "--no-log-throughput"], timeout=120)
+    assert sorted(losses(proc)) == [1]
+    assert "tokens per second" not in proc.stdout and "TFLOP/s" not in proc.stdout
 
 
 @pytest.mark.parametrize("flag", [["--apply-layernorm-1p"], ["--decoupled-lr", "5.0e-4"],

@@ -3,7 +3,8 @@
 Each dataclass field becomes ``--field-name`` (underscores to dashes) unless its metadata gives
 ``flag``. The field's ``help`` metadata is the flag's help text, so the dataclass is the one place a
 flag is documented. Booleans are ``store_true`` switches; a bool field defaulting to True gets a
-``--no-...`` switch instead (its metadata names it via ``flag``). ``list[...]`` fields take
+``--no-...`` switch instead (its metadata names it via ``flag``, and its help says what the switch does:
+turn the feature off). ``list[...]`` fields take
 ``nargs='+'``.
 """
 

@@ -72,13 +72,15 @@ class LoggingConfig:
 
     tensorboard_dir: str | None = option(None, help="Write TensorBoard scalars here.")
     wandb_project: str | None = option(None, help="Log to this Weights & Biases project (works offline).")
-    log_throughput: bool = option(True, help="Report tokens/s and TFLOP/s on the log line.",
+    log_throughput: bool = option(True, help="Leave tokens/s, TFLOP/s and MFU off the log line (on by default; "
+                                  "--log-throughput, Megatron's switch, is accepted).",
                                   flag="--no-log-throughput")
     peak_tflops: float | None = option(None, help="Device peak TFLOP/s for MFU; default: known GPU table.")
     timing_log_level: int = option(0, help="0: no phase timers; 1: per-phase min/max times and the "
                                    "communication share every --log-interval (synchronizes the device).",
                                    choices=[0, 1, 2])
-    log_memory: bool = option(True, help="Report memory per rank on the log line.", flag="--no-log-memory")
+    log_memory: bool = option(True, help="Leave the per-rank memory off the log line (on by default).",
+                              flag="--no-log-memory")
     tensorboard_queue_size: int = option(1000, help="TensorBoard events buffered before a flush.")
     wandb_exp_name: str | None = option(None, help="Weights & Biases run name.")
     wandb_save_dir: str | None = option(None, help="Where Weights & Biases writes its files.")
