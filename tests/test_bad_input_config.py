@@ -64,7 +64,7 @@ FLAG_CASES = {
     "iters and samples": (["--train-samples", "100"], "--train-iters and --train-samples are exclusive"),
     "warmup samples with iters": (["--lr-warmup-samples", "8"], "--lr-warmup-samples needs --train-samples"),
     "WSD without anneal": (["--lr-decay-style", "WSD"], "--lr-decay-style WSD needs --lr-wsd-decay-iters"),
-    "warmup past decay": (["--lr-warmup-iters", "2"], "--lr-warmup-iters (2) must be below the decay span"),
+    "wsd samples with iters": (["--lr-wsd-decay-samples", "4"], "--lr-wsd-decay-samples needs --train-samples"),
     "warmup fraction and iters": (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "1", "--lr-decay-iters", "9"],
                                   "--lr-warmup-fraction and --lr-warmup-iters/--lr-warmup-samples are exclusive"),
     "warmup fraction 1.5": (["--lr-warmup-fraction", "1.5"], "--lr-warmup-fraction must be in [0, 1)"),

@@ -97,3 +97,13 @@ def test_warmup_reaches_lr_one_iteration_later_and_then_decays():
     applied = [s.after(k - 1, 0, g) for k in range(1, 8)]
     assert applied[0] == 0.0 and applied[4] == pytest.approx(0.8e-3) and applied[5] == 1e-3
     assert applied[6] < 1e-3
+
+
+@pytest.mark.parametrize("style", ["linear", "cosine", "inverse-square-root", "constant"])
+def test_warmup_longer_than_decay_warms_up_then_drops(style):
+    """Accepted (a shortened example run): warm-up as usual, then --min-lr (--lr when constant)."""
+    from megalite.optimizer.lr_schedule import LRSchedule
+
+    s = LRSchedule(1e-3, 1e-4, warmup_steps=8, decay_steps=4, style=style)
+    assert [s.at(n) for n in (0, 4, 8)] == pytest.approx([0.0, 5e-4, 1e-3])
+    assert s.at(9) == (1e-3 if style == "constant" else 1e-4)
