@@ -12,6 +12,9 @@ import pytest
 
 from tests.cli_utils import ROOT, run_pretrain
 
+# main() run in-process under capsys: torch's @record cannot attach its fault handler there.
+pytestmark = pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
+
 BASE = ["--mock-data", "--vocab-size", "64", "--train-iters", "2", "--num-layers", "2", "--hidden-size", "16",
         "--num-attention-heads", "2", "--seq-length", "8"]
 
