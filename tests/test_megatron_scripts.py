@@ -19,14 +19,15 @@ GPT3 = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16
         "--eval-interval 1000 --save ckpt --load ckpt --eval-iters 10 --tensorboard-dir tb").split()
 
 # examples/llama/train_llama3_8b_h100_fp8.sh (mock data), sizes scaled down; its --apply-layernorm-1p and
-# --decoupled-lr/--decoupled-min-lr are refused, --cross-entropy-loss-fusion is left to its own change.
+# --decoupled-lr/--decoupled-min-lr are refused.
 LLAMA3 = ("--use-mcore-models --num-layers 2 --hidden-size 32 --ffn-hidden-size 64 --num-attention-heads 4 "
           "--group-query-attention --num-query-groups 2 --kv-channels 8 --seq-length 16 --max-position-embeddings 16 "
           "--position-embedding-type rope --rotary-base 1000000 --rotary-percent 1.0 --attention-dropout 0.0 "
-          "--hidden-dropout 0.0 --swiglu --normalization RMSNorm --init-method-std 0.0134 "
+          "--hidden-dropout 0.0 --swiglu --normalization RMSNorm --init-method-std 0.0134 --attention-backend fused "
           "--untie-embeddings-and-output-weights --disable-bias-linear --micro-batch-size 1 --global-batch-size 2 "
           "--train-samples 8 --lr-decay-samples 6 --lr-warmup-samples 2 --lr 0.00015 --min-lr 0.00001 "
-          "--lr-decay-style cosine --clip-grad 1.0 --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 "
+          "--lr-decay-style cosine --clip-grad 1.0 --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --bf16 "
+          "--grad-reduce-in-bf16 --cross-entropy-loss-fusion "
           "--calculate-per-token-loss --manual-gc --empty-unused-memory-level 1 --exit-duration-in-mins 235 "
           "--fp8-format hybrid --fp8-amax-history-len 1024 --fp8-amax-compute-algo max --fp8-param-gather "
           "--tensor-model-parallel-size 1 --context-parallel-size 1 --use-distributed-optimizer --overlap-grad-reduce "
