@@ -24,8 +24,7 @@ class TrainingConfig:
     eval_iters: int = option(10, help="Global batches per evaluation.")
     log_interval: int = option(100, help="Print the log line every this many iterations.")
     exit_interval: int | None = option(None, help="Stop after the iteration that is a multiple of this.")
-    exit_duration_in_mins: float | None = option(
-        None, help="Save (with --save) and stop once the run has lasted this many minutes.")
+    exit_duration_in_mins: float | None = option(None, help="Save (with --save) and stop after this many minutes.")
     exit_signal_handler: bool = option(
         False, help="On SIGTERM, finish the current iteration, save a checkpoint (with --save) and exit 0.")
     check_for_nan_in_loss_and_grad: bool = option(
