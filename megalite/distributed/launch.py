@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import time
 from collections.abc import Iterator
 
 import torch.distributed as dist
@@ -64,12 +65,31 @@ def init_distributed(cfg: MegaliteConfig) -> ProcessGroups:
 @contextlib.contextmanager
 def distributed_run(cfg: MegaliteConfig) -> Iterator[ProcessGroups]:
     """init_distributed() for an entry point. After the body succeeds every rank meets at a barrier,
-    so no rank tears down connections another still uses; the group is destroyed if this call made it."""
+    so no rank tears down connections another still uses; the group is destroyed if this call made it,
+    and rank 0, which usually hosts the rendezvous store, leaves only after every other rank has."""
     created = not dist.is_initialized()
     pg = init_distributed(cfg)
+    ok = False
     try:
         yield pg
         pg.barrier()
+        ok = True
     finally:
         if created and dist.is_initialized():
+            store = dist.distributed_c10d._get_default_store()
             dist.destroy_process_group()
+            if ok:
+                _leave_together(store, pg.rank, pg.layout.world_size)
+
+
+def _leave_together(store: dist.Store, rank: int, world: int, limit_s: float = 30.0) -> None:
+    """Count this rank out through the store; rank 0 waits (bounded) until every rank has, so the store
+    it may host does not vanish under a rank still tearing down."""
+    try:
+        left = store.add("megalite/left", 1)
+        deadline = time.monotonic() + limit_s
+        while rank == 0 and left < world and time.monotonic() < deadline:
+            time.sleep(0.05)
+            left = store.add("megalite/left", 0)
+    except (RuntimeError, OSError):  # a peer's store already gone: nothing left to protect
+        pass
