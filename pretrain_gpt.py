@@ -13,7 +13,7 @@ from megalite.checkpointing.load import CheckpointMismatch
 from megalite.checkpointing.reader import CheckpointError
 from megalite.config import ConfigError, parse_args, validate
 from megalite.distributed.launch import distributed_run, launcher_env
-from megalite.training.loop import pretrain
+from megalite.training.loop import NonFiniteError, pretrain
 
 
 @record  # under torchrun, a failing rank's traceback goes to the elastic error file with its rank
@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with distributed_run(cfg) as pg:
             pretrain(cfg, pg)
-    except (CheckpointError, CheckpointMismatch) as e:  # a damaged --load, a failed save: named, no traceback
+    except (CheckpointError, CheckpointMismatch, NonFiniteError) as e:  # a damaged --load, a failed save, a NaN
         print(f"pretrain_gpt.py: error: {e}", file=sys.stderr)
         return 2
     return 0

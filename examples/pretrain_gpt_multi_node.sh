@@ -39,7 +39,7 @@ PARALLEL=(--tensor-model-parallel-size 4 --sequence-parallel --pipeline-model-pa
 # network (k DP ranks per node); --use-tp-pp-dp-mapping puts pipeline stages inside a node instead.
 TRAINING=(--micro-batch-size 2 --global-batch-size 512 --train-iters 50000 --lr 2e-4 --min-lr 2e-5
           --lr-warmup-iters 1000 --lr-decay-style cosine --weight-decay 0.1 --clip-grad 1.0
-          --adam-beta2 0.95 --seed 1234 --exit-signal-handler --check-for-nan-in-loss-and-grad)
+          --adam-beta2 0.95 --seed 1234 --exit-signal-handler)
 if [[ -n "${DATA_PATH:-}" ]]; then
   DATA=(--data-path "$DATA_PATH" --split 99,1,0 --tokenizer-type GPT2BPETokenizer
         --vocab-file "${VOCAB_FILE:?set VOCAB_FILE}" --merge-file "${MERGE_FILE:?set MERGE_FILE}")

@@ -132,7 +132,7 @@ def test_stuck_collective_times_out_with_an_error():
 
 
 def test_nan_check_names_rank_and_iteration():
-    with pytest.raises(NonFiniteError, match=r"rank 0: .* at iteration 1 "):
+    with pytest.raises(NonFiniteError, match=r"rank 0: .* at iteration 1; "):
         _train(_cfg(init_method_std=1e30, check_for_nan_in_loss_and_grad=True))
 
 

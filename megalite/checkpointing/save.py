@@ -68,6 +68,30 @@ def _check(results: list, pg: ProcessGroups, save_dir: str, iteration: int) -> N
                               f"its staging directory was removed and {kept}")
 
 
+def first_non_finite(chunks: list[nn.Module]) -> str | None:
+    """Name of this rank's first parameter holding a NaN/inf, or None: one max-abs reduction per tensor
+    (NaN propagates through it) and a single host sync for all of them."""
+    named = [(k, p) for n, k, p in named_params(chunks) if n == k]
+    if not named:
+        return None
+    peaks = torch.stack([torch.linalg.vector_norm(p.detach(), float("inf")).float() for _, p in named])
+    bad = (~torch.isfinite(peaks)).nonzero()
+    return named[int(bad[0])][0] if len(bad) else None
+
+
+def _refuse_non_finite(chunks: list[nn.Module], pg: ProcessGroups, save_dir: str, iteration: int) -> None:
+    """Raise on every rank when any rank's weights are not finite: such a checkpoint would only resume
+    a broken run. Nothing has been written yet."""
+    names = [name for name, _ in _agree(pg, first_non_finite(chunks))]
+    bad = [(rank, name) for rank, name in enumerate(names) if name]
+    if bad:
+        rank, name = bad[0]
+        raise CheckpointSaveError(f"--save {save_dir}: refusing to save iteration {iteration}: parameter {name} "
+                                  f"on rank {rank} is not finite (NaN/inf); nothing was written (the loss "
+                                  "diverged: lower --lr, and keep the default NaN check, i.e. drop "
+                                  "--no-check-for-nan-in-loss-and-grad)")
+
+
 def _write_rank_files(staged: str, chunks: list[nn.Module], optimizer: Any, pg: ProcessGroups,
                       rng_states: dict[str, torch.Tensor]) -> dict[str, str]:
     """This rank's tensor files; returns their checksums by path relative to ``staged``."""
@@ -89,7 +113,9 @@ def save_checkpoint(save_dir: str, iteration: int, chunks: list[nn.Module], opti
                     extra_meta: dict[str, Any] | None = None) -> str:
     """Write iteration ``iteration``; returns the committed directory. All ranks must call it.
     ``extra_meta`` (e.g. the tokenizer the run used) is stored in metadata.json. A failure on any rank
-    (e.g. a full disk) raises CheckpointSaveError on every rank and leaves the previous checkpoint as is."""
+    (e.g. a full disk) raises CheckpointSaveError on every rank and leaves the previous checkpoint as is;
+    so do weights that are not finite, before anything is written."""
+    _refuse_non_finite(chunks, pg, save_dir, iteration)
     staged = staging_dir(save_dir, iteration)
 
     def prepare() -> None:

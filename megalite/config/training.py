@@ -28,7 +28,9 @@ class TrainingConfig:
     exit_signal_handler: bool = option(
         False, help="On SIGTERM, finish the current iteration, save a checkpoint (with --save) and exit 0.")
     check_for_nan_in_loss_and_grad: bool = option(
-        False, help="Stop with the rank and iteration when the loss or the gradient norm is NaN/inf.")
+        True, flag="--no-check-for-nan-in-loss-and-grad",
+        help="Keep training when the loss or the gradient norm is NaN/inf (by default the run stops there, "
+        "naming the rank and iteration, before anything is saved; an fp16 step skipped on overflow is no stop).")
 
     def __post_init__(self) -> None:
         if self.train_iters is None and self.train_samples is None:

@@ -26,7 +26,8 @@ from megalite.training.writers import MetricWriters
 
 
 class NonFiniteError(RuntimeError):
-    """--check-for-nan-in-loss-and-grad found a NaN/inf; the message names the rank and iteration."""
+    """The loss or grad norm was NaN/inf (checked unless --no-check-for-nan-in-loss-and-grad); the message
+    names the rank and iteration."""
 
 
 @dataclass
@@ -67,7 +68,7 @@ class Run:
         return self.data.valid is not None and self.cfg.training.eval_iters > 0
 
     def record(self, out: StepOutput) -> int:
-        """Count the step just taken; with --check-for-nan-in-loss-and-grad stop on a NaN. Returns its number."""
+        """Count the step just taken; stop on a NaN unless --no-check-for-nan-in-loss-and-grad. Returns its number."""
         ts, t = self.state, self.cfg.training
         ts.iteration += 1
         ts.consumed_samples += t.global_batch_size
@@ -79,7 +80,8 @@ class Run:
         self.result.loss_scales.append(out.loss_scale)
         if t.check_for_nan_in_loss_and_grad and not finite:
             raise NonFiniteError(f"rank {self.pg.rank}: lm loss {out.loss} / grad norm {out.grad_norm} is not "
-                                 f"finite at iteration {ts.iteration} (--check-for-nan-in-loss-and-grad)")
+                                 f"finite at iteration {ts.iteration}; stopped before saving (lower --lr, check the "
+                                 "data; --no-check-for-nan-in-loss-and-grad keeps training)")
         return ts.iteration
 
     def evaluate(self, writers: MetricWriters) -> None:
