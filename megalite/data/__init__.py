@@ -27,8 +27,9 @@ def build_datasets(cfg: DataConfig, *, seq_length: int, seed: int,
 
     With ``--mock-data``: synthetic samples (vocabulary ``tokenizer.vocab_size``); train uses ``seed``,
     valid and test ``seed + 1`` and ``seed + 2`` so that they are not copies of the training samples.
-    Otherwise Megatron's ``--data-path``/``--split``/blend semantics. The process with ``is_builder``
-    (global rank 0) computes and caches the index arrays; then every process calls ``barrier()`` (if
+    Otherwise Megatron's ``--data-path``/``--split``/blend semantics, and every file's largest token
+    id must be below ``tokenizer.vocab_size`` (TokenRangeError names the file otherwise). The process
+    with ``is_builder`` (global rank 0) computes and caches the index arrays; then every process calls ``barrier()`` (if
     given); then the others load the cache. Every process must call this.
     """
     if len(num_samples) != 3:
@@ -49,4 +50,4 @@ def build_datasets(cfg: DataConfig, *, seq_length: int, seed: int,
     return build_gpt_datasets(cfg.data_path, cfg.split, per_split, seq_length=seq_length, seed=seed,
                               num_samples=num_samples, cache_path=cfg.data_cache_path,
                               surplus=cfg.mid_level_dataset_surplus, is_builder=is_builder,
-                              barrier=barrier)
+                              barrier=barrier, vocab_size=tokenizer.vocab_size)

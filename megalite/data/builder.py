@@ -24,6 +24,7 @@ import numpy as np
 from megalite.data.errors import MissingFileError
 from megalite.data.gpt_dataset import BlendedDataset, GPTDataset, default_cache_dir
 from megalite.data.indexed_dataset import IndexedDataset, bin_path, idx_path
+from megalite.data.token_range import cache_max_id, check_max_id
 
 SPLITS = ("train", "valid", "test")
 
@@ -130,15 +131,22 @@ def _plan_split(blend, bounds, size, surplus):
     return _Blend(parts, w, sum(target))
 
 
-def check_files(specs: list[_Part | _Blend | None]) -> None:
-    """Every rank checks the inputs exist before anyone waits at a barrier."""
+def prefixes(specs: list[_Part | _Blend | None]) -> list[str]:
+    """Every dataset prefix the plan reads, once each, in order."""
+    out: dict[str, None] = {}
     for spec in specs:
         parts = [] if spec is None else spec.parts if isinstance(spec, _Blend) else [spec]
-        for part in parts:
-            for path in (idx_path(part.prefix), bin_path(part.prefix)):
-                if not os.path.isfile(path):
-                    raise MissingFileError(f"{path} not found (dataset prefix {part.prefix!r}); "
-                                            f"prefixes name files without .bin/.idx")
+        out.update((part.prefix, None) for part in parts)
+    return list(out)
+
+
+def check_files(specs: list[_Part | _Blend | None]) -> None:
+    """Every rank checks the inputs exist before anyone waits at a barrier."""
+    for prefix in prefixes(specs):
+        for path in (idx_path(prefix), bin_path(prefix)):
+            if not os.path.isfile(path):
+                raise MissingFileError(f"{path} not found (dataset prefix {prefix!r}); "
+                                        f"prefixes name files without .bin/.idx")
 
 
 class _Materializer:
@@ -178,6 +186,9 @@ class _Materializer:
                               build=self.build, names=names)
 
     def __call__(self, specs):
+        if self.build:  # the largest token id of each file, for check_max_id after the barrier
+            for prefix in prefixes(specs):
+                cache_max_id(self.indexed(prefix), self.cache_dir(prefix, "TokenRange"))
         out = []
         for split, spec in zip(SPLITS, specs):
             if spec is None:
@@ -192,8 +203,9 @@ class _Materializer:
 def build_gpt_datasets(data_path: list[str] | None, split: str, per_split: list[list[str] | None], *,
                        seq_length: int, seed: int, num_samples: tuple[int | None, int | None, int | None],
                        cache_path: str | None, surplus: float, is_builder: bool,
-                       barrier: Callable[[], None] | None) -> tuple:
-    """Build (builder) or load (others) the three splits; see the module docstring."""
+                       barrier: Callable[[], None] | None, vocab_size: int | None = None) -> tuple:
+    """Build (builder) or load (others) the three splits; see the module docstring. With ``vocab_size``,
+    every rank then checks each file's largest token id is below it (TokenRangeError otherwise)."""
     if seq_length < 1:
         raise ValueError(f"--seq-length must be positive, got {seq_length}")
     specs = plan(data_path, split, per_split, num_samples, surplus)
@@ -201,6 +213,9 @@ def build_gpt_datasets(data_path: list[str] | None, split: str, per_split: list[
     datasets = _Materializer(seq_length, seed, cache_path, build=True)(specs) if is_builder else None
     if barrier is not None:
         barrier()
+    if vocab_size is not None:
+        for prefix in prefixes(specs):
+            check_max_id(prefix, cache_path or default_cache_dir(prefix, "TokenRange"), vocab_size)
     if datasets is None:
         datasets = _Materializer(seq_length, seed, cache_path, build=False)(specs)
     return datasets

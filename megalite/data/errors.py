@@ -14,3 +14,8 @@ class CorruptDatasetError(ValueError):
 
 class UnwritableError(PermissionError, ValueError):
     """An output or cache location cannot be written; the message says which and what to do."""
+
+
+class TokenRangeError(ValueError):
+    """A dataset holds a token id the tokenizer's vocabulary does not cover (at or past its size, i.e.
+    in the padding or beyond the embedding); the message names the file, the id and the vocab size."""

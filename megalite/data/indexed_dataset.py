@@ -160,6 +160,14 @@ class IndexedDataset:
     def __getitem__(self, idx: int) -> np.ndarray:
         return self.get(idx)
 
+    def max_token_id(self, chunk: int = 1 << 26) -> int:
+        """Largest token id in the data file (-1 when empty): one pass, ``chunk`` tokens at a time so
+        that memory stays bounded on files larger than RAM."""
+        top = -1
+        for lo in range(0, len(self._tokens), chunk):
+            top = max(top, int(self._tokens[lo:lo + chunk].max()))
+        return top
+
     def get(self, idx: int, offset: int = 0, length: int | None = None) -> np.ndarray:
         """Tokens ``[offset, offset + length)`` of sequence ``idx`` (a view into the mapped file)."""
         n = len(self.sequence_lengths)
