@@ -71,7 +71,7 @@ def _check(results: list, pg: ProcessGroups, save_dir: str, iteration: int) -> N
 def first_non_finite(chunks: list[nn.Module]) -> str | None:
     """Name of this rank's first parameter holding a NaN/inf, or None: one max-abs reduction per tensor
     (NaN propagates through it) and a single host sync for all of them."""
-    named = [(k, p) for n, k, p in named_params(chunks) if n == k]
+    named = [(k, p) for n, k, p in named_params(chunks) if n == k and p.numel()]  # inf norm needs an element
     if not named:
         return None
     peaks = torch.stack([torch.linalg.vector_norm(p.detach(), float("inf")).float() for _, p in named])
