@@ -142,7 +142,7 @@ def test_cache_is_reused_and_invalidated():
     cache = scratch_dir("cache-reuse")
     first = ours(data_path=[a], split="90,10,0", sizes=(50, 5, 0), cache=cache)
     files = sorted(os.listdir(cache))
-    assert len(files) == 8  # 2 splits x (3 arrays + description)
+    assert len(files) == 10  # 2 splits x (3 arrays + description), and the file's largest token id (+ description)
     mtimes = {f: os.stat(os.path.join(cache, f)).st_mtime_ns for f in files}
     again = ours(data_path=[a], split="90,10,0", sizes=(50, 5, 0), cache=cache)
     assert sorted(os.listdir(cache)) == files
@@ -162,7 +162,7 @@ def test_cache_is_reused_and_invalidated():
     from tests.data_fixtures import random_indexed
     random_indexed(os.path.join(d, "x"), 90, seed=123)
     ours(data_path=[os.path.join(d, "x")], split="90,10,0", sizes=(50, 5, 0), cache=cache)
-    assert len(set(os.listdir(cache)) - before) == 8
+    assert len(set(os.listdir(cache)) - before) == 10
 
 
 def test_builder_writes_then_others_load_after_barrier():
