@@ -140,8 +140,8 @@ class ProcessGroups:
         return self.pp_rank == self.pp_size - 1
 
     # ---- collectives: the only place megalite calls torch.distributed's communication -----------
-    def _count(self, kind: str, op: str, tensor: torch.Tensor, factor: int = 1) -> None:
-        self.comm_bytes[(str(kind), op)] += tensor.numel() * tensor.element_size() * factor
+    def _count(self, kind: str, op: str, tensor: torch.Tensor) -> None:
+        self.comm_bytes[(str(kind), op)] += tensor.numel() * tensor.element_size()
 
     def _run(self, kind: str, fn, *args, async_op: bool = False, **kwargs) -> dist.Work | None:
         """Call a torch.distributed collective on group ``kind``; in NCCL-semantics mode the PP group's
