@@ -12,7 +12,7 @@ from megalite.checkpointing.guard import check_save_target
 from megalite.checkpointing.load import CheckpointMismatch
 from megalite.checkpointing.reader import CheckpointError
 from megalite.config import ConfigError, parse_args, validate
-from megalite.data.errors import TokenRangeError
+from megalite.data.errors import DataError
 from megalite.distributed.launch import distributed_run, launcher_env
 from megalite.training.loop import NonFiniteError, pretrain
 
@@ -30,8 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with distributed_run(cfg) as pg:
             pretrain(cfg, pg)
-    # a damaged --load, a failed save, a NaN, data the tokenizer does not cover: named, no traceback
-    except (CheckpointError, CheckpointMismatch, NonFiniteError, TokenRangeError) as e:
+    # a damaged --load, a failed save, a NaN, bad data or tokenizer files: named, no traceback
+    except (CheckpointError, CheckpointMismatch, NonFiniteError, DataError) as e:
         print(f"pretrain_gpt.py: error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -32,7 +32,15 @@ from megalite.inference.evaluation import (  # noqa: E402
     lambada_example,
     read_lambada,
 )
-from megalite.inference.loading import InferencePlan, inference_parser, last_rank, load_model, plan  # noqa: E402
+from megalite.inference.loading import (  # noqa: E402
+    InferencePlan,
+    check_output_file,
+    inference_parser,
+    last_rank,
+    load_model,
+    plan,
+    tokenize_checked,
+)
 
 TASKS = ("WIKITEXT103", "LAMBADA")
 
@@ -61,32 +69,50 @@ def prepare(task_args, p: InferencePlan):
     if len(task_args.valid_data) != 1:
         raise ConfigError(f"--valid-data takes one file for {task_args.task}, got {len(task_args.valid_data)}")
     path = task_args.valid_data[0]
-    if not os.path.isfile(path):
-        raise ConfigError(f"--valid-data {path}: no such file")
+    text = read_utf8(path)
     seq = p.cfg.model.seq_length
     tok = p.tokenizer
     if task_args.task == "WIKITEXT103":
         if not 1 <= task_args.overlapping_eval <= seq:
             raise ConfigError(f"--overlapping-eval ({task_args.overlapping_eval}) must be in [1, --seq-length "
                               f"({seq})]")
-        with open(path, "rb") as f:
-            text = f.read().decode("utf-8")
         words = count_words(text)
-        tokens = tok.tokenize(detokenizer_for(path, task_args.detokenizer)(text))
+        tokens = tokenize_checked(tok, detokenizer_for(path, task_args.detokenizer)(text), p.vocab_size,
+                                  f"--valid-data {path}")
         if len(tokens) < 2:
             raise ConfigError(f"--valid-data {path}: needs at least 2 tokens, has {len(tokens)}")
         return tokens, words
     try:
         texts = read_lambada(path)
-        return [lambada_example(t, tok.tokenize, task_args.strict_lambada, seq) for t in texts]
+        return [lambada_example(t, lambda s, i=i: tokenize_checked(tok, s, p.vocab_size,
+                                                                   f"--valid-data {path}, example {i}"),
+                                task_args.strict_lambada, seq) for i, t in enumerate(texts, 1)]
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def read_utf8(path: str) -> str:
+    """The text of --valid-data; a missing file, a folder or bytes that are not UTF-8 are named (with the
+    line of the first bad byte)."""
+    if os.path.isdir(path):
+        raise ConfigError(f"--valid-data {path} is a directory; give the task's data file")
+    if not os.path.isfile(path):
+        raise ConfigError(f"--valid-data {path}: no such file")
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise ConfigError(f"--valid-data {path}, line {line}: not UTF-8 text (byte {e.start}: {e.reason}); "
+                          "the tasks read UTF-8 text files") from None
 
 
 def run(argv: list[str] | None = None, say=print):
     """Parse, check, evaluate; the result object on every rank (printed by the last one)."""
     given, task_args = build_parser().parse(argv)
     _, world, _, _ = launcher_env()
+    check_output_file("--results-json", task_args.results_json)
     p = plan(given, world)
     data = prepare(task_args, p)
     with distributed_run(p.cfg) as pg:

@@ -24,6 +24,7 @@ import os
 import shutil
 import sys
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -46,11 +47,13 @@ from megalite.checkpointing.hf import (  # noqa: E402
 )
 from megalite.checkpointing.metadata import model_config  # noqa: E402
 from megalite.checkpointing.offline import reshard  # noqa: E402
-from megalite.checkpointing.paths import TRACKER, swap_into_place  # noqa: E402
+from megalite.checkpointing.paths import TRACKER, iter_dirname, swap_into_place  # noqa: E402
 from megalite.checkpointing.reader import CheckpointError  # noqa: E402
 from megalite.checkpointing.writer import write_checkpoint  # noqa: E402
 from megalite.config.validate import layout_errors  # noqa: E402
+from megalite.data.tokenizer import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
 
+TOKENIZER_FLAGS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TOKENIZER_DIR = "tokenizer"  # from-hf keeps the HF tokenizer files here, to-hf exports them again
 FLAG_FIELDS = ["num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "group_query_attention",
@@ -72,12 +75,38 @@ def model_flags(config: dict) -> str:
     return " ".join(out)
 
 
-def _open_checkpoint(load: str, iteration: int | None) -> FullCheckpoint:
+def _check_source(load: str, iteration: int | None) -> None:
+    """--load is a megalite checkpoint (not a transformers folder) holding --iteration, if one is given."""
     if os.path.isdir(load) and not os.path.isfile(os.path.join(load, TRACKER)) and os.path.isfile(
             os.path.join(load, "config.json")):
         raise CheckpointError(f"--load {load} is a Hugging Face folder, not a megalite checkpoint (no {TRACKER}); "
                               "use the from-hf command to import it")
+    if iteration is not None and not os.path.isdir(os.path.join(load, iter_dirname(iteration))):
+        held = sorted(int(d[5:]) for d in os.listdir(load) if d.startswith("iter_") and d[5:].isdigit()) \
+            if os.path.isdir(load) else []
+        raise CheckpointError(f"--iteration {iteration}: --load {load} holds no {iter_dirname(iteration)} (it holds "
+                              f"iterations {held or 'none'})")
+
+
+def _open_checkpoint(load: str, iteration: int | None) -> FullCheckpoint:
+    _check_source(load, iteration)
     return FullCheckpoint(load, iteration)
+
+
+def _check_tokenizer_flags(a: argparse.Namespace) -> None:
+    """Tokenizer flags given on the command line must name a readable tokenizer (checked before anything
+    is written); only a tokenizer the checkpoint merely records is exported on a best-effort basis."""
+    if not a.tokenizer_type and a.vocab_file and a.merge_file:
+        a.tokenizer_type = "GPT2BPETokenizer"  # Megatron's default for a vocab and merges pair
+    if not a.tokenizer_type:
+        for flag in ("vocab_file", "merge_file", "tokenizer_model"):
+            if getattr(a, flag):
+                raise ValueError(f"--{flag.replace('_', '-')} needs --tokenizer-type (one of "
+                                 f"{', '.join(TOKENIZER_TYPES)})")
+        return
+    if a.tokenizer_type == "NullTokenizer":
+        return  # nothing to export
+    build_tokenizer(SimpleNamespace(vocab_size=None, **{k: getattr(a, k) for k in TOKENIZER_FLAGS}))
 
 
 def _refuse_existing(save: str, overwrite: bool) -> None:
@@ -108,6 +137,7 @@ def _staged_output(save: str) -> Iterator[str]:
 def cmd_reshard(a: argparse.Namespace) -> None:
     if os.path.abspath(a.save) == os.path.abspath(a.load):
         raise ValueError(f"--save {a.save} must differ from --load (a reshard never overwrites its source)")
+    _check_source(a.load, a.iteration)
     _refuse_existing(a.save, a.overwrite)
     with _staged_output(a.save) as staged:
         path = reshard(a.load, staged, a.tensor_model_parallel_size, a.pipeline_model_parallel_size,
@@ -138,6 +168,7 @@ def cmd_to_hf(a: argparse.Namespace) -> None:
     ckpt = _open_checkpoint(a.load, a.iteration)
     cfg, _ = model_config(ckpt.config)
     arch = architecture(cfg)  # fail before reading any tensor
+    _check_tokenizer_flags(a)
     _refuse_existing(a.save, a.overwrite)
     with _staged_output(a.save) as staged:
         os.makedirs(staged)
@@ -146,7 +177,9 @@ def cmd_to_hf(a: argparse.Namespace) -> None:
             try:
                 eod = save_tokenizer(staged, max_length=cfg.max_position_embeddings, **{
                     k: tok.get(k) for k in ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model")})
-            except Exception as e:  # noqa: BLE001 - best effort: the model is what matters
+            except Exception as e:  # noqa: BLE001 - best effort for a recorded tokenizer: the model is what matters
+                if a.tokenizer_type:  # flags were checked above; a failure here is not theirs to hide
+                    raise
                 print(f"warning: tokenizer not exported ({type(e).__name__}: {e})", file=sys.stderr)
         dtype = DTYPES[a.dtype] if a.dtype else None
         get = (lambda k: ckpt.param(k).to(dtype)) if dtype else ckpt.param
@@ -212,7 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--iteration", type=int, default=None)
     t.add_argument("--dtype", choices=list(DTYPES), default=None, help="cast weights (default: as saved)")
     t.add_argument("--overwrite", action="store_true", help="replace a non-empty --save folder")
-    t.add_argument("--tokenizer-type", default=None, help="tokenizer to export (megalite's --tokenizer-type)")
+    t.add_argument("--tokenizer-type", default=None, choices=TOKENIZER_TYPES,
+                   help="tokenizer to export (megalite's --tokenizer-type)")
     t.add_argument("--vocab-file", default=None)
     t.add_argument("--merge-file", default=None)
     t.add_argument("--tokenizer-model", default=None)

@@ -25,7 +25,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megalite.config.validate import ConfigError  # noqa: E402
 from megalite.distributed.launch import distributed_run, launcher_env  # noqa: E402
 from megalite.inference.generation import GenerationError, check_lengths, generate  # noqa: E402
-from megalite.inference.loading import inference_parser, last_rank, load_model, plan  # noqa: E402
+from megalite.inference.loading import (  # noqa: E402
+    check_output_file,
+    inference_parser,
+    last_rank,
+    load_model,
+    plan,
+    tokenize_checked,
+)
 from megalite.inference.sampling import SamplingParams  # noqa: E402
 
 
@@ -50,13 +57,23 @@ def build_parser():
     return parser
 
 
-def _prompts(args) -> list[str]:
-    prompts = list(args.prompt)
+def _prompts(args) -> list[tuple[str, str]]:
+    """(text, where it came from) of every prompt."""
+    prompts = [(t, f"--prompt {t[:40]!r}") for t in args.prompt]
     if args.prompts_file:
-        if not os.path.isfile(args.prompts_file):
-            raise ConfigError(f"--prompts-file {args.prompts_file}: no such file")
-        with open(args.prompts_file, encoding="utf-8") as f:
-            prompts += [line.rstrip("\n").replace("\\n", "\n") for line in f if line.strip()]
+        path = args.prompts_file
+        if not os.path.isfile(path):
+            raise ConfigError(f"--prompts-file {path}: " + ("a directory, not a file" if os.path.isdir(path)
+                                                              else "no such file"))
+        with open(path, "rb") as f:
+            for n, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise ConfigError(f"--prompts-file {path}, line {n}: not UTF-8 text (byte {e.start} of the "
+                                      f"line)") from None
+                if line.strip():
+                    prompts.append((line.rstrip("\n").replace("\\n", "\n"), f"--prompts-file {path}, line {n}"))
     if not prompts:
         raise ConfigError("give --prompt TEXT (repeatable) or --prompts-file FILE")
     return prompts
@@ -67,9 +84,14 @@ def run(argv: list[str] | None = None, say=print):
     given, args = build_parser().parse(argv)
     _, world, _, _ = launcher_env()
     p = plan(given, world)
-    texts = _prompts(args)
+    if args.max_new_tokens < 0:
+        raise ConfigError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    check_output_file("--output-json", args.output_json)
     tok = p.tokenizer
-    prompts = [tok.tokenize(t) if t else [tok.eod] for t in texts]
+    texts, prompts = [], []
+    for text, where in _prompts(args):
+        texts.append(text)
+        prompts.append(tokenize_checked(tok, text, p.vocab_size, where) if text else [tok.eod])
     try:
         params = SamplingParams(args.greedy, args.temperature, args.top_k, args.top_p)
         check_lengths(p.cfg.model, [len(x) for x in prompts], args.max_new_tokens)

@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = preprocess(opts)
     except (ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"preprocess_data.py: error: {e}", file=sys.stderr)
         return 1
     for key, prefix in result.outputs.items():
         print(f"wrote {prefix}.bin and {prefix}.idx ({key})")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import shutil
 
+from megalite.checkpointing.errors import CheckpointError, CheckpointNotFoundError
+
 TRACKER = "latest_checkpointed_iteration.txt"
 
 
@@ -32,12 +34,12 @@ def staging_dir(save_dir: str, iteration: int) -> str:
 def read_tracker(load_dir: str) -> int:
     path = os.path.join(load_dir, TRACKER)
     if not os.path.isfile(path):
-        raise FileNotFoundError(
+        raise CheckpointNotFoundError(
             f"--load {load_dir}: no {TRACKER} there; expected a checkpoint directory written by --save "
             f"(holding {TRACKER} and iter_NNNNNNN/ folders)")
     text = open(path).read().strip()
     if not text.isdigit():
-        raise ValueError(f"--load {load_dir}: {TRACKER} holds {text!r}, expected an iteration number")
+        raise CheckpointError(f"--load {load_dir}: {TRACKER} holds {text!r}, expected an iteration number")
     return int(text)
 
 

@@ -16,12 +16,9 @@ import torch
 from safetensors import safe_open
 
 from megalite.checkpointing.checksum import file_checksum
+from megalite.checkpointing.errors import CheckpointError
 from megalite.checkpointing.paths import iter_dirname, optim_filename, read_tracker, shard_dirname
 from megalite.tensor_parallel.sharding import ShardSpec
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint file is missing, corrupt or inconsistent; the message names the file."""
 
 
 class CheckpointReader:

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from megalite.data.config import DataConfig
+from megalite.data.errors import DataError
 from megalite.data.tokenizer import Tokenizer, build_tokenizer
 
 __all__ = ["DataConfig", "Tokenizer", "build_datasets", "build_tokenizer"]
@@ -41,9 +42,9 @@ def build_datasets(cfg: DataConfig, *, seq_length: int, seed: int,
                      for i, n in enumerate(num_samples))
     per_split = [cfg.train_data_path, cfg.valid_data_path, cfg.test_data_path]
     if cfg.data_path and any(per_split):
-        raise ValueError("use either --data-path (with --split) or --train/valid/test-data-path, not both")
+        raise DataError("use either --data-path (with --split) or --train/valid/test-data-path, not both")
     if not cfg.data_path and not any(per_split):
-        raise ValueError("--data-path (or --train-data-path/--valid-data-path/--test-data-path) is "
+        raise DataError("--data-path (or --train-data-path/--valid-data-path/--test-data-path) is "
                          "required unless --mock-data is given")
     from megalite.data.builder import build_gpt_datasets
 

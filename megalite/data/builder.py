@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megalite.data.errors import MissingFileError
+from megalite.data.errors import DataError, MissingFileError
 from megalite.data.gpt_dataset import BlendedDataset, GPTDataset, default_cache_dir
 from megalite.data.indexed_dataset import IndexedDataset, bin_path, idx_path
 from megalite.data.token_range import cache_max_id, check_max_id
@@ -45,13 +45,13 @@ def parse_blend(values: list[str] | None, flag: str) -> tuple[list[str], list[fl
         weights = [weight(v) for v in values[0::2]]
         if all(w is not None for w in weights):
             if any(w <= 0 for w in weights):
-                raise ValueError(f"{flag}: blend weights must be positive, got {weights}")
+                raise DataError(f"{flag}: blend weights must be positive, got {weights}")
             return values[1::2], weights
         if any(w is not None for w in weights):
-            raise ValueError(f"{flag}: give either prefixes only or 'weight prefix' pairs, got {values}")
+            raise DataError(f"{flag}: give either prefixes only or 'weight prefix' pairs, got {values}")
     for v in values:
         if weight(v) is not None:
-            raise ValueError(f"{flag}: {v!r} looks like a weight but weights need one prefix each: {values}")
+            raise DataError(f"{flag}: {v!r} looks like a weight but weights need one prefix each: {values}")
     return values, None
 
 
@@ -59,11 +59,11 @@ def parse_split(split: str) -> list[float]:
     """'969,30,1' -> normalised proportions (missing trailing entries are 0)."""
     parts = [float(x) for x in re.findall(r"[.0-9]+", split)]
     if not parts or len(parts) > 3:
-        raise ValueError(f"--split {split!r}: expected up to three comma-separated proportions")
+        raise DataError(f"--split {split!r}: expected up to three comma-separated proportions")
     parts += [0.0] * (3 - len(parts))
     w = np.asarray(parts, dtype=np.float64)
     if w.sum() <= 0:
-        raise ValueError(f"--split {split!r}: proportions must not all be zero")
+        raise DataError(f"--split {split!r}: proportions must not all be zero")
     return (w / w.sum()).tolist()
 
 
@@ -177,7 +177,7 @@ class _Materializer:
         names = [p.prefix for p in blend.parts]
         for ds, name in zip(datasets, names):
             if ds is None:
-                raise ValueError(f"{name} has no documents in the {split} split; it cannot be blended")
+                raise DataError(f"{name} has no documents in the {split} split; it cannot be blended")
         weights, size = blend.weights, blend.size
         if weights is None:
             weights = [len(d) for d in datasets]

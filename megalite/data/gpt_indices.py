@@ -23,6 +23,8 @@ import math
 
 import numpy as np
 
+from megalite.data.errors import DataError
+
 # A final epoch that would contribute fewer than this fraction of an epoch's samples is shuffled on its
 # own, so that its few samples come from all documents rather than the first ones of a global shuffle.
 SEPARATE_FINAL_EPOCH_THRESHOLD = 0.80
@@ -125,7 +127,7 @@ def build_gpt_indices(sequence_lengths: np.ndarray, documents: np.ndarray, num_s
     """Document, sample and shuffle index of one split (``documents`` are sequence ids)."""
     tokens_per_epoch = int(np.asarray(sequence_lengths)[documents].sum(dtype=np.int64))
     if tokens_per_epoch <= int(add_extra_token):
-        raise ValueError(f"the split holds {tokens_per_epoch} tokens; a sample needs more than "
+        raise DataError(f"the split holds {tokens_per_epoch} tokens; a sample needs more than "
                          f"{int(add_extra_token)}")
     epochs = num_epochs(tokens_per_epoch, num_samples, seq_length, add_extra_token)
     separate = separate_final_epoch(tokens_per_epoch, epochs, num_samples, seq_length, add_extra_token)

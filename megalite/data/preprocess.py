@@ -16,6 +16,7 @@ import json
 import multiprocessing
 import os
 import sys
+import tempfile
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -24,6 +25,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from megalite.data.errors import MissingFileError, UnwritableError
 from megalite.data.indexed_dataset import IndexedDatasetWriter, token_dtype
 from megalite.data.inputs import Chunk, InputError, check_inputs, iter_chunks, resolve_inputs
 from megalite.data.tokenizer import build_tokenizer
@@ -100,7 +102,10 @@ def _parse(chunk: Chunk, keys: list[str]):
             row = chunk.first_row + i
             try:
                 obj = json.loads(line)
-            except (ValueError, UnicodeDecodeError) as e:
+            except UnicodeDecodeError as e:
+                bad.append((chunk.source, row, f"not UTF-8 text (byte {e.start} of the line: {e.reason})"))
+                continue
+            except ValueError as e:
                 bad.append((chunk.source, row, f"malformed JSON ({e})"))
                 continue
             texts, reason = _row_texts(obj, keys)
@@ -210,6 +215,22 @@ def _stderr(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def check_output_prefix(prefix: str) -> None:
+    """The folder of ``--output-prefix`` exists and takes a file (a probe written and removed), so a bad
+    output fails before any tokenizing rather than after it."""
+    folder = os.path.dirname(os.path.abspath(prefix))
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise MissingFileError(f"--output-prefix {prefix}: {folder} is a file, not a directory")
+    if not os.path.isdir(folder):
+        raise MissingFileError(f"--output-prefix {prefix}: output directory {folder} does not exist (create it "
+                               "first)")
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".preprocess-probe-"):
+            pass
+    except OSError as e:
+        raise UnwritableError(f"--output-prefix {prefix}: cannot write in {folder} ({e.strerror})") from None
+
+
 def preprocess(opts: PreprocessOptions, log: Callable[[str], None] = _stderr) -> PreprocessResult:
     """Tokenize ``opts.inputs`` into ``{output_prefix}_{key}_document.bin/.idx`` per json key.
 
@@ -220,6 +241,7 @@ def preprocess(opts: PreprocessOptions, log: Callable[[str], None] = _stderr) ->
         raise ValueError(f"--workers must be at least 1, got {opts.workers}")
     if opts.log_interval < 1:
         raise ValueError(f"--log-interval must be at least 1, got {opts.log_interval}")
+    check_output_prefix(opts.output_prefix)
     sources = resolve_inputs(opts.inputs)
     check_inputs(sources, opts.json_keys)
     _init_worker(opts.tokenizer, opts.json_keys, opts.append_eod)  # validates the tokenizer flags here

@@ -97,10 +97,15 @@ def plan(given: dict[str, Any], world_size: int) -> InferencePlan:
     load = given.get("load")
     if not load:
         raise ConfigError("--load is required: the checkpoint directory to evaluate")
+    cp = given.get("context_parallel_size", 1)
+    if cp != 1:
+        raise ConfigError(f"--context-parallel-size {cp}: context parallelism is not supported in tasks/generation "
+                          "(it splits training sequences); use --tensor-model-parallel-size and "
+                          "--pipeline-model-parallel-size")
     try:
         reader = CheckpointReader(load)
     except (CheckpointError, OSError, ValueError) as e:
-        raise ConfigError(f"--load {load}: {e}") from None
+        raise ConfigError(str(e) if str(e).startswith(f"--load {load}") else f"--load {load}: {e}") from None
     saved = reader.config
     if "vocab_size" not in saved:
         raise ConfigError(f"--load {load}: the checkpoint's config has no vocab_size")
@@ -153,3 +158,28 @@ def load_model(plan: InferencePlan, pg: ProcessGroups) -> list[nn.Module]:
 def last_rank(pg: ProcessGroups) -> bool:
     """The rank that prints (Megatron prints results on the last rank, which is on the last stage)."""
     return pg.rank == pg.layout.world_size - 1
+
+
+def check_output_file(flag: str, path: str | None) -> None:
+    """An output file the tool writes at the end: its folder must exist and not be a file (checked at
+    start-up, so a long evaluation is not lost to a typo)."""
+    if not path:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ConfigError(f"{flag} {path} is a directory; give a file name")
+    if not os.path.isdir(folder):
+        raise ConfigError(f"{flag} {path}: directory {folder} does not exist")
+
+
+def tokenize_checked(tokenizer: Tokenizer, text: str, vocab_size: int, where: str) -> list[int]:
+    """``tokenizer.tokenize(text)``, with text it cannot read, or ids the model has no embedding for,
+    refused by name (``where`` says which flag, file or line)."""
+    try:
+        ids = tokenizer.tokenize(text)
+    except ValueError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise ConfigError(f"{where}: token id {bad[0]} is outside the model's vocabulary [0, {vocab_size})")
+    return ids

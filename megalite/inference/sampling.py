@@ -9,6 +9,7 @@ uses an explicit ``torch.Generator``, so a seed fixes the samples.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -24,8 +25,8 @@ class SamplingParams:
     top_p: float = 0.0  # 0 or 1: off
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"--temperature must be >= 0 and finite (0 is greedy), got {self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"--top-k must be >= 0, got {self.top_k}")
         if not 0.0 <= self.top_p <= 1.0:
