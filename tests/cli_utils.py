@@ -1,7 +1,9 @@
-"""Run pretrain_gpt.py as users do (python or torchrun) and read the losses from its log lines."""
+"""Run pretrain_gpt.py as users do (python or torchrun) and read the losses from its log lines; check that a
+refused command failed by name and left the files it was given as they were."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import re
@@ -10,6 +12,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+TRACEBACK = "Traceback (most recent call last)"
 LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.E+-]+) \|(?:.*?grad norm: ([0-9.]+))?")
 
 
@@ -39,3 +42,26 @@ def load_tool(name: str):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def tree_hash(path: str) -> str:
+    """One digest of every file's relative path and bytes under ``path``."""
+    h = hashlib.sha256()
+    for dirpath, dirnames, filenames in os.walk(path):
+        dirnames.sort()
+        for name in sorted(filenames):
+            full = os.path.join(dirpath, name)
+            with open(full, "rb") as f:
+                h.update(os.path.relpath(full, path).encode() + b"\0" + f.read())
+    return h.hexdigest()
+
+
+def refused(proc: subprocess.CompletedProcess, *named: str) -> str:
+    """stdout + stderr of a command that failed (non-zero exit) without a Python traceback, naming every
+    text in ``named``."""
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    assert TRACEBACK not in out, out[-3000:]
+    for n in named:
+        assert n in out, f"{n!r} not in:\n{out[-3000:]}"
+    return out

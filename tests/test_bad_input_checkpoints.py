@@ -10,7 +10,6 @@ no Python traceback, and every checkpoint already on disk byte-identical afterwa
 from __future__ import annotations
 
 import errno
-import hashlib
 import importlib.util
 import json
 import os
@@ -22,26 +21,14 @@ import pytest
 
 from megalite.checkpointing import guard
 from megalite.checkpointing.paths import TRACKER, staging_dir
-from tests.cli_utils import ROOT, run_pretrain
+from tests.cli_utils import ROOT, refused, run_pretrain, tree_hash
 
 TOOL = str(ROOT / "tools" / "convert_checkpoint.py")
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
         "--max-position-embeddings", "16", "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3",
         "--mock-data", "--vocab-size", "128", "--eval-iters", "0", "--log-interval", "1"]
-TRACEBACK = "Traceback (most recent call last)"
 # main() of an entry point run in-process under capsys: torch's @record cannot attach its fault handler
 pytestmark = pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
-
-
-def tree_hash(path: str) -> str:
-    """One digest of every file's relative path and bytes under ``path``."""
-    h = hashlib.sha256()
-    for dirpath, dirnames, filenames in os.walk(path):
-        dirnames.sort()
-        for name in sorted(filenames):
-            full = os.path.join(dirpath, name)
-            h.update(os.path.relpath(full, path).encode() + b"\0" + open(full, "rb").read())
-    return h.hexdigest()
 
 
 @pytest.fixture(scope="module")
@@ -60,15 +47,6 @@ def copy(base, tmp_path):
     d = str(tmp_path / "ck")
     shutil.copytree(base, d)
     return d, tree_hash(d)
-
-
-def refused(proc: subprocess.CompletedProcess, *named: str) -> str:
-    out = proc.stdout + proc.stderr
-    assert proc.returncode != 0, out[-3000:]
-    assert TRACEBACK not in out, out[-3000:]
-    for n in named:
-        assert n in out, f"{n!r} not in:\n{out[-3000:]}"
-    return out
 
 
 def convert(*args: str) -> subprocess.CompletedProcess:
