@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli_utils import refused, run_pretrain, tree_hash
+from tests.cli_utils import load_tool, refused, run_pretrain, tree_hash
 from tests.data_fixtures import random_indexed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -417,6 +417,23 @@ def test_the_same_fixtures_with_valid_flags_succeed(results, c):
     r = results[c.id]
     assert r["rc"] == 0, r["stderr"][-3000:]
     assert r["changed"] == [], f"{c.id} changed {r['changed']}"
+
+
+def test_output_prefix_in_a_read_only_directory_is_found_before_tokenizing(paths, monkeypatch, capsys):
+    """Tests run as root (a chmod does not stop root), so the start-up probe's write fails by patching."""
+    import errno
+
+    from megalite.data import preprocess as engine
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+
+    monkeypatch.setattr(engine.tempfile, "NamedTemporaryFile", read_only)
+    prefix = os.path.join(paths["out"], "read_only")
+    rc = load_tool("preprocess_data").main(["--input", paths["jsonl"], "--output-prefix", prefix, *NULL.split()])
+    err = capsys.readouterr().err
+    assert rc == 1 and f"--output-prefix {prefix}: cannot write in {paths['out']} (Read-only file system)" in err, err
+    assert not [f for f in os.listdir(paths["out"]) if f.startswith("read_only")]
 
 
 if __name__ == "__main__":
