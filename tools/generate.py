@@ -73,7 +73,7 @@ def _prompts(args) -> list[tuple[str, str]]:
                     raise ConfigError(f"--prompts-file {path}, line {n}: not UTF-8 text (byte {e.start} of the "
                                       f"line)") from None
                 if line.strip():
-                    prompts.append((line.rstrip("\n").replace("\\n", "\n"), f"--prompts-file {path}, line {n}"))
+                    prompts.append((line.rstrip("\r\n").replace("\\n", "\n"), f"--prompts-file {path}, line {n}"))
     if not prompts:
         raise ConfigError("give --prompt TEXT (repeatable) or --prompts-file FILE")
     return prompts

@@ -36,11 +36,14 @@ class NullTokenizer:
         self.eod = int(vocab_size)
 
     def tokenize(self, text: str) -> list[int]:
-        try:
-            return [int(x) for x in text.split()]
-        except ValueError:
-            word = next(x for x in text.split() if not x.lstrip("+-").isdigit())
-            raise DataError(f"NullTokenizer reads whitespace-separated integer token ids, got {word[:40]!r}") from None
+        ids = []
+        for word in text.split():
+            try:
+                ids.append(int(word))
+            except ValueError:
+                raise DataError(f"NullTokenizer reads whitespace-separated integer token ids, got {word[:40]!r}"
+                                ) from None
+        return ids
 
     def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
         return [self.tokenize(t) for t in texts]
