@@ -140,6 +140,8 @@ CASES = [
     case("to-hf-load-missing", "convert", "to-hf --load {d}/nope --save {new}", f"--load {{d}}/nope: {NO_CKPT}"),
     case("to-hf-existing-destination", "convert", "to-hf --load {ck} --save {ck_copy}",
          "--save {ck_copy} exists and is not empty", "--overwrite"),
+    case("to-hf-save-under-a-file", "convert", "to-hf --load {ck} --save {vocab}/hf",
+         "--save {vocab}/hf: {vocab} is a file, not a directory"),
     case("to-hf-vocab-is-merges", "convert",
          f"to-hf --load {{ck}} --save {{new}} {BPE} --vocab-file {{merges}} --merge-file {{merges}}",
          "--vocab-file {merges} is not a GPT-2 vocab.json", SWAPPED),

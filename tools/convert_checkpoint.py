@@ -113,6 +113,11 @@ def _refuse_existing(save: str, overwrite: bool) -> None:
     """An output is never written over something that is there unless --overwrite says so."""
     if os.path.exists(save) and not os.path.isdir(save):
         raise FileExistsError(f"--save {save} is a file; choose a new folder")
+    parent = os.path.dirname(os.path.abspath(save))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise FileExistsError(f"--save {save}: {parent} is a file, not a directory; choose a new folder")
     if os.path.isdir(save) and os.listdir(save) and not overwrite:
         held = (f" (it holds a checkpoint at iteration {open(os.path.join(save, TRACKER)).read().strip()})"
                 if os.path.isfile(os.path.join(save, TRACKER)) else "")
