@@ -100,6 +100,14 @@ def test_ranks_that_never_joined_are_named_within_the_timeout():
             "within 0.05 min")
 
 
+def test_a_collapsed_fp16_loss_scale_is_one_error_line():
+    proc = run_pretrain([*ARGS, "--global-batch-size", "2", "--train-iters", "50", "--fp16", "--lr", "1e30",
+                         "--initial-loss-scale", "1", "--min-loss-scale", "1", "--loss-scale-collapse-iters", "3",
+                         "--no-check-for-nan-in-loss-and-grad"], timeout=120)
+    _failed(proc, f"{ERROR} fp16 loss scale collapsed: 3 consecutive iterations overflowed")
+    assert proc.returncode == 2
+
+
 def _boards(timeout_s: float = 0.5) -> tuple[FailureBoard, FailureBoard]:
     """Two ranks' boards over one in-process store (not watched: a watcher would end this process)."""
     timeout = datetime.timedelta(seconds=timeout_s)
