@@ -42,6 +42,8 @@ class FailureBoard:
         self.may_connect = world > 1  # a failure before the rendezvous reaches the store to report
         self.expected_ranks = world  # ranks the host waits for when leaving
         self._claiming = False
+        self._counted = False
+        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -67,8 +69,8 @@ class FailureBoard:
             if self._claiming or self._stop.is_set():
                 return
             if failed is None:
-                self._say(f"lost the rendezvous store at {self.rv.address}: its host (rank 0) stopped without "
-                          "reporting an error")
+                self._say(f"lost the rendezvous store at {self.rv.address}: its host stopped without reporting "
+                          "an error")
             if failed or failed is None:
                 self._after_first()
                 self._count_out()
@@ -103,8 +105,10 @@ class FailureBoard:
         print(f"{self.prog}: error: {named}", file=sys.stderr, flush=True)
 
     def _count_out(self) -> int:
-        if self.rv is None:
-            return 0
+        with self._lock:  # once per rank, whichever thread gets here first
+            if self.rv is None or self._counted:
+                return 0
+            self._counted = True
         try:
             self.rv.store.set(f"{LEFT}/{self.rank}", "1")
             return self.rv.store.add(LEFT, 1)
