@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import sys
 
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -11,30 +13,53 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from megalite.checkpointing.guard import check_save_target
 from megalite.checkpointing.load import CheckpointMismatch
 from megalite.checkpointing.reader import CheckpointError
-from megalite.config import ConfigError, parse_args, validate
+from megalite.config import ConfigError, MegaliteConfig, parse_args, validate
 from megalite.data.errors import DataError
-from megalite.distributed.launch import distributed_run, launcher_env
+from megalite.distributed.failure import FailureBoard
+from megalite.distributed.launch import distributed_run, launcher_env, run_timeout
+from megalite.distributed.rendezvous import RendezvousError
+from megalite.optimizer.loss_scaler import LossScaleCollapse
 from megalite.training.loop import NonFiniteError, pretrain
 
+PROG = "pretrain_gpt.py"
+# Failures the user can act on: one line naming the flag, file or rank, no traceback. Anything else is
+# a bug and keeps its traceback.
+EXPECTED: tuple[type[BaseException], ...] = (
+    ConfigError, RendezvousError,  # flags; ranks that never met
+    CheckpointError, CheckpointMismatch,  # a damaged or foreign --load, a refused or failed save
+    NonFiniteError, LossScaleCollapse,  # a diverged run
+    DataError,  # data or tokenizer files the run cannot use (missing, corrupt, token ids past the vocab)
+)
 
-@record  # under torchrun, a failing rank's traceback goes to the elastic error file with its rank
-def main(argv: list[str] | None = None) -> int:
-    cfg = parse_args(argv)
-    _, world, _, local_world = launcher_env()
+
+def _parse(argv: list[str] | None, rank: int, world: int) -> MegaliteConfig:
+    """parse_args(); under a launcher only rank 0 prints a flag error (every rank parses the same
+    command line and fails the same way)."""
+    if world == 1 or rank == 0:
+        return parse_args(argv)
+    err = io.StringIO()
     try:
+        with contextlib.redirect_stderr(err):
+            cfg = parse_args(argv)
+    except SystemExit as e:
+        if e.code:
+            sys.exit(2)  # rank 0 says why
+        raise
+    sys.stderr.write(err.getvalue())
+    return cfg
+
+
+@record  # under torchrun, a bug's traceback goes to the elastic error file with its rank
+def main(argv: list[str] | None = None) -> int:
+    rank, world, _, local_world = launcher_env()
+    cfg = _parse(argv, rank, world)
+    board = FailureBoard(PROG, rank, world, run_timeout(cfg))
+    with board.reporting(EXPECTED):
         validate(cfg, world, local_world)  # before any process group exists
         check_save_target(cfg.checkpoint, cfg.model)  # never replace another run's checkpoint
-    except (ConfigError, CheckpointError) as e:
-        print(f"pretrain_gpt.py: error: {e}", file=sys.stderr)
-        return 2
-    try:
-        with distributed_run(cfg) as pg:
+        with distributed_run(cfg, board) as pg:
             pretrain(cfg, pg)
-    # a damaged --load, a failed save, a NaN, bad data or tokenizer files: named, no traceback
-    except (CheckpointError, CheckpointMismatch, NonFiniteError, DataError) as e:
-        print(f"pretrain_gpt.py: error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return board.exit_code
 
 
 if __name__ == "__main__":

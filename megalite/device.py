@@ -68,6 +68,13 @@ def set_rng_state(state: torch.Tensor) -> None:
         torch.set_rng_state(state)
 
 
+def empty_cache() -> None:
+    """Hand the caching allocator's unused blocks back to the device (--empty-unused-memory-level); CPU
+    tensors are freed at once, so there is nothing to do there."""
+    if has_cuda():
+        torch.cuda.empty_cache()
+
+
 def memory_stats() -> dict[str, float]:
     """Memory in MB: allocated/reserved/peak on a GPU, resident-set peak of the process on CPU."""
     if has_cuda():

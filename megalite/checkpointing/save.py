@@ -68,25 +68,41 @@ def _check(results: list, pg: ProcessGroups, save_dir: str, iteration: int) -> N
                               f"its staging directory was removed and {kept}")
 
 
-def first_non_finite(chunks: list[nn.Module]) -> str | None:
-    """Name of this rank's first parameter holding a NaN/inf, or None: one max-abs reduction per tensor
-    (NaN propagates through it) and a single host sync for all of them."""
-    named = [(k, p) for n, k, p in named_params(chunks) if n == k and p.numel()]  # inf norm needs an element
+def _first_non_finite(named: list[tuple[str, torch.Tensor]]) -> str | None:
+    """Name of the first tensor holding a NaN/inf, or None: one max-abs reduction per tensor (NaN
+    propagates through it) and a single host sync for all of them."""
+    named = [(k, t) for k, t in named if t.numel()]  # the inf norm needs an element
     if not named:
         return None
-    peaks = torch.stack([torch.linalg.vector_norm(p.detach(), float("inf")).float() for _, p in named])
+    peaks = torch.stack([torch.linalg.vector_norm(t.detach(), float("inf")).float() for _, t in named])
     bad = (~torch.isfinite(peaks)).nonzero()
     return named[int(bad[0])][0] if len(bad) else None
 
 
-def _refuse_non_finite(chunks: list[nn.Module], pg: ProcessGroups, save_dir: str, iteration: int) -> None:
-    """Raise on every rank when any rank's weights are not finite: such a checkpoint would only resume
-    a broken run. Nothing has been written yet."""
-    names = [name for name, _ in _agree(pg, first_non_finite(chunks))]
-    bad = [(rank, name) for rank, name in enumerate(names) if name]
+def first_non_finite(chunks: list[nn.Module]) -> str | None:
+    """Name of this rank's first parameter holding a NaN/inf, or None."""
+    return _first_non_finite([(k, p) for n, k, p in named_params(chunks) if n == k])
+
+
+def first_non_finite_state(chunks: list[nn.Module], optimizer: Any) -> str | None:
+    """'<parameter>/<field>' of this rank's first optimizer tensor (fp32 main param, Adam moment) holding
+    a NaN/inf, or None. The moments can go bad while the weights stay finite (an inf second moment turns
+    every update into zero), and a checkpoint holding them would poison any run that resumes from it."""
+    if optimizer is None:
+        return None
+    return _first_non_finite(list(optimizer_tensors(chunks, optimizer)[0].items()))
+
+
+def _refuse_non_finite(chunks: list[nn.Module], optimizer: Any, pg: ProcessGroups, save_dir: str,
+                       iteration: int) -> None:
+    """Raise on every rank when any rank's weights or optimizer state are not finite: such a checkpoint
+    would only resume a broken run. Nothing has been written yet."""
+    found = _agree(pg, first_non_finite(chunks), first_non_finite_state(chunks, optimizer))
+    bad = [(rank, f"parameter {weight}" if weight else f"optimizer state {state}")
+           for rank, (weight, state) in enumerate(found) if weight or state]
     if bad:
-        rank, name = bad[0]
-        raise CheckpointSaveError(f"--save {save_dir}: refusing to save iteration {iteration}: parameter {name} "
+        rank, what = bad[0]
+        raise CheckpointSaveError(f"--save {save_dir}: refusing to save iteration {iteration}: {what} "
                                   f"on rank {rank} is not finite (NaN/inf); nothing was written (the loss "
                                   "diverged: lower --lr, and keep the default NaN check, i.e. drop "
                                   "--no-check-for-nan-in-loss-and-grad)")
@@ -114,8 +130,8 @@ def save_checkpoint(save_dir: str, iteration: int, chunks: list[nn.Module], opti
     """Write iteration ``iteration``; returns the committed directory. All ranks must call it.
     ``extra_meta`` (e.g. the tokenizer the run used) is stored in metadata.json. A failure on any rank
     (e.g. a full disk) raises CheckpointSaveError on every rank and leaves the previous checkpoint as is;
-    so do weights that are not finite, before anything is written."""
-    _refuse_non_finite(chunks, pg, save_dir, iteration)
+    so do weights or optimizer state that are not finite, before anything is written."""
+    _refuse_non_finite(chunks, optimizer, pg, save_dir, iteration)
     staged = staging_dir(save_dir, iteration)
 
     def prepare() -> None:

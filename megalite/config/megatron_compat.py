@@ -26,10 +26,6 @@ IGNORED: dict[str, tuple[bool, str]] = {
     "--no-bias-swiglu-fusion": (False, "megalite has no fused bias-SwiGLU kernel to turn off"),
     "--no-bias-dropout-fusion": (False, "megalite has no fused bias-dropout kernel to turn off"),
     "--no-rope-fusion": (False, "megalite has no fused RoPE kernel to turn off"),
-    "--manual-gc": (False, "Python's automatic garbage collector stays on (it costs little at megalite's step rate)"),
-    "--manual-gc-interval": (True, "see --manual-gc"),
-    "--empty-unused-memory-level": (True, "emptying the CUDA caching allocator only trades speed for "
-                                          "fragmentation; megalite leaves memory to the allocator"),
     "--num-workers": (True, "samples are read from memory-mapped files in the training process, no "
                             "DataLoader workers"),
     "--no-create-attention-mask-in-dataloader": (False, "megalite never builds a mask in the data loader "

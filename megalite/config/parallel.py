@@ -34,7 +34,9 @@ class ParallelConfig:
     print_layout: bool = option(
         False, help="Rank 0 prints which ranks form which TP/DP/PP group on which node at start-up "
         "(tools/show_layout.py prints the same without a run).")
-    distributed_timeout_minutes: float = option(10.0, help="Timeout of every collective, in minutes.")
+    distributed_timeout_minutes: float = option(
+        10.0, help="Timeout of every collective and of the rendezvous (ranks still missing then are named), "
+        "in minutes; fractions allowed.")
 
     @property
     def layout_order(self) -> str:

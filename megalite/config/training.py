@@ -31,6 +31,20 @@ class TrainingConfig:
         True, flag="--no-check-for-nan-in-loss-and-grad",
         help="Keep training when the loss or the gradient norm is NaN/inf (by default the run stops there, "
         "naming the rank and iteration, before anything is saved; an fp16 step skipped on overflow is no stop).")
+    manual_gc: bool = option(
+        False, help="Turn Python's automatic garbage collector off for the run and collect at fixed points "
+        "instead (at the start, every --manual-gc-interval iterations, around each evaluation), so that "
+        "no rank pauses for a collection at a step where its peers do not.")
+    manual_gc_interval: int = option(
+        0, help="With --manual-gc: also collect after every this many iterations (0: never between steps).")
+    manual_gc_eval: bool = option(
+        True, flag="--no-manual-gc-eval",
+        help="With --manual-gc: no collection before and after each evaluation.")
+    empty_unused_memory_level: int = option(
+        0, choices=[0, 1, 2],
+        help="Hand the device caching allocator's unused blocks back to the device: 1 after each "
+        "forward-backward of a training step and of every evaluation batch, 2 also after each optimizer "
+        "step. Costs speed, may help a run near the memory limit; nothing to free on CPU.")
 
     def __post_init__(self) -> None:
         if self.train_iters is None and self.train_samples is None:

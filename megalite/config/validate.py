@@ -185,6 +185,8 @@ def training_errors(cfg: "MegaliteConfig", world_size: int) -> list[str]:
         errors.append(f"--eval-iters must be >= 0, got {t.eval_iters}")
     if t.exit_duration_in_mins is not None and t.exit_duration_in_mins <= 0:
         errors.append("--exit-duration-in-mins must be positive")
+    if t.manual_gc_interval < 0:
+        errors.append(f"--manual-gc-interval must be >= 0, got {t.manual_gc_interval}")
     return errors
 
 

@@ -1,17 +1,21 @@
-"""Start-up of a run: torch.distributed from the launcher's environment, then this rank's ProcessGroups."""
+"""Start-up of a run: the rendezvous, torch.distributed from the launcher's environment, then this rank's
+ProcessGroups; and its teardown, together on success, through the failure board on an error."""
 
 from __future__ import annotations
 
 import contextlib
 import datetime
 import os
-import time
+import sys
 from collections.abc import Iterator
 
 import torch.distributed as dist
 
 from megalite import device
 from megalite.config.arguments import MegaliteConfig
+from megalite.distributed import rendezvous
+from megalite.distributed.failure import FailureBoard
+from megalite.distributed.rendezvous import RendezvousError
 from megalite.parallel.groups import ProcessGroups
 from megalite.parallel.layout import RankLayout
 from megalite.parallel.report import announce_layout
@@ -27,32 +31,35 @@ def launcher_env() -> tuple[int, int, int, int]:
     return rank, world, local_rank, local_world
 
 
-def _attempt_store(rank: int, world: int, timeout: datetime.timedelta) -> dist.Store | None:
-    """Under torchrun, a store whose keys are private to this restart attempt.
-
-    After ``--max-restarts`` brings a job back, the launcher may hand the new workers the same store as
-    the failed attempt; its leftover keys (the dead ranks' addresses) would make the new ranks connect
-    to processes that no longer exist. A per-attempt prefix keeps each attempt's rendezvous clean."""
-    env = os.environ
-    if "TORCHELASTIC_RESTART_COUNT" not in env or "MASTER_ADDR" not in env:
-        return None
-    agent_hosts = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    base = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world, is_master=not agent_hosts and rank == 0,
-                         timeout=timeout, multi_tenant=not agent_hosts)
-    return dist.PrefixStore(f"megalite/attempt_{env['TORCHELASTIC_RESTART_COUNT']}", base)
+def run_timeout(cfg: MegaliteConfig) -> datetime.timedelta:
+    """--distributed-timeout-minutes (the default when the flag's value is unusable: it is reported as
+    a flag error, and that report must still be able to reach the other ranks)."""
+    minutes = cfg.parallel.distributed_timeout_minutes
+    return datetime.timedelta(minutes=minutes if minutes > 0 and minutes < float("inf") else 10.0)
 
 
-def init_distributed(cfg: MegaliteConfig) -> ProcessGroups:
-    """Join the process group (if more than one rank) and build this rank's groups.
+def init_distributed(cfg: MegaliteConfig, board: FailureBoard | None = None) -> ProcessGroups:
+    """Meet the other ranks (bounded by --distributed-timeout-minutes), join the process group (if more
+    than one rank) and build this rank's groups. ``board`` learns the store to report failures through.
 
     Call only after ``validate``: flags are checked before anything is communicated."""
     rank, world, local_rank, local_world = launcher_env()
     p = cfg.parallel
     if world > 1 and not dist.is_initialized():
         device.set_device(local_rank)
-        timeout = datetime.timedelta(minutes=p.distributed_timeout_minutes)
-        dist.init_process_group(device.backend(), rank=rank, world_size=world, timeout=timeout,
-                                store=_attempt_store(rank, world, timeout))
+        timeout = run_timeout(cfg)
+        if board is not None:
+            board.may_connect = False  # a failure to reach the store is reported here, not through it
+        rv = rendezvous.connect(rank, world, timeout)
+        if board is not None:
+            board.attach(rv)
+        try:
+            rendezvous.join(rv, rank, world, timeout)
+        except RendezvousError:
+            if board is not None:
+                board.expected_ranks = rendezvous.joined(rv)  # the store's host waits for these only
+            raise
+        dist.init_process_group(device.backend(), rank=rank, world_size=world, timeout=timeout, store=rv.store)
     elif world == 1:
         device.set_device(local_rank)
     layout = RankLayout(world, p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
@@ -63,33 +70,30 @@ def init_distributed(cfg: MegaliteConfig) -> ProcessGroups:
 
 
 @contextlib.contextmanager
-def distributed_run(cfg: MegaliteConfig) -> Iterator[ProcessGroups]:
-    """init_distributed() for an entry point. After the body succeeds every rank meets at a barrier,
-    so no rank tears down connections another still uses; the group is destroyed if this call made it,
-    and rank 0, which usually hosts the rendezvous store, leaves only after every other rank has."""
-    created = not dist.is_initialized()
-    pg = init_distributed(cfg)
-    ok = False
-    try:
+def distributed_run(cfg: MegaliteConfig, board: FailureBoard | None = None) -> Iterator[ProcessGroups]:
+    """init_distributed() for an entry point. A failure on this rank is claimed on the failure board
+    before any connection closes (``board``, or one of its own when the entry point gives none: its
+    peers then leave at once instead of waiting out a collective). After the body succeeds every rank
+    meets at a barrier, so no rank tears down connections another still uses; the group is destroyed
+    if this call made it, and the store's host leaves only after every other rank has."""
+    if dist.is_initialized():  # the caller's group: its teardown and failures are the caller's
+        pg = init_distributed(cfg)
         yield pg
         pg.barrier()
-        ok = True
-    finally:
-        if created and dist.is_initialized():
-            store = dist.distributed_c10d._get_default_store()
-            dist.destroy_process_group()
-            if ok:
-                _leave_together(store, pg.rank, pg.layout.world_size)
-
-
-def _leave_together(store: dist.Store, rank: int, world: int, limit_s: float = 30.0) -> None:
-    """Count this rank out through the store; rank 0 waits (bounded) until every rank has, so the store
-    it may host does not vanish under a rank still tearing down."""
+        return
+    rank, world, _, _ = launcher_env()
+    own = board is None
+    board = board or FailureBoard(os.path.basename(sys.argv[0]), rank, world, run_timeout(cfg))
     try:
-        left = store.add("megalite/left", 1)
-        deadline = time.monotonic() + limit_s
-        while rank == 0 and left < world and time.monotonic() < deadline:
-            time.sleep(0.05)
-            left = store.add("megalite/left", 0)
-    except (RuntimeError, OSError):  # a peer's store already gone: nothing left to protect
-        pass
+        pg = init_distributed(cfg, board)
+        yield pg
+        pg.barrier()
+        board.detach()
+    except BaseException:
+        board.claim()
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        if own or board.first is None:  # else the entry point's board leaves, after printing the error
+            board.leave()

@@ -16,6 +16,7 @@ from megalite.optimizer.optimizer import MegaliteOptimizer
 from megalite.parallel.groups import ProcessGroups
 from megalite.tensor_parallel.random import RNGTracker, model_parallel_seed
 from megalite.training.batches import RunData, build_run_data
+from megalite.training.collection import ManualGC
 from megalite.training.exit_conditions import ExitConditions
 from megalite.training.log import LogWindow, format_validation_line
 from megalite.training.profiling import StepProfiler
@@ -58,6 +59,7 @@ class Run:
     state: TrainState
     result: TrainResult
     say: Callable[[str], None]
+    gc: ManualGC
 
     @property
     def vocab_size(self) -> int:
@@ -88,7 +90,8 @@ class Run:
         """Validation loss over the next --eval-iters global batches of the validation set, logged."""
         t, step = self.cfg.training, self.state.iteration
         self.optimizer.wait_param_gather()
-        loss = evaluate(self.chunks, self.data.valid, self.state.valid_consumed, self.cfg, self.pg)
+        with self.gc.around_eval():
+            loss = evaluate(self.chunks, self.data.valid, self.state.valid_consumed, self.cfg, self.pg)
         self.state.valid_consumed += t.eval_iters * t.global_batch_size
         self.result.valid_losses.append((step, loss))
         self.say(format_validation_line(step, loss))
@@ -113,7 +116,7 @@ def start_run(cfg: MegaliteConfig, pg: ProcessGroups, data: RunData | None, say:
     schedule = schedule_from_config(o, t)
     result = TrainResult(chunks=chunks, optimizer=optimizer)
     state = maybe_load(cfg, chunks, optimizer, pg, tracker, vocab, say)
-    return Run(cfg, pg, data, tracker, chunks, buffers, optimizer, schedule, state, result, say)
+    return Run(cfg, pg, data, tracker, chunks, buffers, optimizer, schedule, state, result, say, ManualGC(t))
 
 
 def stop_reason(cfg: MegaliteConfig, exits: ExitConditions, step: int) -> str | None:
@@ -139,6 +142,7 @@ def pretrain(cfg: MegaliteConfig, pg: ProcessGroups, data: RunData | None = None
     exits = ExitConditions(t.exit_signal_handler, t.exit_duration_in_mins, pg)
     window = LogWindow(cfg, pg, run.vocab_size, timers, writers, run.say)
     try:
+        run.gc.start()
         while run.state.iteration < t.train_iters:
             profiler.before(run.state.iteration)
             lr = run.schedule.after(run.state.iteration, run.state.skipped_iterations, t.global_batch_size)
@@ -156,6 +160,7 @@ def pretrain(cfg: MegaliteConfig, pg: ProcessGroups, data: RunData | None = None
             if run.validating and step % t.eval_interval == 0 and step < t.train_iters:
                 run.evaluate(writers)
                 window.restart_clock()
+            run.gc.after_step(step)
             reason = stop_reason(cfg, exits, step)
             if ck.save and (step == t.train_iters or reason or (ck.save_interval and step % ck.save_interval == 0)):
                 run.save()
@@ -168,6 +173,7 @@ def pretrain(cfg: MegaliteConfig, pg: ProcessGroups, data: RunData | None = None
         if run.validating and run.state.iteration == t.train_iters:
             run.evaluate(writers)
     finally:
+        run.gc.stop()
         writers.close()
     run.result.skipped_iterations, run.result.nan_iterations = run.state.skipped_iterations, run.state.nan_iterations
     return run.result

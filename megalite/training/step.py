@@ -85,8 +85,12 @@ def train_step(chunks: list[nn.Module], buffers: list[GradBuffer], optimizer: Me
     timers.add("pipeline-wait", record.wait_s)
     with timers.phase("grads-reduce"):
         finalize_grads(chunks, buffers, pg)
+    if cfg.training.empty_unused_memory_level >= 1:
+        device.empty_cache()
     with timers.phase("optimizer"):
         result = optimizer.step(lr, cfg.optimizer.clip_grad)
+    if cfg.training.empty_unused_memory_level >= 2:
+        device.empty_cache()
     return StepOutput(reported_loss(losses, pg), result.grad_norm, result.skipped, loss_scale, record)
 
 
@@ -99,6 +103,8 @@ def evaluate(chunks: list[nn.Module], dataset, start: int, cfg: MegaliteConfig, 
     for k in range(cfg.training.eval_iters):
         mbs = global_batch(dataset, start + k * gbs, cfg, pg, device.current_device())
         losses += run_microbatches(chunks, mbs, pg, forward_only=True)
+        if cfg.training.empty_unused_memory_level >= 1:
+            device.empty_cache()
     for c in chunks:
         c.train()
     return reported_loss(losses, pg)

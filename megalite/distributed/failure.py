@@ -1,0 +1,166 @@
+"""One clear error per failed run, however many ranks it has, and no rank left waiting.
+
+The ranks of a run share a board in the rendezvous store. A rank that fails claims it before anything
+else (before its connections close): the first claimant prints its error, named by rank; a later one
+stays silent, so an error every rank meets (a NaN, a bad flag) is printed once. Every rank also
+watches the board from a thread: when a peer has failed it leaves at once (non-zero status, no
+traceback), even from inside a collective that would otherwise wait for the full timeout. An
+exception the entry point did not expect keeps its traceback (it is a bug report), unless a peer
+failed first, in which case it is that failure's echo (e.g. a connection the peer closed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+from megalite.distributed import rendezvous
+from megalite.distributed.rendezvous import Rendezvous, RendezvousError
+
+WHO = "failure/rank"  # the first failing rank, set once
+COUNT = "failure/count"
+LEFT = "left"
+WATCH_S = 0.2  # how often each rank looks at the board
+LINGER_S = 30.0  # the longest the store's host waits for the others to leave
+REPORT_CONNECT_S = 30.0  # the longest a failure before the rendezvous waits to reach the store
+AFTER_FIRST_S = 5.0  # the longest a rank that did not fail first waits for the one that did to leave
+
+
+class FailureBoard:
+    """This rank's view of the run's failure board. ``prog`` prefixes printed errors."""
+
+    def __init__(self, prog: str, rank: int, world: int, timeout: datetime.timedelta) -> None:
+        self.prog, self.rank, self.world, self.timeout = prog, rank, world, timeout
+        self.rv: Rendezvous | None = None
+        self.first: bool | None = None  # set by claim(): whether this rank failed first
+        self.exit_code = 0
+        self.may_connect = world > 1  # a failure before the rendezvous reaches the store to report
+        self.expected_ranks = world  # ranks the host waits for when leaving
+        self._claiming = False
+        self._counted = False
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def attach(self, rv: Rendezvous) -> None:
+        """Use ``rv``'s store and start watching it for a peer's failure."""
+        self.rv, self.may_connect = rv, False
+        if self.world > 1 and self._thread is None:
+            self._thread = threading.Thread(target=self._watch, name="megalite-failure-watch", daemon=True)
+            self._thread.start()
+
+    def detach(self) -> None:
+        """Stop watching (the run succeeded; teardown must not read a departing peer as a failure)."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(WATCH_S):
+            try:
+                failed = self.rv.store.check([WHO])
+            except (RuntimeError, OSError):  # the store's host is gone without a word: nothing to wait for
+                failed = None
+            if self._claiming or self._stop.is_set():
+                return
+            if failed is None:
+                self._say(f"lost the rendezvous store at {self.rv.address}: its host stopped without reporting "
+                          "an error")
+            if failed or failed is None:
+                self._after_first()
+                self._count_out()
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(1)  # a peer failed (and said why): this rank may be blocked in a collective
+
+    def claim(self) -> bool:
+        """Record this rank's failure on the board (once); whether it is the run's first."""
+        if self.first is not None:
+            return self.first
+        self._claiming = True
+        self._stop.set()
+        self.first = True
+        if self.rv is None and self.may_connect:
+            self.may_connect = False
+            with contextlib.suppress(RendezvousError):
+                reach = min(self.timeout, datetime.timedelta(seconds=REPORT_CONNECT_S))
+                self.rv = rendezvous.connect(self.rank, self.world, reach)
+        if self.rv is not None:
+            try:
+                self.first = self.rv.store.add(COUNT, 1) == 1
+                if self.first:
+                    self.rv.store.set(WHO, str(self.rank))
+            except (RuntimeError, OSError):  # no board: better said twice than not at all
+                self.first = True
+        return self.first
+
+    def _say(self, message: str) -> None:
+        named = message if self.world == 1 or message.startswith(f"rank {self.rank}:") else \
+            f"rank {self.rank}: {message}"
+        print(f"{self.prog}: error: {named}", file=sys.stderr, flush=True)
+
+    def _count_out(self) -> int:
+        with self._lock:  # once per rank, whichever thread gets here first
+            if self.rv is None or self._counted:
+                return 0
+            self._counted = True
+        try:
+            self.rv.store.set(f"{LEFT}/{self.rank}", "1")
+            return self.rv.store.add(LEFT, 1)
+        except (RuntimeError, OSError):
+            return 0
+
+    def _after_first(self) -> None:
+        """Wait (bounded) until the rank that failed first has left. A launcher names the first rank to
+        exit as the root cause, so it must be that one; under torchrun the launcher then stops this rank
+        itself (SIGTERM)."""
+        if self.rv is None:
+            return
+        deadline = time.monotonic() + AFTER_FIRST_S
+        with contextlib.suppress(RuntimeError, OSError):
+            while time.monotonic() < deadline:
+                if self.rv.store.check([WHO]):
+                    who = self.rv.store.get(WHO).decode()
+                    if self.rv.store.check([f"{LEFT}/{who}"]):
+                        break
+                time.sleep(rendezvous.POLL_S)
+            if "TORCHELASTIC_RESTART_COUNT" in os.environ:
+                time.sleep(max(0.0, deadline - time.monotonic()))
+
+    def leave(self) -> None:
+        """Count this rank out; the store's host then waits (bounded) until the others have, so that none
+        of them loses the store while it still reads the board or tears down."""
+        left = self._count_out()
+        if self.rv is None or not self.rv.hosting:
+            return
+        deadline = time.monotonic() + min(LINGER_S, self.timeout.total_seconds())
+        with contextlib.suppress(RuntimeError, OSError):
+            while left < self.expected_ranks and time.monotonic() < deadline:
+                time.sleep(rendezvous.POLL_S)
+                left = self.rv.store.add(LEFT, 0)
+
+    @contextlib.contextmanager
+    def reporting(self, expected: tuple[type[BaseException], ...]) -> Iterator[None]:
+        """Run the body; an ``expected`` error is printed once per run (exit_code 2), an unexpected one
+        re-raised on the rank that failed first and silenced (exit_code 1) on the others."""
+        try:
+            yield
+        except expected as e:
+            if self.claim():
+                self._say(str(e))
+            else:
+                self._after_first()
+            self.exit_code = 2
+            self.leave()
+        except Exception:
+            if self.claim():
+                self.leave()
+                raise
+            self._after_first()
+            self.leave()
+            self.exit_code = 1
