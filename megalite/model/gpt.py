@@ -82,7 +82,7 @@ class GPTModel(nn.Module):
         })
         if post_process:
             self.final_norm = Norm(cfg.hidden_size, cfg.normalization, cfg.norm_epsilon, sequence_parallel,
-                                   dtype, device)
+                                   dtype, device, zero_centered=cfg.apply_layernorm_1p)
             if cfg.tied_embeddings and pre_process:
                 self.output_layer = None  # use the embedding's weight
             else:
