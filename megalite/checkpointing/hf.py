@@ -13,11 +13,11 @@ megalite's fused QKV weight is Megatron's per-group interleave (docs/design.md Â
 ``head_dim`` rows each. ``split_qkv`` undoes it and ``fuse_qkv`` rebuilds it. Query head j of HF uses
 KV head j // (heads / groups), which is the group whose block holds it here, so GQA maps head for head.
 
-HF's vocab is the true vocab (megalite's full tensors hold it; shards are padded). A model with
-zero-centred norm weights (--apply-layernorm-1p) stores w and scales by 1 + w; HF models hold the scale
-itself, so the export writes 1 + w and an import with --apply-layernorm-1p stores HF's weight - 1. Biases HF needs and
+HF's vocab is the true vocab (megalite's full tensors hold it; shards are padded). Biases HF needs and
 megalite lacks are written as zeros (exactly the same function); on import, zero o_proj biases of a
-Llama with only attention biases map back to megalite's ``--add-qkv-bias``.
+Llama with only attention biases map back to megalite's ``--add-qkv-bias``. A model with zero-centred
+norm weights (--apply-layernorm-1p) stores w and scales by 1 + w; HF norms hold the scale itself, so the
+export writes 1 + w and an import with --apply-layernorm-1p stores HF's weight - 1.
 """
 
 from __future__ import annotations
