@@ -19,13 +19,28 @@ GBS = 4
 
 
 class _Groups:
-    """The optimizer surface the scheduler writes to: one parameter group."""
+    """The optimizer surface the scheduler writes to: parameter groups (one by default)."""
 
-    def __init__(self) -> None:
-        self.param_groups = [{}]
+    def __init__(self, groups: list[dict] | None = None) -> None:
+        self.param_groups = groups or [{}]
 
 
-def _megatron(cfg):
+def _megatron_groups(cfg) -> list[dict]:
+    """The default group and the --decoupled-lr group as megatron-core forms them: each starts with
+    max_lr = --lr, min_lr = --min-lr, and the embedding/output group takes the override megatron-core's
+    get_standard_config_overrides gives for its is_embedding_or_output_parameter key."""
+    from megatron.core.optimizer import OptimizerConfig as McoreConfig
+    from megatron.core.optimizer import get_standard_config_overrides
+
+    o = cfg.optimizer
+    mc = McoreConfig(lr=o.lr, min_lr=o.min_lr, decoupled_lr=o.decoupled_lr, decoupled_min_lr=o.decoupled_min_lr)
+    (override,) = [v for k, v in get_standard_config_overrides(mc).items()
+                   if k.attr == "is_embedding_or_output_parameter"]
+    base = {"max_lr": o.lr, "min_lr": o.min_lr}
+    return [dict(base), {**base, **override}]
+
+
+def _megatron(cfg, groups: list[dict] | None = None):
     """megatron-core's scheduler built as Megatron-LM's get_optimizer_param_scheduler builds it."""
     o, t = cfg.optimizer, cfg.training
     if t.train_samples is None:
@@ -38,7 +53,7 @@ def _megatron(cfg):
         warmup = o.lr_warmup_samples
     if o.lr_warmup_fraction is not None:
         warmup = o.lr_warmup_fraction * decay
-    opt = _Groups()
+    opt = _Groups(groups)
     sched = OptimizerParamScheduler(opt, init_lr=o.lr_warmup_init, max_lr=o.lr, min_lr=o.min_lr,
                                     lr_warmup_steps=warmup, lr_decay_steps=decay, lr_decay_style=o.lr_decay_style,
                                     start_wd=0.01, end_wd=0.01, wd_incr_steps=decay, wd_incr_style="constant",
@@ -85,6 +100,45 @@ def test_applied_and_logged_rate_equal_megatron_core(flags):
             skipped += 1
         logged = opt.param_groups[0]["lr"]  # Megatron's log line for iteration k
         assert ours.after(k, skipped, GBS) == pytest.approx(logged, rel=1e-12, abs=1e-15), (k, flags)
+
+
+DECOUPLED_CASES = [
+    "--lr-decay-style cosine --lr-warmup-iters 5 --min-lr 1e-5 --decoupled-lr 5e-4 --decoupled-min-lr 4.5e-5",
+    "--lr-decay-style linear --lr-warmup-iters 3 --min-lr 1e-5 --decoupled-lr 1e-4",  # final rate: --min-lr
+    "--lr-decay-style inverse-square-root --lr-warmup-iters 4 --min-lr 1e-6 --decoupled-lr 6e-4 "
+    "--decoupled-min-lr 2e-5",
+    "--lr-decay-style WSD --lr-warmup-iters 2 --lr-wsd-decay-iters 6 --lr-wsd-decay-style cosine --decoupled-lr 1e-3 "
+    "--decoupled-min-lr 1e-4 --lr-warmup-init 1e-5",
+    "--lr-decay-style constant --lr-warmup-iters 5 --decoupled-lr 0",
+    "--train-samples 120 --lr-decay-style cosine --lr-warmup-samples 10 --min-lr 1e-5 --decoupled-lr 2e-4 "
+    "--decoupled-min-lr 0",
+]
+
+
+@pytest.mark.parametrize("flags", DECOUPLED_CASES)
+def test_decoupled_group_rate_equals_megatron_core(flags):
+    """Two parameter groups, the second with --decoupled-lr/--decoupled-min-lr: at every iteration both the
+    applied and the logged rate of each group equal megatron-core's (the log line shows the default group's)."""
+    extra = [] if "--train-samples" in flags else ["--train-iters", "30"]
+    cfg = parse_args(["--mock-data", "--vocab-size", "64", "--lr", "3e-4", "--global-batch-size", str(GBS),
+                      "--micro-batch-size", "1", *extra, *flags.split()])
+    validate(cfg, GBS)
+    ours = schedule_from_config(cfg.optimizer, cfg.training)
+    sched, opt = _megatron(cfg, _megatron_groups(cfg))
+    skipped, seen = 0, set()
+    for k in range(1, cfg.training.train_iters + 1):
+        for phase in ("applied", "logged"):
+            if phase == "logged":
+                if k % 7 != 3:
+                    sched.step(increment=GBS)
+                else:
+                    skipped += 1
+            done = k - 1 if phase == "applied" else k
+            for decoupled, group in zip((False, True), opt.param_groups):
+                got = ours.after(done, skipped, GBS, decoupled=decoupled)
+                assert got == pytest.approx(group["lr"], rel=1e-12, abs=1e-15), (k, phase, decoupled, flags)
+            seen.add((opt.param_groups[0]["lr"], opt.param_groups[1]["lr"]))
+    assert any(a != b for a, b in seen), "the two groups never differed: the test would not see a mix-up"
 
 
 def test_warmup_reaches_lr_one_iteration_later_and_then_decays():

@@ -18,15 +18,15 @@ GPT3 = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16
         "--vocab-file vocab.json --merge-file merges.txt --split 949,50,1 --log-interval 100 --save-interval 10000 "
         "--eval-interval 1000 --save ckpt --load ckpt --eval-iters 10 --tensorboard-dir tb").split()
 
-# examples/llama/train_llama3_8b_h100_fp8.sh (mock data), sizes scaled down; its --apply-layernorm-1p and
-# --decoupled-lr/--decoupled-min-lr are refused.
+# examples/llama/train_llama3_8b_h100_fp8.sh (mock data), sizes scaled down, every other flag as it has them.
 LLAMA3 = ("--use-mcore-models --num-layers 2 --hidden-size 32 --ffn-hidden-size 64 --num-attention-heads 4 "
           "--group-query-attention --num-query-groups 2 --kv-channels 8 --seq-length 16 --max-position-embeddings 16 "
           "--position-embedding-type rope --rotary-base 1000000 --rotary-percent 1.0 --attention-dropout 0.0 "
           "--hidden-dropout 0.0 --swiglu --normalization RMSNorm --init-method-std 0.0134 --attention-backend fused "
-          "--untie-embeddings-and-output-weights --disable-bias-linear --micro-batch-size 1 --global-batch-size 2 "
-          "--train-samples 8 --lr-decay-samples 6 --lr-warmup-samples 2 --lr 0.00015 --min-lr 0.00001 "
-          "--lr-decay-style cosine --clip-grad 1.0 --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --bf16 "
+          "--apply-layernorm-1p --untie-embeddings-and-output-weights --disable-bias-linear --micro-batch-size 1 "
+          "--global-batch-size 2 --train-samples 8 --lr-decay-samples 6 --lr-warmup-samples 2 --lr 0.00015 "
+          "--min-lr 0.00001 --decoupled-lr 5.0e-4 --decoupled-min-lr 4.5e-5 --lr-decay-style cosine --clip-grad 1.0 "
+          "--weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --bf16 "
           "--grad-reduce-in-bf16 --cross-entropy-loss-fusion "
           "--calculate-per-token-loss --manual-gc --empty-unused-memory-level 1 --exit-duration-in-mins 235 "
           "--fp8-format hybrid --fp8-amax-history-len 1024 --fp8-amax-compute-algo max --fp8-param-gather "
@@ -49,6 +49,8 @@ def test_llama3_script_flags(capsys, tmp_path):
     cfg = parse_args(LLAMA3 + ["--save", str(tmp_path), "--load", str(tmp_path)])
     validate(cfg, 1)
     assert (cfg.training.train_samples, cfg.training.train_iters) == (8, 4)
+    assert cfg.model.apply_layernorm_1p
+    assert (cfg.optimizer.decoupled_lr, cfg.optimizer.decoupled_min_lr) == (5.0e-4, 4.5e-5)
     err = capsys.readouterr().err
     assert err.count("warning") == 1
     for flag in ["--use-mcore-models", "--fp8-format", "--num-workers"]:
@@ -74,7 +76,7 @@ def test_no_log_throughput_leaves_it_off_the_line():
     assert "tokens per second" not in proc.stdout and "TFLOP/s" not in proc.stdout
 
 
-@pytest.mark.parametrize("flag", [["--apply-layernorm-1p"], ["--decoupled-lr", "5.0e-4"],
+@pytest.mark.parametrize("flag", [["--rampup-batch-size", "16", "16", "100"],
                                   ["--step-batch-size-schedule", "0:16 2.4B:320"]])
 def test_refused_megatron_flags(flag):
     with pytest.raises(SystemExit) as e:

@@ -59,7 +59,7 @@ TOKENIZER_DIR = "tokenizer"  # from-hf keeps the HF tokenizer files here, to-hf 
 FLAG_FIELDS = ["num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "group_query_attention",
                "num_query_groups", "kv_channels", "max_position_embeddings", "position_embedding_type",
                "rotary_base", "normalization", "norm_epsilon", "swiglu", "untie_embeddings_and_output_weights",
-               "disable_bias_linear", "add_qkv_bias"]
+               "disable_bias_linear", "add_qkv_bias", "apply_layernorm_1p"]
 
 
 def model_flags(config: dict) -> str:
@@ -187,8 +187,7 @@ def cmd_to_hf(a: argparse.Namespace) -> None:
                     raise
                 print(f"warning: tokenizer not exported ({type(e).__name__}: {e})", file=sys.stderr)
         dtype = DTYPES[a.dtype] if a.dtype else None
-        get = (lambda k: ckpt.param(k).to(dtype)) if dtype else ckpt.param
-        save_hf_model(staged, to_hf_config(ckpt.config, eod), to_hf_state_dict(ckpt.config, get))
+        save_hf_model(staged, to_hf_config(ckpt.config, eod), to_hf_state_dict(ckpt.config, ckpt.param, dtype))
     print(f"wrote {a.save}: {'GPT2LMHeadModel' if arch == 'gpt2' else 'LlamaForCausalLM'} from iteration "
           f"{ckpt.iteration} of {a.load} (saved at TP={ckpt.layout['tp']} PP={ckpt.layout['pp']})"
           + (", with tokenizer" if os.path.isfile(os.path.join(a.save, "tokenizer_config.json")) else ""))
@@ -200,14 +199,15 @@ def cmd_from_hf(a: argparse.Namespace) -> None:
     _refuse_existing(a.save, a.overwrite)
     where = os.path.join(a.load, "config.json")
     hf_config = read_hf_config(a.load)
-    config = from_hf_config(hf_config, where, qkv_bias_only=True)  # every config check before the weights
+    config = from_hf_config(hf_config, where, qkv_bias_only=True,  # every config check before the weights
+                            apply_layernorm_1p=a.apply_layernorm_1p)
     errors = layout_errors(model_config(config)[0], a.tensor_model_parallel_size, a.pipeline_model_parallel_size,
                            a.num_layers_per_virtual_pipeline_stage)
     if errors:
         raise ValueError(f"{where}: this model cannot be cut into TP={a.tensor_model_parallel_size} "
                          f"PP={a.pipeline_model_parallel_size}:\n  " + "\n  ".join(errors))
     sd = read_hf_weights(a.load, hf_config)
-    config = from_hf_config(hf_config, where, qkv_bias_only(hf_config, sd))
+    config = from_hf_config(hf_config, where, qkv_bias_only(hf_config, sd), a.apply_layernorm_1p)
     params = from_hf_state_dict(config, sd)
     dtype = DTYPES[a.dtype] if a.dtype else None
     note = {"tool": "convert_checkpoint.py from-hf", "source": os.path.abspath(a.load),
@@ -262,6 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--save", required=True, help="output checkpoint directory")
     f.add_argument("--dtype", choices=list(DTYPES), default=None, help="cast weights (default: as stored)")
     f.add_argument("--overwrite", action="store_true", help="replace a non-empty --save folder")
+    f.add_argument("--apply-layernorm-1p", action="store_true",
+                   help="store zero-centred norm weights (HF's weight - 1), for training with --apply-layernorm-1p")
     layout(f)
     f.set_defaults(func=cmd_from_hf)
     return p

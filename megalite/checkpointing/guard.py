@@ -11,7 +11,7 @@ import json
 import os
 from typing import Any
 
-from megalite.checkpointing.load import SHAPE_FIELDS
+from megalite.checkpointing.load import shape_diffs
 from megalite.checkpointing.paths import TRACKER, iter_dirname, read_tracker
 from megalite.checkpointing.reader import CheckpointError
 from megalite.config.model import ModelConfig
@@ -65,9 +65,7 @@ def _why_not_continued(ck: CheckpointConfig, model: ModelConfig, saved_iter: int
     saved = _saved_config(ck.save, saved_iter)
     if saved is None:
         return f"its {iter_dirname(saved_iter)}/metadata.json is unreadable, so it cannot be told to be this run's"
-    current = dataclasses.asdict(model)
-    diffs = [f"--{k.replace('_', '-')}: checkpoint {saved.get(k)!r}, flags {current.get(k)!r}"
-             for k in SHAPE_FIELDS if k in saved and k in current and saved.get(k) != current.get(k)]
+    diffs = shape_diffs(saved, dataclasses.asdict(model))
     if diffs:
         return "it is of another model (" + "; ".join(diffs) + ")"
     loaded = _tracked(ck.load)

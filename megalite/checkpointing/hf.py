@@ -15,7 +15,9 @@ KV head j // (heads / groups), which is the group whose block holds it here, so 
 
 HF's vocab is the true vocab (megalite's full tensors hold it; shards are padded). Biases HF needs and
 megalite lacks are written as zeros (exactly the same function); on import, zero o_proj biases of a
-Llama with only attention biases map back to megalite's ``--add-qkv-bias``.
+Llama with only attention biases map back to megalite's ``--add-qkv-bias``. A model with zero-centred
+norm weights (--apply-layernorm-1p) stores w and scales by 1 + w; HF norms hold the scale itself, so the
+export writes 1 + w and an import with --apply-layernorm-1p stores HF's weight - 1.
 """
 
 from __future__ import annotations
@@ -135,10 +137,12 @@ def hf_architecture(hf_config, where: str) -> str:
                             f"{archs}); from-hf reads {SUPPORTED}")
 
 
-def from_hf_config(hf_config, where: str = "config.json", qkv_bias_only: bool = False) -> dict[str, Any]:
+def from_hf_config(hf_config, where: str = "config.json", qkv_bias_only: bool = False,
+                   apply_layernorm_1p: bool = False) -> dict[str, Any]:
     """megalite model config dict (incl. vocab_size) of a GPT-2 or Llama transformers config.
 
-    ``qkv_bias_only``: a Llama with attention_bias whose o_proj biases are all zero (see module doc)."""
+    ``qkv_bias_only``: a Llama with attention_bias whose o_proj biases are all zero (see module doc).
+    ``apply_layernorm_1p``: the checkpoint is to store zero-centred norm weights (HF's weight - 1)."""
     c = hf_config
     arch = hf_architecture(c, where)
     if arch == "gpt2":
@@ -158,7 +162,7 @@ def from_hf_config(hf_config, where: str = "config.json", qkv_bias_only: bool = 
                           normalization="LayerNorm", norm_epsilon=c.layer_norm_epsilon, swiglu=False,
                           untie_embeddings_and_output_weights=not c.tie_word_embeddings,
                           hidden_dropout=c.resid_pdrop, attention_dropout=c.attn_pdrop,
-                          init_method_std=c.initializer_range)
+                          init_method_std=c.initializer_range, apply_layernorm_1p=apply_layernorm_1p)
         return config_dict(cfg, c.vocab_size)
     if c.hidden_act != "silu":
         raise HFConversionError(f"{where}: hidden_act {c.hidden_act!r} is not supported (SwiGLU needs silu)")
@@ -184,7 +188,8 @@ def from_hf_config(hf_config, where: str = "config.json", qkv_bias_only: bool = 
                       norm_epsilon=c.rms_norm_eps, swiglu=True,
                       untie_embeddings_and_output_weights=not c.tie_word_embeddings,
                       disable_bias_linear=not c.mlp_bias, add_qkv_bias=bool(c.attention_bias and not c.mlp_bias),
-                      hidden_dropout=0.0, attention_dropout=c.attention_dropout, init_method_std=c.initializer_range)
+                      hidden_dropout=0.0, attention_dropout=c.attention_dropout, init_method_std=c.initializer_range,
+                      apply_layernorm_1p=apply_layernorm_1p)
     return config_dict(cfg, c.vocab_size)
 
 
@@ -212,6 +217,13 @@ class TensorRule:
     zeros_like_rows_of: str | None = None
 
 
+def _norm_weight(cfg: ModelConfig, ours: str, theirs: str) -> TensorRule:
+    """A norm's weight: HF holds the scale itself, which is 1 + w for a zero-centred (--apply-layernorm-1p) w."""
+    if not cfg.apply_layernorm_1p:
+        return TensorRule(ours, (theirs,))
+    return TensorRule(ours, (theirs,), lambda t: (t + 1,), lambda t: t - 1)
+
+
 def _qkv_rules(cfg: ModelConfig, m: str, h: str, arch: str) -> list[TensorRule]:
     heads, groups, d = cfg.num_attention_heads, cfg.num_query_groups or cfg.num_attention_heads, cfg.kv_channels
     split = lambda t: split_qkv(t, heads, groups, d)  # noqa: E731
@@ -232,8 +244,9 @@ def _qkv_rules(cfg: ModelConfig, m: str, h: str, arch: str) -> list[TensorRule]:
 
 def _gpt2_layer(cfg: ModelConfig, i: int) -> list[TensorRule]:
     m, h = f"layers.{i}.", f"transformer.h.{i}."
-    rules = [TensorRule(m + ours + p, (h + theirs + p,))
-             for ours, theirs in (("input_norm", "ln_1"), ("pre_mlp_norm", "ln_2")) for p in (".weight", ".bias")]
+    rules = [rule for ours, theirs in (("input_norm", "ln_1"), ("pre_mlp_norm", "ln_2"))
+             for rule in (_norm_weight(cfg, m + ours + ".weight", h + theirs + ".weight"),
+                          TensorRule(m + ours + ".bias", (h + theirs + ".bias",)))]
     rules += _qkv_rules(cfg, m, h, "gpt2")
     for ours, theirs in (("attention.proj", "attn.c_proj"), ("mlp.fc1", "mlp.c_fc"), ("mlp.fc2", "mlp.c_proj")):
         rules.append(TensorRule(m + ours + ".weight", (h + theirs + ".weight",),  # Conv1D: [in, out]
@@ -245,8 +258,8 @@ def _gpt2_layer(cfg: ModelConfig, i: int) -> list[TensorRule]:
 
 def _llama_layer(cfg: ModelConfig, i: int) -> list[TensorRule]:
     m, h = f"layers.{i}.", f"model.layers.{i}."
-    rules = [TensorRule(m + "input_norm.weight", (h + "input_layernorm.weight",)),
-             TensorRule(m + "pre_mlp_norm.weight", (h + "post_attention_layernorm.weight",)),
+    rules = [_norm_weight(cfg, m + "input_norm.weight", h + "input_layernorm.weight"),
+             _norm_weight(cfg, m + "pre_mlp_norm.weight", h + "post_attention_layernorm.weight"),
              *_qkv_rules(cfg, m, h, "llama"),
              TensorRule(m + "attention.proj.weight", (h + "self_attn.o_proj.weight",))]
     if cfg.add_bias_linear or cfg.add_qkv_bias:  # HF's attention_bias covers o_proj too
@@ -270,19 +283,22 @@ def name_table(cfg: ModelConfig) -> list[TensorRule]:
                  TensorRule("embedding.position.weight", ("transformer.wpe.weight",))]
         for i in range(cfg.num_layers):
             rules += _gpt2_layer(cfg, i)
-        rules += [TensorRule("final_norm" + p, ("transformer.ln_f" + p,)) for p in (".weight", ".bias")]
+        rules += [_norm_weight(cfg, "final_norm.weight", "transformer.ln_f.weight"),
+                  TensorRule("final_norm.bias", ("transformer.ln_f.bias",))]
     else:
         rules = [TensorRule("embedding.word.weight", ("model.embed_tokens.weight",))]
         for i in range(cfg.num_layers):
             rules += _llama_layer(cfg, i)
-        rules.append(TensorRule("final_norm.weight", ("model.norm.weight",)))
+        rules.append(_norm_weight(cfg, "final_norm.weight", "model.norm.weight"))
     if not cfg.tied_embeddings:
         rules.append(TensorRule("output_layer.weight", ("lm_head.weight",)))
     return rules
 
 
-def to_hf_state_dict(config: dict[str, Any], get: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
-    """HF state dict from megalite full tensors ``get(key)`` (see name_table)."""
+def to_hf_state_dict(config: dict[str, Any], get: Callable[[str], torch.Tensor],
+                     dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """HF state dict from megalite full tensors ``get(key)`` (see name_table), cast to ``dtype`` if given
+    after the conversion (a zero-centred norm's 1 + w is formed in the saved dtype, as training did)."""
     cfg, _ = model_config(config)
     out: dict[str, torch.Tensor] = {}
     last: dict[str, torch.Tensor] = {}  # the tensor read just before: a missing bias takes its rows
@@ -296,9 +312,9 @@ def to_hf_state_dict(config: dict[str, Any], get: Callable[[str], torch.Tensor])
     for r in name_table(cfg):
         if r.zeros_like_rows_of is not None:
             like = read(r.zeros_like_rows_of)
-            out[r.theirs[0]] = torch.zeros(like.shape[0], dtype=like.dtype)
+            out[r.theirs[0]] = torch.zeros(like.shape[0], dtype=dtype or like.dtype)
         else:
-            out.update(zip(r.theirs, r.split(read(r.ours))))
+            out.update((k, v if dtype is None else v.to(dtype)) for k, v in zip(r.theirs, r.split(read(r.ours))))
     return out
 
 

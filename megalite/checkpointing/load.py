@@ -25,7 +25,9 @@ from megalite.tensor_parallel.param_meta import param_meta
 SHAPE_FIELDS = ["num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                 "kv_channels", "position_embedding_type", "rotary_base", "rotary_percent", "normalization",
                 "swiglu", "untie_embeddings_and_output_weights", "disable_bias_linear", "add_qkv_bias",
-                "max_position_embeddings", "vocab_size"]
+                "max_position_embeddings", "vocab_size", "apply_layernorm_1p"]
+# Shape fields added after checkpoints without them were written, with the value those checkpoints meant.
+LATER_FIELDS = {"apply_layernorm_1p": False}
 
 
 class CheckpointMismatch(ValueError):
@@ -39,9 +41,16 @@ class LoadedState:
     same_layout: bool = True
 
 
+def shape_diffs(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """Each shape field on which a checkpoint's ``saved`` model config and ``current`` differ, as
+    '--flag: checkpoint X, flags Y' (fields one side does not record are skipped, except LATER_FIELDS)."""
+    saved = {**LATER_FIELDS, **saved}
+    return [f"--{k.replace('_', '-')}: checkpoint {saved.get(k)!r}, flags {current.get(k)!r}"
+            for k in SHAPE_FIELDS if k in saved and k in current and saved.get(k) != current.get(k)]
+
+
 def check_config(saved: dict[str, Any], current: dict[str, Any], where: str) -> None:
-    diffs = [f"--{k.replace('_', '-')}: checkpoint {saved.get(k)!r}, flags {current.get(k)!r}"
-             for k in SHAPE_FIELDS if k in saved and saved.get(k) != current.get(k)]
+    diffs = shape_diffs(saved, current)
     if diffs:
         raise CheckpointMismatch(f"{where}: the checkpoint's model differs from the flags:\n  " + "\n  ".join(diffs))
 

@@ -37,9 +37,6 @@ IGNORED: dict[str, tuple[bool, str]] = {
 
 # flag -> why megalite refuses it (it would change the run, and megalite does not implement it)
 REFUSED: dict[str, str] = {
-    "--apply-layernorm-1p": "zero-centred norm weights (1 + w) are not implemented",
-    "--decoupled-lr": "a separate learning rate for the embedding and output layer is not implemented",
-    "--decoupled-min-lr": "a separate learning rate for the embedding and output layer is not implemented",
     "--rampup-batch-size": "batch-size ramp-up is not implemented; give a constant --global-batch-size",
     "--step-batch-size-schedule": "batch-size schedules are not implemented; give a constant --global-batch-size",
     "--num-experts": "mixture-of-experts layers are not implemented",

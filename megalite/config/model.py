@@ -26,6 +26,9 @@ class ModelConfig:
     rotary_percent: float = option(1.0, help="Fraction of each head's channels RoPE rotates.")
     normalization: str = option("LayerNorm", help="Norm layer.", choices=["LayerNorm", "RMSNorm"])
     norm_epsilon: float = option(1e-5, help="Epsilon of the norm layers.")
+    apply_layernorm_1p: bool = option(
+        False, help="Zero-centred norm weights (LayerNorm and RMSNorm): the stored weight w, initialized to 0, "
+        "is applied as 1 + w (checkpoints store w; Hugging Face exports hold 1 + w).")
     swiglu: bool = option(False, help="SwiGLU MLP (gated SiLU) instead of GeLU.")
     untie_embeddings_and_output_weights: bool = option(
         False, help="Give the output layer its own weight instead of sharing the input embedding.")

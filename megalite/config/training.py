@@ -64,6 +64,12 @@ class OptimizerConfig:
     lr_decay_iters: int | None = option(None, help="Iterations to decay over; default --train-iters.")
     lr_decay_samples: int | None = option(None, help="Samples to decay over (with --train-samples); default "
                                           "--train-samples.")
+    decoupled_lr: float | None = option(
+        None, help="Peak learning rate of the input embedding and the output layer (only these), in the same "
+        "schedule as --lr (same warm-up and decay shape).")
+    decoupled_min_lr: float | None = option(
+        None, help="Learning rate of the input embedding and the output layer at the end of the decay, with "
+        "--decoupled-lr; default --min-lr.")
     lr_warmup_iters: int = option(0, help="Linear warm-up iterations from --lr-warmup-init to --lr.")
     lr_warmup_samples: int = option(0, help="Linear warm-up samples (with --train-samples).")
     lr_warmup_fraction: float | None = option(

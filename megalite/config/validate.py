@@ -196,6 +196,7 @@ def optimizer_errors(o: "OptimizerConfig") -> list[str]:
         errors.append(f"need 0 <= --min-lr ({o.min_lr}) <= --lr ({o.lr})")
     if not 0 <= o.lr_warmup_init <= o.lr:
         errors.append(f"need 0 <= --lr-warmup-init ({o.lr_warmup_init}) <= --lr ({o.lr})")
+    errors += decoupled_lr_errors(o)
     for flag, value in [("--lr-warmup-iters", o.lr_warmup_iters), ("--lr-warmup-samples", o.lr_warmup_samples),
                         ("--clip-grad", o.clip_grad), ("--weight-decay", o.weight_decay)]:
         if value < 0:
@@ -213,6 +214,19 @@ def optimizer_errors(o: "OptimizerConfig") -> list[str]:
         if not 0 <= value < 1:
             errors.append(f"{flag} must be in [0, 1), got {value}")
     return errors
+
+
+def decoupled_lr_errors(o: "OptimizerConfig") -> list[str]:
+    """The embedding and output layer's own rates: a final rate needs a peak rate, and lies below it."""
+    if o.decoupled_lr is None:
+        return ["--decoupled-min-lr needs --decoupled-lr (it is the final rate of the embedding and output "
+                "layer's own schedule)"] if o.decoupled_min_lr is not None else []
+    final = (f"--decoupled-min-lr ({o.decoupled_min_lr})" if o.decoupled_min_lr is not None
+             else f"--min-lr ({o.min_lr}, the default of --decoupled-min-lr)")
+    low = o.min_lr if o.decoupled_min_lr is None else o.decoupled_min_lr
+    if o.decoupled_lr < 0 or low < 0 or low > o.decoupled_lr:
+        return [f"need 0 <= {final} <= --decoupled-lr ({o.decoupled_lr})"]
+    return []
 
 
 def schedule_errors(t: "TrainingConfig", o: "OptimizerConfig") -> list[str]:

@@ -82,7 +82,7 @@ class GPTModel(nn.Module):
         })
         if post_process:
             self.final_norm = Norm(cfg.hidden_size, cfg.normalization, cfg.norm_epsilon, sequence_parallel,
-                                   dtype, device)
+                                   dtype, device, zero_centered=cfg.apply_layernorm_1p)
             if cfg.tied_embeddings and pre_process:
                 self.output_layer = None  # use the embedding's weight
             else:
@@ -95,6 +95,10 @@ class GPTModel(nn.Module):
                     amend_param(self.output_layer.weight, copy_of=TIED_EMBEDDING, tied_embedding=True)
         if cfg.tied_embeddings and pre_process and not post_process:  # the first stage's side of the tie
             amend_param(self.embedding.word.weight, tied_embedding=True)
+        if pre_process:
+            amend_param(self.embedding.word.weight, embedding_or_output=True)
+        if post_process and self.output_layer is not None:
+            amend_param(self.output_layer.weight, embedding_or_output=True)
         self._rope_cache: tuple[int, torch.Tensor] | None = None
 
     def _rope(self, seq_len: int, device: torch.device, offset: int = 0) -> torch.Tensor | None:

@@ -2,6 +2,10 @@
 
 Norm weights are identical on every TP rank; with sequence parallelism each rank sees only its
 sequence slice, so their gradients are partial and summed over TP (ShardSpec.partial_grad).
+
+With --apply-layernorm-1p (Megatron's zero-centred gamma) the stored weight w starts at 0 and the norm
+scales by 1 + w, computed in the weight's dtype as Megatron does (its stated reason: numerical stability;
+a weight near 0 keeps more relative precision than one near 1 in bf16/fp16).
 """
 
 from __future__ import annotations
@@ -17,14 +21,16 @@ from megalite.tensor_parallel.sharding import ShardSpec
 
 class Norm(nn.Module):
     def __init__(self, hidden: int, kind: str, eps: float, sequence_parallel: bool = False,
-                 dtype: torch.dtype = torch.float32, device: torch.device | None = None) -> None:
+                 dtype: torch.dtype = torch.float32, device: torch.device | None = None,
+                 zero_centered: bool = False) -> None:
         super().__init__()
         if kind not in ("LayerNorm", "RMSNorm"):
             raise ValueError(f"--normalization must be LayerNorm or RMSNorm, got {kind}")
-        self.kind, self.eps, self.hidden = kind, eps, hidden
+        self.kind, self.eps, self.hidden, self.zero_centered = kind, eps, hidden, zero_centered
         spec = ShardSpec(partial_grad=sequence_parallel)
-        self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype, device=device))
-        declare_param(self.weight, spec, (hidden,), "ones")
+        init = torch.zeros if zero_centered else torch.ones
+        self.weight = nn.Parameter(init(hidden, dtype=dtype, device=device))
+        declare_param(self.weight, spec, (hidden,), "zeros" if zero_centered else "ones")
         if kind == "LayerNorm":
             self.bias = nn.Parameter(torch.zeros(hidden, dtype=dtype, device=device))
             declare_param(self.bias, spec, (hidden,), "zeros")
@@ -32,11 +38,12 @@ class Norm(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight + 1 if self.zero_centered else self.weight
         fused = device.apex_fused_norm(self.kind, x.device.type)  # apex on CUDA when installed
         if self.kind == "LayerNorm":
             if fused is not None:
-                return fused(x, self.weight, self.bias, (self.hidden,), self.eps)
-            return F.layer_norm(x, (self.hidden,), self.weight, self.bias, self.eps)
+                return fused(x, weight, self.bias, (self.hidden,), self.eps)
+            return F.layer_norm(x, (self.hidden,), weight, self.bias, self.eps)
         if fused is not None:
-            return fused(x, self.weight, (self.hidden,), self.eps)
-        return F.rms_norm(x, (self.hidden,), self.weight, self.eps)
+            return fused(x, weight, (self.hidden,), self.eps)
+        return F.rms_norm(x, (self.hidden,), weight, self.eps)

@@ -143,7 +143,7 @@ class TransformerLayer(nn.Module):
         super().__init__()
         self.cfg, self.tracker, self.sequence_parallel = cfg, tracker, sequence_parallel
         norm = dict(kind=cfg.normalization, eps=cfg.norm_epsilon, sequence_parallel=sequence_parallel,
-                    dtype=dtype, device=device)
+                    dtype=dtype, device=device, zero_centered=cfg.apply_layernorm_1p)
         self.input_norm = Norm(cfg.hidden_size, **norm)
         self.attention = Attention(cfg, pg, tracker, sequence_parallel, dtype, device)
         self.pre_mlp_norm = Norm(cfg.hidden_size, **norm)

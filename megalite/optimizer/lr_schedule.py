@@ -7,6 +7,11 @@ iteration ``k`` is the one read back from the optimizer after the scheduler step
 ``(k - skipped) * global_batch`` samples — the rate the *next* iteration will apply. With warm-up the
 first iteration therefore applies ``--lr-warmup-init`` (default 0) and ``--lr`` is first applied at
 iteration ``warm-up + 1``.
+
+With ``--decoupled-lr`` the input embedding and output layer form their own parameter groups, whose
+peak and final rates are ``--decoupled-lr`` and ``--decoupled-min-lr`` (default ``--min-lr``) in the
+same schedule: the same warm-up (from the same ``--lr-warmup-init``), decay style and spans, as
+megatron-core computes a group's ``max_lr``/``min_lr``.
 """
 
 from __future__ import annotations
@@ -48,17 +53,24 @@ class LRSchedule:
     init_lr: float = 0.0
     wsd_decay_steps: int | None = None
     wsd_style: str = "exponential"
+    decoupled_lr: float | None = None  # peak rate of the embedding and output layer (None: --lr)
+    decoupled_min_lr: float | None = None  # their final rate (None: min_lr)
 
-    def at(self, steps: float) -> float:
-        """Learning rate after ``steps`` scheduler steps (samples of successful updates)."""
+    def at(self, steps: float, decoupled: bool = False) -> float:
+        """Learning rate after ``steps`` scheduler steps (samples of successful updates); ``decoupled``:
+        the rate of the embedding and output layer (the default rate when there is no --decoupled-lr)."""
+        max_lr, min_lr = self.lr, self.min_lr
+        if decoupled and self.decoupled_lr is not None:
+            max_lr = self.decoupled_lr
+            min_lr = self.min_lr if self.decoupled_min_lr is None else self.decoupled_min_lr
         if self.warmup_steps > 0 and steps <= self.warmup_steps:
-            return self.init_lr + (self.lr - self.init_lr) * float(steps) / float(self.warmup_steps)
+            return self.init_lr + (max_lr - self.init_lr) * float(steps) / float(self.warmup_steps)
         if self.style == "constant":
-            return self.lr
+            return max_lr
         if steps > self.decay_steps:
-            return self.min_lr
+            return min_lr
         if self.style == "inverse-square-root":
-            return max(self.min_lr, self.lr * max(self.warmup_steps, 1) ** 0.5 / max(steps, 1) ** 0.5)
+            return max(min_lr, max_lr * max(self.warmup_steps, 1) ** 0.5 / max(steps, 1) ** 0.5)
         ratio = (steps - self.warmup_steps) / (self.decay_steps - self.warmup_steps)
         if self.style == "linear":
             coeff = 1.0 - ratio
@@ -70,13 +82,13 @@ class LRSchedule:
                 self.wsd_style, (steps - anneal_start) / self.wsd_decay_steps)
         else:
             raise ValueError(f"--lr-decay-style must be one of {', '.join(DECAY_STYLES)}, got {self.style}")
-        return self.min_lr + coeff * (self.lr - self.min_lr)
+        return min_lr + coeff * (max_lr - min_lr)
 
-    def after(self, iterations: int, skipped: int, global_batch_size: int) -> float:
+    def after(self, iterations: int, skipped: int, global_batch_size: int, decoupled: bool = False) -> float:
         """The rate once ``iterations`` steps are done, ``skipped`` of them skipped by an fp16 overflow
         (which do not advance the schedule). Before iteration k it is the rate k applies; after it, the
         rate Megatron logs for k (the scheduler has stepped: the next iteration's rate)."""
-        return self.at((iterations - skipped) * global_batch_size)
+        return self.at((iterations - skipped) * global_batch_size, decoupled)
 
 
 def schedule_from_config(o: "OptimizerConfig", t: "TrainingConfig") -> LRSchedule:
@@ -94,4 +106,4 @@ def schedule_from_config(o: "OptimizerConfig", t: "TrainingConfig") -> LRSchedul
     if o.lr_warmup_fraction is not None:
         warmup = o.lr_warmup_fraction * decay
     return LRSchedule(o.lr, o.min_lr, warmup, decay, o.lr_decay_style, o.lr_warmup_init, wsd,
-                      o.lr_wsd_decay_style)
+                      o.lr_wsd_decay_style, o.decoupled_lr, o.decoupled_min_lr)

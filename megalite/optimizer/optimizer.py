@@ -6,6 +6,9 @@ For each parameter, this rank owns a flat slice (all of it, or with --use-distri
 of the DP shard of the gradient buffer). The fp32 main copy of that slice (an alias of the model weight
 for fp32 models without offload), its gradient view and its Adam moments are all this rank keeps.
 Bytes per parameter (mixed precision): 2 + 4 + 12 = 18, or 2 + 4 + 12/d when sharded.
+
+Adam's parameter groups hold these slices, so a shard that spans an embedding and a layer simply has
+slices in two groups (--decoupled-lr gives the embedding and output layer groups of their own).
 """
 
 from __future__ import annotations
@@ -18,11 +21,13 @@ from torch import nn
 
 from megalite import device
 from megalite.config.arguments import MegaliteConfig
+from megalite.config.training import OptimizerConfig
 from megalite.distributed.grad_buffer import GradBuffer
 from megalite.optimizer.adam import build_adamw
 from megalite.optimizer.clip import counted_ranges
 from megalite.optimizer.loss_scaler import ConstantLossScaler, DynamicLossScaler
 from megalite.parallel.groups import Group, ProcessGroups
+from megalite.tensor_parallel.param_meta import param_meta
 
 
 @dataclass
@@ -62,6 +67,18 @@ def make_loss_scaler(cfg: MegaliteConfig):
                              pr.loss_scale_collapse_iters)
 
 
+def param_groups(slices: list[tuple[nn.Parameter, torch.Tensor]], o: OptimizerConfig) -> list[dict]:
+    """Adam's groups of the (parameter, main slice) pairs, as Megatron forms them: weight decay on matrices
+    only (not on biases and norm weights); with --decoupled-lr, the input embedding's and the output layer's
+    slices in groups of their own, marked ``is_decoupled_lr`` (the rate step() sets differs)."""
+    groups = {(False, True): [], (False, False): []}  # (decoupled, decayed) -> main slices; these two always
+    for p, main in slices:
+        decoupled = o.decoupled_lr is not None and param_meta(p).embedding_or_output
+        groups.setdefault((decoupled, p.ndim > 1), []).append(main)
+    return [{"params": mains, "weight_decay": o.weight_decay if decayed else 0.0, "is_decoupled_lr": decoupled}
+            for (decoupled, decayed), mains in groups.items()]
+
+
 class MegaliteOptimizer:
     def __init__(self, buffers: list[GradBuffer], cfg: MegaliteConfig, pg: ProcessGroups) -> None:
         o = cfg.optimizer
@@ -70,7 +87,6 @@ class MegaliteOptimizer:
         self.scaler = make_loss_scaler(cfg)
         offload = cfg.ddp.optimizer_cpu_offload and device.has_cuda()
         self.entries: list[Entry] = []
-        decay, no_decay = [], []
         for buf in buffers:
             for p in buf.ranges:
                 region = buf.owned_region(p)
@@ -83,8 +99,7 @@ class MegaliteOptimizer:
                 if offload:
                     main = main.cpu().pin_memory() if device.has_cuda() else main.cpu()
                 self.entries.append(Entry(p, lo, hi, main, alias, counted_ranges(p, pg, lo, hi)))
-                (no_decay if p.ndim == 1 else decay).append(main)
-        groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        groups = param_groups([(e.param, e.main) for e in self.entries], o)
         self.adam = build_adamw(groups, on_gpu=device.has_cuda() and not offload, lr=o.lr,
                                 betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps)
         self.pending_gathers: list = []
@@ -105,7 +120,9 @@ class MegaliteOptimizer:
         return t
 
     @torch.no_grad()
-    def step(self, lr: float, clip_grad: float) -> StepResult:
+    def step(self, lr: float, clip_grad: float, decoupled_lr: float | None = None) -> StepResult:
+        """One update at rate ``lr`` (``decoupled_lr`` for the --decoupled-lr groups) after unscaling,
+        the overflow check and clipping to ``clip_grad``."""
         grads = []
         for e in self.entries:
             g = e.param.main_grad.view(-1)[e.lo:e.hi]
@@ -131,7 +148,7 @@ class MegaliteOptimizer:
         if clip_grad > 0 and norm > clip_grad and norm == norm:
             torch._foreach_mul_(grads, clip_grad / (norm + 1e-6))
         for group in self.adam.param_groups:
-            group["lr"] = lr
+            group["lr"] = decoupled_lr if group["is_decoupled_lr"] and decoupled_lr is not None else lr
         self.adam.step()
         for e in self.entries:
             if not e.alias:

@@ -29,6 +29,9 @@ class ParamMeta:
     # first stage's embedding): it is initialized from that tensor and stored under that name.
     copy_of: str | None = None
     tied_embedding: bool = False  # one of the two copies of a word embedding tied across pipeline stages
+    # The input word embedding or the output layer's weight (any copy of them): --decoupled-lr's parameters
+    # (Megatron's is_embedding_or_output_parameter; the learned position embedding is not one).
+    embedding_or_output: bool = False
 
 
 def declare_param(param: nn.Parameter, spec: ShardSpec, full_shape: tuple[int, ...], init: str) -> None:

@@ -145,9 +145,9 @@ def pretrain(cfg: MegaliteConfig, pg: ProcessGroups, data: RunData | None = None
         run.gc.start()
         while run.state.iteration < t.train_iters:
             profiler.before(run.state.iteration)
-            lr = run.schedule.after(run.state.iteration, run.state.skipped_iterations, t.global_batch_size)
+            done = (run.state.iteration, run.state.skipped_iterations, t.global_batch_size)
             out = train_step(run.chunks, run.buffers, run.optimizer, run.data.train, run.state.consumed_samples,
-                             lr, cfg, pg, timers)
+                             run.schedule.after(*done), cfg, pg, timers, run.schedule.after(*done, decoupled=True))
             step = run.record(out)
             if cfg.parallel.record_pipeline_timeline:
                 write_timeline(cfg, pg, out.record, len(run.chunks))

@@ -64,7 +64,8 @@ class StepOutput:
 
 
 def train_step(chunks: list[nn.Module], buffers: list[GradBuffer], optimizer: MegaliteOptimizer, dataset,
-               consumed: int, lr: float, cfg: MegaliteConfig, pg: ProcessGroups, timers: Timers) -> StepOutput:
+               consumed: int, lr: float, cfg: MegaliteConfig, pg: ProcessGroups, timers: Timers,
+               decoupled_lr: float | None = None) -> StepOutput:
     record = PipelineRecord(keep_timeline=bool(cfg.parallel.record_pipeline_timeline),
                             synchronize=timers.level > 0)
     with timers.phase("batch-generator"):
@@ -88,7 +89,7 @@ def train_step(chunks: list[nn.Module], buffers: list[GradBuffer], optimizer: Me
     if cfg.training.empty_unused_memory_level >= 1:
         device.empty_cache()
     with timers.phase("optimizer"):
-        result = optimizer.step(lr, cfg.optimizer.clip_grad)
+        result = optimizer.step(lr, cfg.optimizer.clip_grad, decoupled_lr)
     if cfg.training.empty_unused_memory_level >= 2:
         device.empty_cache()
     return StepOutput(reported_loss(losses, pg), result.grad_norm, result.skipped, loss_scale, record)
