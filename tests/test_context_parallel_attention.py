@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from megalite.context_parallel import context_parallel_attention, zigzag_index, zigzag_split
+from megalite.context_parallel.ring import block
 from megalite.model.transformer import core_attention
 from megalite.parallel.groups import Group, ProcessGroups
 from megalite.parallel.layout import RankLayout
@@ -149,6 +150,54 @@ def test_checker_catches_a_reordered_ring_batch():
     # same shapes: NCCL would hand K/V over as dK/dV without a word
     with pytest.raises(NcclCheckError, match=r"sent as dkv step 2 \[2, 1, 2, 8, 8\] but received as kv step 2"):
         replay(logs)
+
+
+# ---- attention dropout in the ring ------------------------------------------------------------------
+P_DROP = 0.3
+
+
+def _ring_dropout(rank: int, world: int) -> dict:
+    """The ring with dropout against serial attention under the same masks: the ring draws one mask per
+    block in block order (``block``); here they are drawn again and put at the keys' global positions."""
+    pg = ProcessGroups.build(RankLayout(world, cp=world), rank) if world > 1 else ProcessGroups.single()
+    nq, nkv = HEADS["gqa"]
+    q, k, v, dout = inputs(nq, nkv, seed=3)
+    seg, s_local, pos = segments(), SEQ // world, [zigzag_index(SEQ, world, j) for j in range(world)]
+    local = [zigzag_split(t, 2, world, rank).requires_grad_() for t in (q, k, v)]
+    torch.manual_seed(11 + rank)
+    got = context_parallel_attention(*local, pg, "p2p", dropout_p=P_DROP, segment_ids=seg)
+    after_forward = torch.get_rng_state()
+    got.backward(zigzag_split(dout, 2, world, rank))
+    torch.manual_seed(11 + rank)
+    keep = torch.zeros(B, nq, s_local, SEQ)
+    for step in range(world):
+        j = (rank - step) % world
+        rows, cols, _ = block(rank, j, s_local)
+        shape = (B, nkv, nq // nkv, rows.stop - rows.start, cols.stop - cols.start)
+        keep[:, :, rows][..., pos[j][cols]] = ((torch.rand(shape) >= P_DROP).float() / (1 - P_DROP)).flatten(1, 2)
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    qr, kf, vf = full[0][:, :, pos[rank]], *(t.repeat_interleave(nq // nkv, dim=1) for t in full[1:])
+    allowed = (torch.arange(SEQ)[None, :] <= pos[rank][:, None]) & (seg[:, pos[rank], None] == seg[:, None, :])
+    scores = (qr @ kf.transpose(-1, -2) / D ** 0.5).masked_fill(~allowed[:, None], float("-inf"))
+    want = (scores.softmax(dim=-1) * keep) @ vf
+    want.backward(zigzag_split(dout, 2, world, rank))
+    grads = [full[0].grad] + [pg.all_reduce(t.grad, Group.CP) if world > 1 else t.grad for t in full[1:]]
+    errs = {name: float((a.detach() - zigzag_split(w, 2, world, rank)).abs().max())
+            for name, a, w in zip(("dq", "dk", "dv"), [t.grad for t in local], grads)}
+    errs["out"] = float((got - want).detach().abs().max())
+    errs["rng"] = float(not torch.equal(torch.get_rng_state(), after_forward))  # backward replays, then restores
+    errs["dropped"] = float((got - context_parallel_attention(*local, pg, "p2p", segment_ids=seg)).detach().abs().max())
+    return errs
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_ring_dropout_merges_exactly(cp):
+    results = [_ring_dropout(0, 1)] if cp == 1 else run_ranks(_ring_dropout, cp, timeout=120)
+    for rank, errs in enumerate(results):
+        assert errs["dropped"] > 0.1, "dropout changed nothing"
+        assert errs["rng"] == 0.0, "the backward left the generator elsewhere than the forward did"
+        for name in ("out", "dq", "dk", "dv"):
+            assert errs[name] <= 2e-5, f"rank {rank} {name}: {errs[name]:.2e}"
 
 
 # ---- single-process properties ---------------------------------------------------------------------
