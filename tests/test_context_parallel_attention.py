@@ -17,7 +17,7 @@ import torch
 from megalite.context_parallel import context_parallel_attention, zigzag_index, zigzag_split
 from megalite.context_parallel.ring import block
 from megalite.model.transformer import core_attention
-from megalite.parallel.groups import Group, ProcessGroups
+from megalite.parallel.groups import Group, P2POp, ProcessGroups
 from megalite.parallel.layout import RankLayout
 from megalite.parallel.nccl_check import NcclCheckError, Post, replay
 from tests.harness import run_ranks
@@ -230,3 +230,11 @@ def test_bad_input_is_named():
         context_parallel_attention(*local, pg, "ring")
     with pytest.raises(ValueError, match="--seq-length 12 .*--context-parallel-size"):
         zigzag_index(12, 4, 0)
+
+
+def test_p2p_travels_on_pipeline_or_cp_groups_only():
+    pg = ProcessGroups.unconnected(RankLayout(4, tp=2, cp=2), 0, record=True)
+    with pytest.raises(ValueError, match="point-to-point messages travel on the pp or cp group, not tp"):
+        pg.post_p2p([P2POp("send", torch.zeros(1), 1)], kind=Group.TP)
+    pg.post_p2p([P2POp("send", torch.zeros(1), 1, "x")], kind=Group.CP)
+    assert pg.p2p_log[0].comm == "cp:0,2" and pg.p2p_log[0].ops[0].peer == 2

@@ -54,4 +54,6 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     Returns [b, nq, s_local, d], the rows of full-sequence attention this rank holds."""
     cp = pg.size(Group.CP)
     _check(q, k, v, comm_type, cp, segment_ids)
+    if segment_ids is not None:
+        segment_ids = segment_ids.to(q.device)
     return COMM_TYPES[comm_type](q, k, v, pg, segment_ids, dropout_p)
