@@ -19,12 +19,17 @@ its own block's part. So each rank sends c-1 K/V messages and c-1 dK/dV messages
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from megalite import device
 from megalite.context_parallel import blockwise
 from megalite.context_parallel.zigzag import zigzag_positions
 from megalite.parallel.groups import Group, P2POp, P2PWork, ProcessGroups
+
+# Query rows per piece of a block: bounds the scores that exist at once to ROW_TILE x s_local per head.
+ROW_TILE = 1024
 
 
 def block(r: int, j: int, s_local: int) -> tuple[slice, slice, bool]:
@@ -56,14 +61,17 @@ def _grouped(t: torch.Tensor, groups: int) -> torch.Tensor:
     return t.float().reshape(b, groups, h // groups, s, d)
 
 
-def _masks(r: int, j: int, pos: torch.Tensor, segment_ids: torch.Tensor | None, shape: tuple, p: float
-           ) -> tuple[slice, slice, torch.Tensor | None, torch.Tensor | None]:
-    """One block's rows, columns, attention mask and dropout factors (drawn in block order)."""
+def _pieces(r: int, j: int, pos: torch.Tensor, segment_ids: torch.Tensor | None, shape: tuple, p: float
+            ) -> Iterator[tuple[slice, slice, torch.Tensor | None, torch.Tensor | None]]:
+    """The block of rank j's keys in tiles of at most ROW_TILE query rows (so no more than ROW_TILE x s_local
+    scores per head exist at once): rows, columns, attention mask and dropout factors (drawn in order)."""
     rows, cols, causal = block(r, j, pos.shape[1])
-    mask = blockwise.allowed(pos[r][rows], pos[j][cols], segment_ids, causal)
     b, g, rep = shape
-    keep = blockwise.dropout_mask((b, g, rep, rows.stop - rows.start, cols.stop - cols.start), p, pos.device)
-    return rows, cols, mask, keep
+    for start in range(rows.start, rows.stop, ROW_TILE):
+        tile = slice(start, min(start + ROW_TILE, rows.stop))
+        mask = blockwise.allowed(pos[r][tile], pos[j][cols], segment_ids, causal)
+        keep = blockwise.dropout_mask((b, g, rep, tile.stop - tile.start, cols.stop - cols.start), p, pos.device)
+        yield tile, cols, mask, keep
 
 
 def ring_forward(ring: _Ring, q: torch.Tensor, kv: torch.Tensor, segment_ids: torch.Tensor | None, p: float
@@ -76,17 +84,32 @@ def ring_forward(ring: _Ring, q: torch.Tensor, kv: torch.Tensor, segment_ids: to
         j = (r - step) % c
         if step + 1 < c:
             work, nxt = ring.exchange(kv, f"kv step {step + 1}")  # posted before this block's compute
-        rows, cols, mask, keep = _masks(r, j, pos, segment_ids, q.shape[:3], p)
-        k, v = (t[:, :, None, cols].float() for t in kv)
-        o, lb = blockwise.forward(q[:, :, :, rows], k, v, mask, keep)
-        if step == 0:  # the own block: every row sees itself, so lse is finite from here on
-            out[:, :, :, rows], lse[:, :, :, rows] = o, lb
-        else:
-            blockwise.merge(out[:, :, :, rows], lse[:, :, :, rows], o, lb)
+        for rows, cols, mask, keep in _pieces(r, j, pos, segment_ids, q.shape[:3], p):
+            k, v = (t[:, :, None, cols].float() for t in kv)
+            o, lb = blockwise.forward(q[:, :, :, rows], k, v, mask, keep)
+            if step == 0:  # the own block: every row sees itself, so lse is finite from here on
+                out[:, :, :, rows], lse[:, :, :, rows] = o, lb
+            else:
+                blockwise.merge(out[:, :, :, rows], lse[:, :, :, rows], o, lb)
         if step + 1 < c:
             work.wait()
             kv = nxt
     return out, lse
+
+
+def _block_grads(r: int, j: int, q: torch.Tensor, kv: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
+                 delta: torch.Tensor, dq: torch.Tensor, pos: torch.Tensor, segment_ids: torch.Tensor | None,
+                 p: float) -> torch.Tensor:
+    """Add this block's part to ``dq``; return its fp32 dK/dV [2, b, g, s_local, d] for rank j's keys."""
+    dkv = torch.zeros((2, *kv.shape[1:]), dtype=torch.float32, device=q.device)
+    for rows, cols, mask, keep in _pieces(r, j, pos, segment_ids, q.shape[:3], p):
+        k, v = (t[:, :, None, cols].float() for t in kv)
+        dq_b, dk, dv = blockwise.backward(q[:, :, :, rows], k, v, mask, keep, lse[:, :, :, rows],
+                                          dout[:, :, :, rows], delta[:, :, :, rows])
+        dq[:, :, :, rows] += dq_b
+        dkv[0][:, :, cols] += dk.squeeze(2)
+        dkv[1][:, :, cols] += dv.squeeze(2)
+    return dkv
 
 
 def ring_backward(ring: _Ring, q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
@@ -102,13 +125,7 @@ def ring_backward(ring: _Ring, q: torch.Tensor, kv: torch.Tensor, out: torch.Ten
         j = (r - step) % c
         if step + 1 < c:
             kv_work, kv_next = ring.exchange(kv, f"kv step {step + 1}")
-        rows, cols, mask, keep = _masks(r, j, pos, segment_ids, q.shape[:3], p)
-        k, v = (t[:, :, None, cols].float() for t in kv)
-        dq_b, dk, dv = blockwise.backward(q[:, :, :, rows], k, v, mask, keep, lse[:, :, :, rows],
-                                          dout[:, :, :, rows], delta[:, :, :, rows])
-        dq[:, :, :, rows] += dq_b
-        dkv = torch.zeros((2, *kv.shape[1:]), dtype=torch.float32, device=q.device)
-        dkv[0][:, :, cols], dkv[1][:, :, cols] = dk.squeeze(2), dv.squeeze(2)
+        dkv = _block_grads(r, j, q, kv, lse, dout, delta, dq, pos, segment_ids, p)
         if step == 0:
             own = dkv
         else:
