@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megalite.context_parallel import context_parallel_attention, ring, zigzag_index, zigzag_split
+from megalite.context_parallel import blockwise, context_parallel_attention, ring, zigzag_index, zigzag_split
 from megalite.context_parallel.ring import block
 from megalite.model.transformer import core_attention
 from megalite.parallel.groups import Group, P2POp, ProcessGroups
@@ -52,9 +52,9 @@ def inputs(nq: int, nkv: int, seed: int) -> list[torch.Tensor]:
     return [torch.randn(B, n, SEQ, D, generator=g) for n in (nq, nkv, nkv, nq)]  # q, k, v, dout
 
 
-def _compare(rank: int, world: int, row_tile: int) -> dict:
+def _compare(rank: int, world: int, fused: bool, row_tile: int) -> dict:
     """Every comm type and case on this rank: worst error against serial and the bytes counted."""
-    ring.ROW_TILE = row_tile
+    blockwise.FUSED_CPU, ring.ROW_TILE = fused, row_tile
     pg = ProcessGroups.build(RankLayout(world, cp=world), rank)
     out = {}
     for comm in COMM_TYPES:
@@ -79,8 +79,10 @@ def _compare(rank: int, world: int, row_tile: int) -> dict:
 
 @pytest.fixture(scope="module")
 def results(p2p_semantics) -> dict[int, list[dict]]:
-    # at c = 4 the ring computes its blocks in pieces of 3 query rows (8 or 4 rows per block here)
-    return {cp: run_ranks(_compare, cp, ring.ROW_TILE if cp == 2 else 3, timeout=120) for cp in (2, 4)}
+    # c = 2: the ring's blocks on the CPU flash kernel; c = 4: on the plain path, in pieces of 3 query rows
+    # (8 or 4 rows per block here)
+    kernels = {2: (True, ring.ROW_TILE), 4: (False, 3)}
+    return {cp: run_ranks(_compare, cp, *kernels[cp], timeout=120) for cp in (2, 4)}
 
 
 @pytest.mark.parametrize("cp", [2, 4])
@@ -212,6 +214,23 @@ def test_zigzag_index_balances_the_causal_work():
     assert len(set(work)) == 1
     x = torch.arange(24).reshape(1, 24)
     assert torch.equal(zigzag_split(x, 1, 3, 2)[0], zigzag_index(24, 3, 2))
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["cpu_flash_kernel", "plain"])
+def test_ring_kernels_and_row_pieces(fused, monkeypatch):
+    """Both block kernels, in pieces of 5 query rows (uneven), equal serial attention with documents."""
+    monkeypatch.setattr(blockwise, "FUSED_CPU", fused)
+    monkeypatch.setattr(ring, "ROW_TILE", 5)
+    q, k, v, dout = inputs(8, 2, seed=5)
+    seg = segments()
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    got = context_parallel_attention(*full, ProcessGroups.single(), "p2p", segment_ids=seg)
+    got.backward(dout)
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = reference(*ref, seg)
+    want.backward(dout)
+    for a, w in zip([got] + [t.grad for t in full], [want] + [t.grad for t in ref]):
+        torch.testing.assert_close(a, w, rtol=1e-5, atol=1e-5)
 
 
 def test_cp1_is_serial_attention_with_documents():

@@ -97,15 +97,15 @@ def ring_forward(ring: _Ring, q: torch.Tensor, kv: torch.Tensor, segment_ids: to
     return out, lse
 
 
-def _block_grads(r: int, j: int, q: torch.Tensor, kv: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
-                 delta: torch.Tensor, dq: torch.Tensor, pos: torch.Tensor, segment_ids: torch.Tensor | None,
-                 p: float) -> torch.Tensor:
+def _block_grads(r: int, j: int, q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                 dout: torch.Tensor, delta: torch.Tensor, dq: torch.Tensor, pos: torch.Tensor,
+                 segment_ids: torch.Tensor | None, p: float) -> torch.Tensor:
     """Add this block's part to ``dq``; return its fp32 dK/dV [2, b, g, s_local, d] for rank j's keys."""
     dkv = torch.zeros((2, *kv.shape[1:]), dtype=torch.float32, device=q.device)
     for rows, cols, mask, keep in _pieces(r, j, pos, segment_ids, q.shape[:3], p):
         k, v = (t[:, :, None, cols].float() for t in kv)
         dq_b, dk, dv = blockwise.backward(q[:, :, :, rows], k, v, mask, keep, lse[:, :, :, rows],
-                                          dout[:, :, :, rows], delta[:, :, :, rows])
+                                          dout[:, :, :, rows], out[:, :, :, rows], delta[:, :, :, rows])
         dq[:, :, :, rows] += dq_b
         dkv[0][:, :, cols] += dk.squeeze(2)
         dkv[1][:, :, cols] += dv.squeeze(2)
@@ -125,7 +125,7 @@ def ring_backward(ring: _Ring, q: torch.Tensor, kv: torch.Tensor, out: torch.Ten
         j = (r - step) % c
         if step + 1 < c:
             kv_work, kv_next = ring.exchange(kv, f"kv step {step + 1}")
-        dkv = _block_grads(r, j, q, kv, lse, dout, delta, dq, pos, segment_ids, p)
+        dkv = _block_grads(r, j, q, kv, out, lse, dout, delta, dq, pos, segment_ids, p)
         if step == 0:
             own = dkv
         else:
