@@ -4,8 +4,8 @@ There are no module-level groups: a layer holds the ProcessGroups it was built w
 cannot be picked up by accident and tests can hold several layouts. Every collective and every
 point-to-point message of megalite goes through the methods here, which skip size-1 groups, use the flat
 tensor collectives (``all_gather_single``/``reduce_scatter_single``: one path on NCCL and gloo) and count
-the bytes each axis moves (checked against docs/design.md's formulas). Pipeline messages are posted as
-batches (``post_p2p``), recorded on request for the NCCL replay checker, and, with
+the bytes each axis moves (checked against docs/design.md's formulas). Pipeline and context-parallel
+ring messages are posted as batches (``post_p2p``), recorded on request for the NCCL replay checker, and, with
 ``MEGALITE_NCCL_SEMANTICS=1``, run under NCCL's ordering rules on gloo (``nccl_emulation``).
 """
 
@@ -144,12 +144,14 @@ class ProcessGroups:
         self.comm_bytes[(str(kind), op)] += tensor.numel() * tensor.element_size()
 
     def _run(self, kind: str, fn, *args, async_op: bool = False, **kwargs) -> dist.Work | None:
-        """Call a torch.distributed collective on group ``kind``; in NCCL-semantics mode the PP group's
-        collectives join that group's ordered queue, as NCCL runs them on the same communicator."""
+        """Call a torch.distributed collective on group ``kind``; in NCCL-semantics mode the collectives
+        of the groups that also carry batched p2p (PP, CP) join that group's ordered queue, as NCCL runs
+        them on the same communicator."""
         if self.dry_run:
             raise RuntimeError(f"{fn.__name__} on the {kind} group of ProcessGroups built without communicators")
-        if self.emulation is not None and kind == Group.PP:
-            work = self.emulation.collective(self.ranks[kind], fn, args, kwargs, self.groups[kind])
+        if self.emulation is not None and kind in P2P_KINDS:
+            work = self.emulation.collective(_comm_name(kind, self.ranks[kind]), self.ranks[kind], fn, args, kwargs,
+                                             self.groups[kind])
             return work if async_op else work.wait()
         if async_op:
             kwargs["async_op"] = True
@@ -210,6 +212,16 @@ class ProcessGroups:
         self._run(kind, dist.reduce_scatter_single, out, data)
         return out
 
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, kind: str, label: str = "all_to_all") -> None:
+        """Flat all-to-all: ``inp``'s i-th of n equal parts (dim 0) goes to the group's rank i, and ``out``'s
+        j-th part comes from rank j; counts the bytes of ``inp`` (its own part included, like the other
+        flat collectives)."""
+        if self.size(kind) == 1:
+            out.copy_(inp.reshape(out.shape))
+            return
+        self._count(kind, label, inp)
+        self._run(kind, dist.all_to_all_single, out, inp.contiguous())
+
     def broadcast(self, tensor: torch.Tensor, kind: str, src_index: int = 0) -> torch.Tensor:
         if self.size(kind) > 1:
             self._count(kind, "broadcast", tensor)
@@ -228,16 +240,19 @@ class ProcessGroups:
         self._run(kind, dist.all_gather_object, out, obj)
         return out
 
-    # ---- point to point (pipeline): see docs/parallelism.md, "Pipeline messages" ----------------
-    def post_p2p(self, ops: Sequence[P2POp], where: str = "", batched: bool = True) -> P2PWork:
-        """Post ``ops`` (toward pipeline ranks, by PP index) together as one batch on the PP group's
-        communicator, or (``batched=False``, one op only) alone on the pair's communicator."""
-        kind = Group.PP
+    # ---- point to point (pipeline, context-parallel ring): docs/parallelism.md, "Pipeline messages" --
+    def post_p2p(self, ops: Sequence[P2POp], where: str = "", batched: bool = True,
+                 kind: str = Group.PP) -> P2PWork:
+        """Post ``ops`` (toward ranks of group ``kind``, by index there: the pipeline, or the CP ring)
+        together as one batch on that group's communicator, or (``batched=False``, one op only) alone on
+        the pair's communicator. Sends are counted under (kind, "send")."""
+        if kind not in P2P_KINDS:
+            raise ValueError(f"point-to-point messages travel on the {' or '.join(P2P_KINDS)} group, not {kind}")
         peers = [self.ranks[kind][op.peer] for op in ops]
         for op in ops:
             if op.kind == "send":
                 self._count(kind, "send", op.tensor)
-        comm = "pp:" + ",".join(map(str, self.ranks[kind])) if batched else \
+        comm = _comm_name(kind, self.ranks[kind]) if batched else \
             "pair:" + ",".join(map(str, sorted((self.rank, peers[0]))))
         index = None
         if self.p2p_log is not None:
@@ -266,9 +281,19 @@ class ProcessGroups:
         device.synchronize()
 
 
+# Groups whose ranks exchange point-to-point batches: the pipeline stages and the context-parallel ring.
+P2P_KINDS = (Group.PP, Group.CP)
+
+
+def _comm_name(kind: str, ranks: Sequence[int]) -> str:
+    """The name of group ``kind``'s communicator (batches and collectives share it under NCCL)."""
+    return f"{kind}:" + ",".join(map(str, ranks))
+
+
 class P2POp(NamedTuple):
-    """One pipeline message: ``kind`` "send" or "recv", the tensor (the receive buffer), the peer's index
-    in the PP group, and what the message is (for the checkers' reports; NCCL itself sees no label)."""
+    """One point-to-point message: ``kind`` "send" or "recv", the tensor (the receive buffer), the peer's
+    index in the group the batch is posted on (PP or CP), and what the message is (for the checkers'
+    reports; NCCL itself sees no label)."""
 
     kind: str
     tensor: torch.Tensor

@@ -98,9 +98,9 @@ class NcclEmulation:
             entries.append((op.kind, op.tensor, peer, op.label or "message", group))
         return self._enqueue(_Item(self, comm, entries, keys))
 
-    def collective(self, ranks: list[int], fn, args: tuple, kwargs: dict, group) -> _Item:
-        """Queue a collective of the PP group behind that group's batches (same communicator)."""
-        comm = "pp:" + ",".join(map(str, ranks))
+    def collective(self, comm: str, ranks: list[int], fn, args: tuple, kwargs: dict, group) -> _Item:
+        """Queue a collective of a group that also carries batches (PP, CP) behind those batches on the
+        group's communicator ``comm``."""
         key = (comm, "collective")
         seq = self.counts[key]
         self.counts[key] += 1
