@@ -26,7 +26,7 @@ LAYOUTS = {
     "cp2_tp2_sp": (2, 1, 2, {"sequence_parallel": True}),
     "cp2_pp2_interleaved": (1, 2, 2, {"num_layers_per_virtual_pipeline_stage": 1}),
     "cp2_dp2_distopt": (1, 1, 2, {"use_distributed_optimizer": True}),
-    "cp2_dp2_all_gather_recompute": (1, 1, 2, {"cp_comm_type": "all_gather", "recompute_granularity": "full",
+    "cp2_dp2_allgather_recompute": (1, 1, 2, {"cp_comm_type": "allgather", "recompute_granularity": "full",
                                                "recompute_method": "uniform", "recompute_num_layers": 1}),
 }
 SKIP = {("gpt2", "cp2_pp2_interleaved"), ("llama", "cp4_a2a")}

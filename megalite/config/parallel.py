@@ -27,8 +27,8 @@ class ParallelConfig:
     cp_comm_type: str = option(
         "p2p", help="How context-parallel attention communicates: p2p (ring attention: K/V chunks passed "
         "around the CP ring, overlapped with the block computation), a2a (all-to-all to head-sharded full "
-        "sequences; local heads and query groups must be divisible by the CP size) or all_gather (gather "
-        "K/V, keep queries local).", choices=["p2p", "a2a", "all_gather"])
+        "sequences; local heads and query groups must be divisible by the CP size) or allgather (gather "
+        "K/V, keep queries local).", choices=["p2p", "a2a", "allgather"])
     sequence_parallel: bool = option(False, help="Shard norm/dropout activations along the sequence (needs TP>1).")
     rank_order: str = option("tp-cp-dp-pp", help="Rank layout order, leftmost axis varies fastest.",
                              choices=["tp-cp-dp-pp", "tp-cp-pp-dp"])

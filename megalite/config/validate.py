@@ -161,7 +161,7 @@ def context_parallel_errors(cfg: "MegaliteConfig") -> list[str]:
         for flag, n in (("--num-attention-heads", m.num_attention_heads), ("--num-query-groups", groups)):
             if n % tp == 0 and (n // tp) % cp:
                 errors.append(f"--cp-comm-type a2a: {flag} per tensor-parallel rank ({n} / {tp}) must be divisible "
-                              f"by --context-parallel-size ({cp}); use --cp-comm-type p2p or all_gather")
+                              f"by --context-parallel-size ({cp}); use --cp-comm-type p2p or allgather")
     if p.hierarchical_dp_reduce:
         errors.append("--hierarchical-dp-reduce is not supported with --context-parallel-size > 1 (gradients are "
                       "reduced over the data x context parallel group)")
