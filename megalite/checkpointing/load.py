@@ -64,8 +64,8 @@ def load_checkpoint(load_dir: str, chunks: list[nn.Module], optimizer: Any, pg: 
     reader = CheckpointReader(load_dir)
     check_config(reader.config, model_config, f"--load {load_dir}")
     lay = reader.meta["layout"]
-    same = (lay["tp"], lay["pp"], lay["dp"], lay["vp"], lay["world_size"]) == (
-        pg.tp_size, pg.pp_size, pg.dp_size, len(chunks), pg.layout.world_size)
+    same = (lay["tp"], lay["pp"], lay["dp"], lay.get("cp", 1), lay["vp"], lay["world_size"]) == (
+        pg.tp_size, pg.pp_size, pg.dp_size, pg.cp_size, len(chunks), pg.layout.world_size)
     same_tp = reader.tp == pg.tp_size  # then this rank's shard is on disk as is: read only it
     for _, key, p in named_params(chunks):
         local = reader.local_param(key, pg.tp_rank) if same_tp else None

@@ -57,9 +57,10 @@ def save_tensors(tensors: dict[str, torch.Tensor], path: str, metadata: dict[str
 
 
 def layout_meta(*, world_size: int | None, tp: int, pp: int, dp: int, vp: int, order: str,
-                distributed_optimizer: bool) -> dict[str, Any]:
-    """metadata.json's ``layout``: what the files were cut for (world_size None: written offline, no RNG)."""
-    return {"world_size": world_size, "tp": tp, "pp": pp, "dp": dp, "vp": vp, "order": order,
+                distributed_optimizer: bool, cp: int = 1) -> dict[str, Any]:
+    """metadata.json's ``layout``: what the files were cut for (world_size None: written offline, no RNG).
+    With context parallelism the distributed optimizer's files are one per DP x CP rank."""
+    return {"world_size": world_size, "tp": tp, "pp": pp, "dp": dp, "cp": cp, "vp": vp, "order": order,
             "distributed_optimizer": distributed_optimizer}
 
 

@@ -113,12 +113,13 @@ def _write_rank_files(staged: str, chunks: list[nn.Module], optimizer: Any, pg: 
     """This rank's tensor files; returns their checksums by path relative to ``staged``."""
     shard = shard_dirname(pg.tp_rank, pg.pp_rank)
     files: dict[str, tuple[dict, dict | None]] = {}
-    if pg.dp_rank == 0:  # weights are identical over DP
+    first = pg.grad_rank == 0  # weights (and unsharded optimizer state) are identical over DP and CP
+    if first:
         weights = {k: p for n, k, p in named_params(chunks) if n == k}
         files[os.path.join(shard, "model.safetensors")] = (weights, {"format": "megalite-model"})
-    if optimizer is not None and (optimizer.distributed or pg.dp_rank == 0):
+    if optimizer is not None and (optimizer.distributed or first):
         tensors, meta = optimizer_tensors(chunks, optimizer)
-        name = optim_filename(pg.dp_rank if optimizer.distributed else 0)
+        name = optim_filename(pg.grad_rank if optimizer.distributed else 0)
         files[os.path.join(shard, name)] = (tensors, {"format": "megalite-optim", "meta": json.dumps(meta)})
     files[rng_filename(pg.rank)] = (rng_states, None)
     return {rel: save_tensors(t, os.path.join(staged, rel), m) for rel, (t, m) in files.items()}
@@ -146,7 +147,7 @@ def save_checkpoint(save_dir: str, iteration: int, chunks: list[nn.Module], opti
         lay = pg.layout
         sharded = bool(optimizer is not None and optimizer.distributed)
         layout = layout_meta(world_size=lay.world_size, tp=lay.tp, pp=lay.pp, dp=lay.dp, vp=len(chunks),
-                             order=lay.order, distributed_optimizer=sharded)
+                             order=lay.order, distributed_optimizer=sharded, cp=lay.cp)
         checksums = {k: v for _, sums in results for k, v in sums.items()}
         write_metadata(staged, iteration=iteration, layout=layout, config=config, state=state,
                        device=device.device_type(), extra=extra_meta, checksums=checksums)

@@ -20,7 +20,15 @@ class ParallelConfig:
     record_pipeline_timeline: str | None = option(
         None, help="Write each rank's forward/backward start/end times of the last step to this directory "
         "(JSON; plot with tools/plot_pipeline_timeline.py).")
-    context_parallel_size: int = option(1, help="Context-parallel size (only 1 is supported).")
+    context_parallel_size: int = option(
+        1, help="Context-parallel size: ranks that split each sequence (2 x size chunks, rank r keeps chunks r "
+        "and 2 x size - 1 - r so causal attention costs the same everywhere). Gradients are reduced over "
+        "data x context parallel ranks.")
+    cp_comm_type: str = option(
+        "p2p", help="How context-parallel attention communicates: p2p (ring attention: K/V chunks passed "
+        "around the CP ring, overlapped with the block computation), a2a (all-to-all to head-sharded full "
+        "sequences; local heads and query groups must be divisible by the CP size) or allgather (gather "
+        "K/V, keep queries local).", choices=["p2p", "a2a", "allgather"])
     sequence_parallel: bool = option(False, help="Shard norm/dropout activations along the sequence (needs TP>1).")
     rank_order: str = option("tp-cp-dp-pp", help="Rank layout order, leftmost axis varies fastest.",
                              choices=["tp-cp-dp-pp", "tp-cp-pp-dp"])

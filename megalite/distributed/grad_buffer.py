@@ -55,7 +55,8 @@ class GradBuffer:
         """``separate``: parameters that get a bucket of their own at the start of the buffer (a tied
         embedding, so that both of its copies shard identically over DP)."""
         self.pg, self.distributed, self.overlap = pg, distributed, overlap
-        self.dp = pg.dp_size
+        self.kind = pg.grad_kind  # DP, or DP x CP with context parallelism
+        self.dp = pg.size(self.kind)
         self.hierarchical = pg.hierarchical_dp and self.dp > 1
         bucket_size = bucket_size or default_bucket_size(self.dp)
         align = self.dp if distributed else pg.size(Group.DP_INTRA) if self.hierarchical else 1
@@ -107,7 +108,7 @@ class GradBuffer:
         if not self.distributed:
             return bucket.start, bucket.end
         size = bucket.numel // self.dp
-        start = bucket.start + self.pg.dp_rank * size
+        start = bucket.start + self.pg.index(self.kind) * size
         return start, start + size
 
     def owned_region(self, param: nn.Parameter) -> tuple[int, int] | None:
@@ -137,10 +138,10 @@ class GradBuffer:
             self._start_hierarchical(bucket, data)
         elif self.distributed:
             bucket.shard_out = torch.empty(bucket.numel // self.dp, dtype=data.dtype, device=data.device)
-            bucket.work = self.pg.reduce_scatter_flat(bucket.shard_out, data, Group.DP, async_op=True,
+            bucket.work = self.pg.reduce_scatter_flat(bucket.shard_out, data, self.kind, async_op=True,
                                                       label="grad_reduce_scatter")
         else:
-            bucket.work = self.pg.all_reduce(data, Group.DP, async_op=True, label="grad_all_reduce")
+            bucket.work = self.pg.all_reduce(data, self.kind, async_op=True, label="grad_all_reduce")
 
     # ---- hierarchical reduction (--hierarchical-dp-reduce) ------------------------------------
     def _start_hierarchical(self, bucket: Bucket, data: torch.Tensor) -> None:
@@ -209,7 +210,7 @@ class GradBuffer:
             lo, hi = self.shard_range(b)
             shard = self.param_data[lo:hi].clone()
             out = self.param_data[b.start:b.end]
-            works.append(self.pg.all_gather_flat(out, shard, Group.DP, async_op=True, label="param_all_gather"))
+            works.append(self.pg.all_gather_flat(out, shard, self.kind, async_op=True, label="param_all_gather"))
         return works
 
 

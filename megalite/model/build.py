@@ -26,7 +26,7 @@ def build_model(cfg: MegaliteConfig, pg: ProcessGroups, vocab_size: int, tracker
         chunk = GPTModel(m, pg, vocab_size, tracker, sequence_parallel=p.sequence_parallel, dtype=dtype,
                          device=device.current_device(),
                          layer_numbers=chunk_layers(m.num_layers, pg.pp_size, vp, pg.pp_rank, c),
-                         pre_process=stage == 0, post_process=stage == last)
+                         pre_process=stage == 0, post_process=stage == last, cp_comm_type=p.cp_comm_type)
         initialize_parameters(chunk, pg, cfg.training.seed, m.init_method_std, m.num_layers)
         chunks.append(chunk)
     return chunks

@@ -54,10 +54,14 @@ class Embedding(nn.Module):
         self.position = (ReplicatedEmbedding(cfg.max_position_embeddings, cfg.hidden_size, dtype, device)
                          if cfg.position_embedding_type == "learned_absolute" else None)
 
-    def forward(self, tokens: torch.Tensor, position_offset: int = 0) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, position_offset: int = 0,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``position_ids`` [s]: the tokens' positions when they are not consecutive (context parallelism)."""
         x = self.word(tokens)  # [s, b, h], summed over TP
         if self.position is not None:
-            x = x + self.position.weight[position_offset: position_offset + tokens.shape[1]].unsqueeze(1)
+            pos = (self.position.weight[position_offset: position_offset + tokens.shape[1]] if position_ids is None
+                   else self.position.weight[position_ids])
+            x = x + pos.unsqueeze(1)
         if self.sequence_parallel:
             x = scatter_to_sp(x, self.pg)
         return hidden_dropout(x, self.cfg.hidden_dropout if self.training else 0.0, self.tracker,
@@ -68,7 +72,7 @@ class GPTModel(nn.Module):
     def __init__(self, cfg: ModelConfig, pg: ProcessGroups, vocab_size: int, tracker: RNGTracker, *,
                  layer_numbers: Sequence[int] | None = None, pre_process: bool = True, post_process: bool = True,
                  sequence_parallel: bool = False, dtype: torch.dtype = torch.float32,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, cp_comm_type: str = "p2p") -> None:
         super().__init__()
         self.cfg, self.pg, self.vocab_size, self.tracker = cfg, pg, vocab_size, tracker
         self.pre_process, self.post_process, self.sequence_parallel = pre_process, post_process, sequence_parallel
@@ -78,7 +82,8 @@ class GPTModel(nn.Module):
             self.embedding = Embedding(cfg, pg, vocab_size, self.padded_vocab, sequence_parallel, tracker,
                                        dtype, device)
         self.layers = nn.ModuleDict({
-            str(i): TransformerLayer(cfg, pg, tracker, sequence_parallel, dtype, device) for i in layer_numbers
+            str(i): TransformerLayer(cfg, pg, tracker, sequence_parallel, dtype, device, cp_comm_type)
+            for i in layer_numbers
         })
         if post_process:
             self.final_norm = Norm(cfg.hidden_size, cfg.normalization, cfg.norm_epsilon, sequence_parallel,
@@ -141,17 +146,23 @@ class GPTModel(nn.Module):
         return self.output_layer(hidden)
 
     def forward(self, tokens: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-                hidden: torch.Tensor | None = None, kv_cache=None) -> torch.Tensor:
+                hidden: torch.Tensor | None = None, kv_cache=None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """First stage: tokens [b, s]; other stages: ``hidden`` [s, b, h] from the previous stage.
 
         Returns the per-token loss [b, s] when ``labels`` is given on the last stage, the full logits
         [b, s, vocab] on the last stage without labels, else the hidden states for the next stage.
         ``kv_cache`` (inference, see megalite/inference/kv_cache.py): the new tokens sit at positions
-        ``kv_cache.offset`` onwards and attend to the cached keys/values of ``kv_cache.layer(number)``."""
+        ``kv_cache.offset`` onwards and attend to the cached keys/values of ``kv_cache.layer(number)``.
+        ``position_ids`` [s] (context parallelism): the global positions of this rank's tokens."""
         offset = 0 if kv_cache is None else kv_cache.offset
-        x = self.embedding(tokens, offset) if self.pre_process else hidden
-        seq_len = x.shape[0] * (self.pg.tp_size if self.sequence_parallel else 1)
-        angles = self._rope(seq_len, x.device, offset)
+        x = self.embedding(tokens, offset, position_ids) if self.pre_process else hidden
+        if position_ids is None:
+            seq_len = x.shape[0] * (self.pg.tp_size if self.sequence_parallel else 1)
+            angles = self._rope(seq_len, x.device, offset)
+        else:
+            angles = self._rope(self.cfg.seq_length, x.device)
+            angles = None if angles is None else angles[position_ids]
         if kv_cache is None:
             x = self._run_layers(x, angles)
         else:

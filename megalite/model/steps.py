@@ -9,13 +9,22 @@ from megalite.model.gpt import GPTModel
 
 
 def lm_forward_step(chunk: nn.Module, mb: dict[str, torch.Tensor], hidden: torch.Tensor | None) -> torch.Tensor:
-    """One micro-batch through one chunk: hidden states out, or the mean token loss on the last stage."""
+    """One micro-batch through one chunk: hidden states out, or the mean token loss on the last stage.
+
+    With context parallelism the micro-batch holds this rank's part of each sequence (``position_ids``)
+    and ``num_tokens``, the loss-mask count of the whole sequences: the loss is this part's share of the
+    sequences' mean, times the CP size, because gradients are averaged over DP x CP (the sum over CP
+    ranks of the shares is the mean, whatever the CP size)."""
     assert isinstance(chunk, GPTModel)
+    tokens = mb["tokens"] if chunk.pre_process else None
+    positions = mb.get("position_ids")
     if not chunk.post_process:
-        return chunk(mb["tokens"] if chunk.pre_process else None, hidden=hidden)
-    per_token = chunk(mb["tokens"] if chunk.pre_process else None, labels=mb["labels"], hidden=hidden)
+        return chunk(tokens, hidden=hidden, position_ids=positions)
+    per_token = chunk(tokens, labels=mb["labels"], hidden=hidden, position_ids=positions)
     mask = mb["loss_mask"]
-    return (per_token.float() * mask).sum() / mask.sum()
+    if "num_tokens" not in mb:
+        return (per_token.float() * mask).sum() / mask.sum()
+    return (per_token.float() * mask).sum() / mb["num_tokens"] * chunk.pg.cp_size
 
 
 def hidden_shape(chunk: GPTModel, tokens: torch.Tensor, tp_size: int) -> tuple[int, int, int]:

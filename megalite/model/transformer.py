@@ -15,6 +15,7 @@ from torch import nn
 
 from megalite import device
 from megalite.config.model import ModelConfig
+from megalite.context_parallel import context_parallel_attention
 from megalite.model.norm import Norm
 from megalite.model.rope import apply_rope
 from megalite.parallel.groups import ProcessGroups
@@ -60,10 +61,10 @@ class Attention(nn.Module):
     """Self-attention with one fused QKV GEMM in Megatron's per-group layout, heads split over TP."""
 
     def __init__(self, cfg: ModelConfig, pg: ProcessGroups, tracker: RNGTracker, sequence_parallel: bool,
-                 dtype: torch.dtype, device: torch.device | None) -> None:
+                 dtype: torch.dtype, device: torch.device | None, cp_comm_type: str = "p2p") -> None:
         super().__init__()
         tp = pg.tp_size
-        self.cfg, self.tracker = cfg, tracker
+        self.cfg, self.tracker, self.pg, self.cp_comm_type = cfg, tracker, pg, cp_comm_type
         self.head_dim = cfg.kv_channels
         self.heads_local = cfg.num_attention_heads // tp
         groups = cfg.num_query_groups
@@ -85,6 +86,8 @@ class Attention(nn.Module):
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float) -> torch.Tensor:
         with self.tracker.fork() if p > 0 else contextlib.nullcontext():
+            if self.pg.cp_size > 1:  # this rank's two sequence chunks against the whole sequence's keys
+                return context_parallel_attention(q, k, v, self.pg, self.cp_comm_type, dropout_p=p)
             return core_attention(q, k, v, p, self.cfg.attention_backend)
 
     def forward(self, x: torch.Tensor, rope_angles: torch.Tensor | None, kv_cache=None) -> torch.Tensor:
@@ -139,13 +142,14 @@ class MLP(nn.Module):
 
 class TransformerLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, pg: ProcessGroups, tracker: RNGTracker, sequence_parallel: bool = False,
-                 dtype: torch.dtype = torch.float32, device: torch.device | None = None) -> None:
+                 dtype: torch.dtype = torch.float32, device: torch.device | None = None,
+                 cp_comm_type: str = "p2p") -> None:
         super().__init__()
         self.cfg, self.tracker, self.sequence_parallel = cfg, tracker, sequence_parallel
         norm = dict(kind=cfg.normalization, eps=cfg.norm_epsilon, sequence_parallel=sequence_parallel,
                     dtype=dtype, device=device, zero_centered=cfg.apply_layernorm_1p)
         self.input_norm = Norm(cfg.hidden_size, **norm)
-        self.attention = Attention(cfg, pg, tracker, sequence_parallel, dtype, device)
+        self.attention = Attention(cfg, pg, tracker, sequence_parallel, dtype, device, cp_comm_type)
         self.pre_mlp_norm = Norm(cfg.hidden_size, **norm)
         self.mlp = MLP(cfg, pg, sequence_parallel, dtype, device)
 

@@ -83,7 +83,7 @@ class MegaliteOptimizer:
     def __init__(self, buffers: list[GradBuffer], cfg: MegaliteConfig, pg: ProcessGroups) -> None:
         o = cfg.optimizer
         self.buffers, self.pg, self.cfg = buffers, pg, cfg
-        self.distributed = cfg.ddp.use_distributed_optimizer and pg.dp_size > 1
+        self.distributed = cfg.ddp.use_distributed_optimizer and pg.grad_size > 1
         self.scaler = make_loss_scaler(cfg)
         offload = cfg.ddp.optimizer_cpu_offload and device.has_cuda()
         self.entries: list[Entry] = []
@@ -116,7 +116,7 @@ class MegaliteOptimizer:
         """Over the model-parallel group, and over DP too when each DP rank holds a different shard."""
         self.pg.all_reduce(t, Group.MP, op=op)
         if self.distributed:
-            self.pg.all_reduce(t, Group.DP, op=op)
+            self.pg.all_reduce(t, self.pg.grad_kind, op=op)
         return t
 
     @torch.no_grad()

@@ -130,6 +130,17 @@ class ProcessGroups:
     dp_rank = property(lambda self: self.index(Group.DP), doc="This rank's position in its data-parallel group.")
     pp_size = property(lambda self: self.size(Group.PP), doc="Pipeline stages.")
     pp_rank = property(lambda self: self.index(Group.PP), doc="This rank's pipeline stage.")
+    cp_size = property(lambda self: self.size(Group.CP), doc="Ranks that split each sequence.")
+    cp_rank = property(lambda self: self.index(Group.CP), doc="This rank's position in its context-parallel group.")
+
+    @property
+    def grad_kind(self) -> Group:
+        """The group gradients are averaged (and the distributed optimizer's state sharded) over: DP, or
+        DP x CP with context parallelism, where each CP rank's gradients come from its own tokens."""
+        return Group.DP_CP if self.size(Group.CP) > 1 else Group.DP
+
+    grad_size = property(lambda self: self.size(self.grad_kind), doc="Ranks of the gradient-reduction group.")
+    grad_rank = property(lambda self: self.index(self.grad_kind), doc="This rank's index in it.")
 
     @property
     def is_first_stage(self) -> bool:

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from megalite.config.arguments import MegaliteConfig
+from megalite.context_parallel import zigzag_index
 from megalite.data.sampler import microbatch_indices
 from megalite.parallel.groups import ProcessGroups
 
@@ -53,4 +54,18 @@ def global_batch(dataset: Any, consumed: int, cfg: MegaliteConfig, pg: ProcessGr
     if idx and idx[-1][-1] >= n:
         raise RuntimeError(f"dataset has {n} samples but sample {idx[-1][-1]} was requested; "
                            "it was sized for fewer iterations than asked")
-    return [make_microbatch(dataset, i, device) for i in idx]
+    mbs = [make_microbatch(dataset, i, device) for i in idx]
+    if pg.cp_size > 1:
+        mbs = [context_parallel_part(mb, pg.cp_size, pg.cp_rank) for mb in mbs]
+    return mbs
+
+
+def context_parallel_part(mb: dict[str, torch.Tensor], cp: int, cp_rank: int) -> dict[str, torch.Tensor]:
+    """This CP rank's tokens of a micro-batch (sequence chunks cp_rank and 2cp-1-cp_rank, see
+    megalite/context_parallel), their global ``position_ids``, and ``num_tokens``: the loss-mask count of
+    the whole sequences, which the loss is normalised by."""
+    idx = zigzag_index(mb["tokens"].shape[1], cp, cp_rank).to(mb["tokens"].device)
+    part = {k: mb[k].index_select(1, idx) for k in ("tokens", "labels", "loss_mask")}
+    part["position_ids"] = idx
+    part["num_tokens"] = mb["loss_mask"].sum()
+    return part

@@ -44,12 +44,14 @@ def run_microbatches(chunks: list[nn.Module], microbatches: list[dict], pg: Proc
 
 
 def reported_loss(losses: list[torch.Tensor], pg: ProcessGroups) -> float:
-    """Mean micro-batch loss over DP, computed on the last stage and shared with every stage."""
+    """Mean micro-batch loss over DP, computed on the last stage and shared with every stage. With
+    context parallelism each CP rank's loss is CP x its tokens' share of the sequence's mean (what its
+    gradients are scaled by, see lm_forward_step), so the mean over DP x CP is the sequence's mean."""
     t = torch.zeros(1, dtype=torch.float32, device=device.current_device())
     if pg.is_last_stage:
         t += torch.stack(losses).float().mean()
-        pg.all_reduce(t, Group.DP)
-        t /= pg.dp_size
+        pg.all_reduce(t, pg.grad_kind)
+        t /= pg.grad_size
     pg.broadcast(t, Group.PP, src_index=pg.pp_size - 1)
     return float(t)
 
