@@ -49,11 +49,15 @@ class RNGTracker:
         self.states = {k: v.clone() for k, v in states.items()}
 
 
-def model_parallel_seed(seed: int, tp_rank: int, pp_rank: int) -> RNGTracker:
-    """Seed the default generator for this stage and return a tracker for TP-sharded regions."""
-    device.manual_seed(seed + 100 * pp_rank)
+CP_SEED_OFFSET = 7919  # a prime well past any pipeline or tensor-parallel offset
+
+
+def model_parallel_seed(seed: int, tp_rank: int, pp_rank: int, cp_rank: int = 0) -> RNGTracker:
+    """Seed the default generator for this stage and return a tracker for TP-sharded regions. Context-
+    parallel ranks hold different tokens, so they draw different dropout masks (an offset per CP rank)."""
+    device.manual_seed(seed + 100 * pp_rank + CP_SEED_OFFSET * cp_rank)
     tracker = RNGTracker()
-    tracker.add(MODEL_PARALLEL_RNG, seed + 2718 + tp_rank)
+    tracker.add(MODEL_PARALLEL_RNG, seed + 2718 + tp_rank + CP_SEED_OFFSET * cp_rank)
     return tracker
 
 

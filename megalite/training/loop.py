@@ -105,7 +105,7 @@ class Run:
 def start_run(cfg: MegaliteConfig, pg: ProcessGroups, data: RunData | None, say: Callable[[str], None]) -> Run:
     """Data, model chunks, gradient buffers, optimizer and LR schedule; then --load's checkpoint, if any."""
     t, o = cfg.training, cfg.optimizer
-    tracker = model_parallel_seed(t.seed, pg.tp_rank, pg.pp_rank)
+    tracker = model_parallel_seed(t.seed, pg.tp_rank, pg.pp_rank, pg.cp_rank)
     data = data or build_run_data(cfg, pg)
     vocab = data.tokenizer.vocab_size
     chunks = build_model(cfg, pg, vocab, tracker, cfg.precision.params_dtype)
