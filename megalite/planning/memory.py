@@ -1,0 +1,225 @@
+"""Bytes per rank, one function per term (docs/design.md §3.4-3.6, docs/planning.md).
+
+Activation bytes are megalite's own, measured on CPU (tests/test_planning.py holds them to the
+measurement within 5%): Korthikanti et al.'s per-layer terms with the tensors megalite's eager layer
+keeps besides (2 more bytes per token and channel outside the GEMMs, the repeated K/V of the unfused
+attention, its causal mask). Terms for features that have not landed (MoE experts, ZeRO-style sharding
+of gradients and weights) return 0 and say so in the report.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megalite.planning.shape import RunShape
+
+UNFUSED_BACKENDS = ("unfused", "local")  # the explicit softmax(QK^T)V; others are flash attention on a GPU
+
+
+# ---- parameters ------------------------------------------------------------------------------------
+def layer_params(sh: RunShape) -> int:
+    """One transformer layer's parameters on one TP rank (norms and row-parallel biases replicated)."""
+    m, t, h = sh.cfg.model, sh.tp, sh.h
+    a, g, d, f = m.num_attention_heads, m.num_query_groups, m.kv_channels, m.ffn_hidden_size
+    bias = m.add_bias_linear
+    qkv_rows = (a // t + 2 * max(g // t, 1)) * d
+    fc1_rows = (2 * f if m.swiglu else f) // t
+    n = qkv_rows * h + (qkv_rows if bias or m.add_qkv_bias else 0)
+    n += (a * d // t) * h + (h if bias else 0)
+    n += fc1_rows * h + (fc1_rows if bias else 0)
+    n += (f // t) * h + (h if bias else 0)
+    return n + 2 * norm_params(sh)
+
+
+def norm_params(sh: RunShape) -> int:
+    return sh.h * (2 if sh.cfg.model.normalization == "LayerNorm" else 1)
+
+
+def embedding_params(sh: RunShape) -> int:
+    """First stage: the vocab-parallel word embedding and the learned positions."""
+    m = sh.cfg.model
+    pos = m.max_position_embeddings * sh.h if m.position_embedding_type == "learned_absolute" else 0
+    return sh.padded_vocab // sh.tp * sh.h + pos
+
+
+def output_params(sh: RunShape) -> int:
+    """Last stage: the final norm and the output layer (its own weight unless tied on one stage)."""
+    own = not sh.cfg.model.tied_embeddings or sh.pp > 1
+    return norm_params(sh) + (sh.padded_vocab // sh.tp * sh.h if own else 0)
+
+
+def stage_params(sh: RunShape, stage: int) -> int:
+    """Parameters on pipeline rank ``stage`` (its v chunks)."""
+    n = sh.layers_per_stage * layer_params(sh)
+    if stage == 0:
+        n += embedding_params(sh)
+    if stage == sh.pp - 1:
+        n += output_params(sh)
+    return n
+
+
+# ---- weights, gradients, optimizer state (docs/design.md §3.6) ---------------------------------------
+def weight_bytes(sh: RunShape, n: int) -> float:
+    return n * sh.param_bytes
+
+
+def grad_bytes(sh: RunShape, n: int) -> float:
+    """The contiguous gradient buffer is never sharded (reduce-scattered in place)."""
+    return n * sh.grad_bytes
+
+
+def optimizer_bytes(sh: RunShape, n: int) -> float:
+    """fp32 main params (aliased to the weight in fp32 runs) and two Adam moments, sharded over the
+    DP x CP ranks with the distributed optimizer, on the host with --optimizer-cpu-offload."""
+    if sh.cfg.ddp.optimizer_cpu_offload:
+        return 0.0
+    per = (4 if sh.param_bytes == 2 else 0) + 8
+    shards = sh.dp * sh.cp if sh.cfg.ddp.use_distributed_optimizer else 1
+    return n * per / shards
+
+
+def moe_bytes(sh: RunShape) -> float:
+    """Expert weights and their state: not yet (MoE has not landed)."""
+    return 0.0
+
+
+def zero_sharding_saving(sh: RunShape) -> float:
+    """Gradient / weight sharding beyond the distributed optimizer: not yet (it has not landed)."""
+    return 0.0
+
+
+# ---- activations (docs/design.md §3.5) ----------------------------------------------------------------
+def layer_outside_core_bytes(sh: RunShape) -> float:
+    """Per micro-batch: what one layer keeps outside the core attention (selective recomputation's
+    total). Per token: 12h + 8 bytes replicated over TP (norm inputs and outputs, residual dropout
+    masks and outputs, norm statistics), split by TP with sequence parallelism; QKV output, projection
+    input and the MLP's inside split by TP."""
+    m, h, t = sh.cfg.model, sh.h, sh.tp
+    a, g, d, f = m.num_attention_heads, m.num_query_groups, m.kv_channels, m.ffn_hidden_size
+    mlp = 8 * f if m.swiglu else 4 * f
+    sharded = 2 * (a + 2 * g) * d + 2 * a * d + mlp
+    replicated = 12 * h + 8
+    per_token = (replicated + sharded) / t if sh.sp else replicated + sharded / t
+    return per_token * sh.local_tokens * sh.act_bytes / 2
+
+
+def core_attention_bytes(sh: RunShape) -> float:
+    """Per micro-batch: the core attention's saved tensors. Unfused: scores' softmax, dropout mask and
+    output (6 bytes per score: Korthikanti's 5 plus the pre-dropout copy) and the K/V repeated to every
+    head, plus the causal mask; flash attention: its output and fp32 log-sum-exp."""
+    m, t = sh.cfg.model, sh.tp
+    a, d = m.num_attention_heads, m.kv_channels
+    tokens = sh.local_tokens
+    if m.attention_backend in UNFUSED_BACKENDS:
+        scores = tokens * sh.s * a / t  # each local query sees the whole sequence
+        return (6 * scores + 4 * a * d * tokens / t) * sh.act_bytes / 2 + sh.s * sh.s // sh.cp
+    return (2 * a * d * tokens / t) * sh.act_bytes / 2 + 4 * a * tokens / t
+
+
+def full_layer_bytes(sh: RunShape) -> float:
+    return layer_outside_core_bytes(sh) + core_attention_bytes(sh)
+
+
+def layer_input_bytes(sh: RunShape) -> float:
+    """What full recomputation keeps per recomputed group: its input (split by TP with SP)."""
+    return sh.local_tokens * sh.h * sh.act_bytes / (sh.tp if sh.sp else 1)
+
+
+def chunk_activation_bytes(sh: RunShape) -> float:
+    """One model chunk (layers_per_chunk layers) of one micro-batch, as kept between its forward and
+    backward, by recomputation granularity."""
+    m, n = sh.cfg.model, sh.layers_per_chunk
+    if sh.recompute == "selective":
+        return n * layer_outside_core_bytes(sh)
+    if sh.recompute != "full":
+        return n * full_layer_bytes(sh)
+    k = min(m.recompute_num_layers, n)
+    if m.recompute_method == "block":  # the first k layers recomputed, the rest kept
+        return k * layer_input_bytes(sh) + (n - k) * full_layer_bytes(sh)
+    return -(-n // k) * layer_input_bytes(sh)  # uniform: one input per group of k layers
+
+
+def recompute_working_bytes(sh: RunShape) -> float:
+    """Full recomputation rebuilds one group's activations at a time during backward."""
+    if sh.recompute != "full":
+        return 0.0
+    return min(sh.cfg.model.recompute_num_layers, sh.layers_per_chunk) * full_layer_bytes(sh)
+
+
+def in_flight_chunks(sh: RunShape, stage: int) -> float:
+    """Micro-batch chunks whose activations a pipeline rank holds at its peak (docs/design.md §3.4):
+    1F1B p - r, the interleaved warm-up (p - r - 1)·2 + (v - 1)·p + 1 chunks, GPipe all m."""
+    p, v, m = sh.pp, sh.v, sh.m
+    if p == 1:
+        return 1.0
+    if sh.cfg.parallel.pipeline_schedule == "gpipe":
+        return float(m * v)
+    if v == 1:
+        return float(min(p - stage, m))
+    return float(min((p - stage - 1) * 2 + (v - 1) * p + 1, m * v))
+
+
+def embedding_activation_bytes(sh: RunShape, stage: int) -> float:
+    """First stage, per in-flight micro-batch: the embedding's output and its dropout mask."""
+    if stage != 0:
+        return 0.0
+    return sh.local_tokens * sh.h * (sh.act_bytes + 1) / (sh.tp if sh.sp else 1)
+
+
+def logits_bytes(sh: RunShape, stage: int) -> float:
+    """Last stage: the output layer's logits and their fp32 copy for the loss (one micro-batch at a
+    time); with --cross-entropy-loss-fusion one chunk of at least 512 tokens instead."""
+    if stage != sh.pp - 1:
+        return 0.0
+    vocab = sh.padded_vocab // sh.tp
+    tokens = sh.local_tokens
+    if sh.cfg.model.cross_entropy_loss_fusion:
+        tokens = min(tokens, max(512, 2**24 // vocab))
+    return tokens * vocab * (4 + sh.act_bytes)
+
+
+def activation_bytes(sh: RunShape, stage: int) -> float:
+    chunks = in_flight_chunks(sh, stage)
+    return (chunks * chunk_activation_bytes(sh) + recompute_working_bytes(sh)
+            + chunks / sh.v * embedding_activation_bytes(sh, stage) + logits_bytes(sh, stage))
+
+
+# ---- communication buffers ---------------------------------------------------------------------------
+def comm_buffer_bytes(sh: RunShape) -> float:
+    """Receive buffers of the pipeline (an activation and a gradient per chunk), the gathered input of a
+    column-parallel GEMM with SP, and the K/V chunks a context-parallel ring has in flight."""
+    msg = sh.local_tokens * sh.h * sh.act_bytes / (sh.tp if sh.sp else 1)
+    pp = 2 * sh.v * msg if sh.pp > 1 else 0.0
+    sp = sh.local_tokens * sh.h * sh.act_bytes if sh.sp else 0.0
+    m = sh.cfg.model
+    kv = 2 * sh.local_tokens * max(m.num_query_groups // sh.tp, 1) * m.kv_channels * sh.act_bytes
+    cp = 2 * kv if sh.cp > 1 else 0.0
+    return pp + sp + cp
+
+
+# ---- the total -----------------------------------------------------------------------------------------
+@dataclass
+class MemoryReport:
+    stage: int  # the pipeline rank shown (the one with the most bytes)
+    params: int
+    terms: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def total(self) -> float:
+        return sum(self.terms.values())
+
+
+def stage_memory(sh: RunShape, stage: int) -> MemoryReport:
+    n = stage_params(sh, stage)
+    terms = {"weights": weight_bytes(sh, n), "gradients": grad_bytes(sh, n),
+             "optimizer state": optimizer_bytes(sh, n), "activations": activation_bytes(sh, stage),
+             "communication buffers": comm_buffer_bytes(sh), "MoE experts (not yet)": moe_bytes(sh),
+             "ZeRO sharding (not yet)": -zero_sharding_saving(sh)}
+    return MemoryReport(stage, n, terms)
+
+
+def peak_memory(sh: RunShape) -> MemoryReport:
+    """The pipeline rank with the most bytes (the first holds the most activations, the last the
+    output layer and the logits)."""
+    stages = {0, sh.pp - 1}
+    return max((stage_memory(sh, r) for r in sorted(stages)), key=lambda r: r.total)
