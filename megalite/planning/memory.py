@@ -1,10 +1,10 @@
 """Bytes per rank, one function per term (docs/design.md §3.4-3.6, docs/planning.md).
 
-Activation bytes are megalite's own, measured on CPU (tests/test_planning.py holds them to the
-measurement within 5%): Korthikanti et al.'s per-layer terms with the tensors megalite's eager layer
-keeps besides (2 more bytes per token and channel outside the GEMMs, the repeated K/V of the unfused
-attention, its causal mask). Terms for features that have not landed (MoE experts, ZeRO-style sharding
-of gradients and weights) return 0 and say so in the report.
+Activation bytes are what megalite's eager layer keeps, tensor by tensor (tests/test_planning.py holds
+them to the bytes autograd saves on CPU within 5%): Korthikanti et al.'s per-layer terms plus what the
+eager code keeps besides (2 more bytes per token and channel outside the GEMMs, the repeated K/V and the
+causal mask of the unfused attention, RoPE's rotated copies). Terms for features that have not landed
+(MoE experts, ZeRO-style sharding of gradients and weights) return 0 and say so in the report.
 """
 
 from __future__ import annotations
@@ -91,29 +91,44 @@ def zero_sharding_saving(sh: RunShape) -> float:
 # ---- activations (docs/design.md §3.5) ----------------------------------------------------------------
 def layer_outside_core_bytes(sh: RunShape) -> float:
     """Per micro-batch: what one layer keeps outside the core attention (selective recomputation's
-    total). Per token: 12h + 8 bytes replicated over TP (norm inputs and outputs, residual dropout
-    masks and outputs, norm statistics), split by TP with sequence parallelism; QKV output, projection
-    input and the MLP's inside split by TP."""
-    m, h, t = sh.cfg.model, sh.h, sh.tp
+    total), in elements of the activation dtype per token unless said otherwise.
+
+    Replicated over TP (split by TP with sequence parallelism): the two norms' inputs and outputs (4h),
+    the residual dropouts' outputs (2h, with --hidden-dropout > 0), the norm statistics (4 bytes per
+    element size), and with RMSNorm the eager decomposition's 6 bytes per channel per norm. Split by
+    TP: the fused QKV output ((a + 2g)d), a new copy of q when heads share a K/V group or RoPE rotates
+    it, the rotated k with RoPE, the projection's input (ad), the MLP's fc1 output and activation (2f;
+    SwiGLU 4f). RoPE's cos/sin tables (4 of s x rotated channels) do not depend on the batch."""
+    m, h, t, e = sh.cfg.model, sh.h, sh.tp, sh.act_bytes
     a, g, d, f = m.num_attention_heads, m.num_query_groups, m.kv_channels, m.ffn_hidden_size
-    mlp = 8 * f if m.swiglu else 4 * f
-    sharded = 2 * (a + 2 * g) * d + 2 * a * d + mlp
-    replicated = 12 * h + 8
+    rope = m.position_embedding_type == "rope"
+    qkv = (a + 2 * g) * d + (a * d if rope or a != g else 0) + (g * d if rope else 0)
+    sharded = (qkv + a * d + (4 * f if m.swiglu else 2 * f)) * e
+    replicated = (4 + (2 if m.hidden_dropout > 0 else 0)) * h * e + 4 * e
+    if m.normalization == "RMSNorm":
+        replicated += 12 * h
     per_token = (replicated + sharded) / t if sh.sp else replicated + sharded / t
-    return per_token * sh.local_tokens * sh.act_bytes / 2
+    tables = 4 * (sh.s // sh.cp) * int(d * m.rotary_percent) * e if rope else 0
+    return per_token * sh.local_tokens + tables
 
 
 def core_attention_bytes(sh: RunShape) -> float:
-    """Per micro-batch: the core attention's saved tensors. Unfused: scores' softmax, dropout mask and
-    output (6 bytes per score: Korthikanti's 5 plus the pre-dropout copy) and the K/V repeated to every
-    head, plus the causal mask; flash attention: its output and fp32 log-sum-exp."""
-    m, t = sh.cfg.model, sh.tp
+    """Per micro-batch: the core attention's saved tensors. Unfused: per score the softmax output, and
+    with --attention-dropout > 0 the dropout mask and output (Korthikanti's 5 bytes, 6 here), K and V
+    repeated to every head, and the causal mask (s x s bytes); flash attention: its output and fp32
+    log-sum-exp (its q, k, v are the tensors selective recomputation keeps)."""
+    m, t, e = sh.cfg.model, sh.tp, sh.act_bytes
     a, d = m.num_attention_heads, m.kv_channels
     tokens = sh.local_tokens
     if m.attention_backend in UNFUSED_BACKENDS:
         scores = tokens * sh.s * a / t  # each local query sees the whole sequence
-        return (6 * scores + 4 * a * d * tokens / t) * sh.act_bytes / 2 + sh.s * sh.s // sh.cp
-    return (2 * a * d * tokens / t) * sh.act_bytes / 2 + 4 * a * tokens / t
+        per_score = (3 if m.attention_dropout > 0 else 1) * e
+        # QK^T and PV keep the repeated K and V, not the fused QKV output (unless q is a view of it)
+        # nor RoPE's rotated k, which layer_outside_core_bytes counts for the recomputed case
+        g, rope = m.num_query_groups, m.position_embedding_type == "rope"
+        unkept = ((a + 2 * g) * d if rope or a != g else 0) + (g * d if rope else 0)
+        return (per_score * scores + (2 * a * d - unkept) * tokens / t * e + sh.s * sh.s // sh.cp)
+    return a * d * tokens / t * e + 4 * a * tokens / t
 
 
 def full_layer_bytes(sh: RunShape) -> float:
