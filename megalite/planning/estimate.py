@@ -20,7 +20,7 @@ def fmt_bytes(x: float) -> str:
 
 
 def fmt_s(x: float) -> str:
-    return f"{x:9.3f} s " if x >= 10 else f"{x * 1e3:9.2f} ms"
+    return f"{x * 1e3:12,.1f} ms"
 
 
 @dataclass

@@ -74,11 +74,6 @@ class Layout:
             out.append("--use-distributed-optimizer")
         return " ".join(out)
 
-    def short(self) -> str:
-        vp = f" VP{self.vp_layers}" if self.vp_layers else ""
-        cp = f" CP{self.cp}" if self.cp > 1 else ""
-        return f"TP{self.tp} PP{self.pp}{vp}{cp} mbs{self.micro_batch}"
-
 
 def layout_rule_errors(cfg: MegaliteConfig, world_size: int, local_world_size: int) -> list[str]:
     """config/validate.py's rules for this config on this world (those that need no file or device)."""

@@ -88,14 +88,30 @@ def rank_of(result: SearchResult, tp: int, pp: int, cp: int = 1) -> int | None:
     return order.index((tp, pp, cp)) + 1 if (tp, pp, cp) in order else None
 
 
+def best_variants(result: SearchResult) -> list[Plan]:
+    """The fastest plan of each (TP, PP, CP, VP, micro-batch): what differs below it is only the
+    recomputation or the optimizer, which the shown flags already choose."""
+    seen: dict[tuple, Plan] = {}
+    for plan in result.plans:
+        lay = plan.layout
+        seen.setdefault((lay.tp, lay.pp, lay.cp, lay.vp_layers, lay.micro_batch), plan)
+    return list(seen.values())
+
+
+def label(plan: Plan) -> str:
+    lay, v = plan.layout, plan.shape.v
+    return (f"TP{lay.tp} PP{lay.pp}" + (f" VP{v}" if v > 1 else "") + (f" CP{lay.cp}" if lay.cp > 1 else "")
+            + f" mbs{lay.micro_batch} {lay.recompute or 'no'}-rc")
+
+
 def format_search(result: SearchResult, top: int) -> str:
     lines = [f"{result.considered} layouts considered: {len(result.plans)} fit, {result.too_big} need more "
              f"memory than the device has, {sum(result.refused.values())} refused by the config rules"]
     for rule, n in result.refused.most_common(3):
         lines.append(f"  refused ({n}): {rule}")
     lines.append("")
-    for i, plan in enumerate(result.plans[:top], 1):
-        lines.append(f"{i:3d}. {plan.layout.short():<26} {plan.time.step_s * 1e3:9.1f} ms/step  "
+    for i, plan in enumerate(best_variants(result)[:top], 1):
+        lines.append(f"{i:3d}. {label(plan):<28} {plan.time.step_s * 1e3:9.1f} ms/step  "
                      f"{plan.time.tflops_per_gpu():6.1f} TFLOP/s/GPU  {plan.memory.total / 1e9:6.1f} GB"
                      f"  ({reasons(plan)})")
         lines.append(f"     {plan.layout.flags()}")

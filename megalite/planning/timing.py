@@ -19,10 +19,15 @@ from megalite.training.flops import training_flops
 
 
 def step_flops(sh: RunShape, with_recompute: bool) -> float:
-    """The training loop's FLOPs per step over all ranks (megalite/training/flops.py)."""
+    """The training loop's FLOPs per step over all ranks (megalite/training/flops.py); with_recompute
+    adds what recomputation runs again: a whole forward (full), the attention square's two matmuls
+    (selective)."""
     m = sh.cfg.model
     tokens = sh.m * sh.b * sh.dp * sh.s
-    return training_flops(m, sh.vocab, sh.s, tokens, recompute=with_recompute and sh.recompute == "full")
+    flops = training_flops(m, sh.vocab, sh.s, tokens, recompute=with_recompute and sh.recompute == "full")
+    if with_recompute and sh.recompute == "selective":
+        flops += tokens * m.num_layers * 2 * 2 * sh.s * m.num_attention_heads * m.kv_channels
+    return flops
 
 
 def compute_s(sh: RunShape, cl: ClusterConfig) -> float:
