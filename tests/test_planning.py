@@ -21,7 +21,7 @@ from megalite.pipeline.schedule_table import ScheduleSpec, rank_table
 from megalite.planning.cli import _cluster, split_argv, vocab_of
 from megalite.planning.estimate import estimate
 from megalite.planning.layout import layout_rule_errors
-from megalite.planning.memory import chunk_activation_bytes, in_flight_chunks, stage_memory
+from megalite.planning.memory import activation_bytes, chunk_activation_bytes, in_flight_chunks, stage_memory
 from megalite.planning.published import PUBLISHED, cluster_flags, run_flags
 from megalite.planning.search import rank_of, search
 from megalite.planning.shape import RunShape
@@ -138,6 +138,60 @@ def test_state_bytes_match_measured():
             assert predicted == pytest.approx(state, rel=TOLERANCE), (name, stage, predicted, state)
 
 
+# (name, flat flags) on 2 ranks: the peak bytes the autograd graph holds during a real training step.
+PEAK_MODEL = dict(num_layers=4, hidden_size=128, num_attention_heads=4, seq_length=64, max_position_embeddings=64,
+                  micro_batch_size=2, train_iters=1, eval_iters=0, log_interval=1, bf16=True,
+                  attention_backend="unfused")
+PEAK_ROWS = [
+    ("PP2 1F1B m4", dict(pipeline_model_parallel_size=2, global_batch_size=8)),
+    ("PP2 interleaved v2 m4", dict(pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=1,
+                                   global_batch_size=8)),
+    ("PP2 GPipe m4", dict(pipeline_model_parallel_size=2, pipeline_schedule="gpipe", global_batch_size=8)),
+    ("PP2 full recompute", dict(pipeline_model_parallel_size=2, recompute_granularity="full", global_batch_size=8)),
+    ("TP2 SP selective", dict(tensor_model_parallel_size=2, sequence_parallel=True,
+                              recompute_granularity="selective", global_batch_size=4)),
+    ("DP2", dict(global_batch_size=8)),
+]
+
+
+def _peak_worker(rank: int, world: int) -> dict:
+    import torch
+
+    from bench.bench_pipeline import _Saved, peak_saved_bytes
+    from megalite.config import validate
+    from megalite.parallel.groups import ProcessGroups
+    from megalite.parallel.layout import RankLayout
+    from megalite.training.loop import pretrain
+
+    out = {}
+    for name, flat in PEAK_ROWS:
+        cfg = MegaliteConfig.from_flat({**PEAK_MODEL, **flat, "mock_data": True, "vocab_size": VOCAB})
+        validate(cfg, world)
+        p = cfg.parallel
+        pg = ProcessGroups.build(RankLayout(world, p.tensor_model_parallel_size, p.pipeline_model_parallel_size),
+                                 rank)
+        log: list = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t, log=log: _Saved(t, log), lambda s: s.tensor):
+            res = pretrain(cfg, pg, log=lambda s: None)
+        params = {q.untyped_storage().data_ptr() for c in res.chunks for q in c.parameters()}
+        out[name] = (pg.pp_rank, peak_saved_bytes(log, params))
+    return out
+
+
+def test_stage_activation_peak_matches_measured():
+    """A pipeline rank's activations at their peak over a real step: chunks in flight x chunk bytes,
+    the embedding outputs, the logits the loss keeps (all m under GPipe), full recomputation's
+    working set."""
+    results = run_ranks(_peak_worker, 2, timeout=600)
+    for name, flat in PEAK_ROWS:
+        cfg = planner_cfg(PEAK_MODEL, 2, **flat)
+        sh = RunShape.of(cfg, 2, vocab_of(cfg))
+        for rank_out in results:
+            stage, measured = rank_out[name]
+            predicted = activation_bytes(sh, stage)
+            assert predicted == pytest.approx(measured, rel=TOLERANCE), (name, stage, predicted, measured)
+
+
 @pytest.mark.parametrize("p,v,m,kind", [(2, 1, 4, "1f1b"), (4, 1, 8, "1f1b"), (4, 1, 2, "1f1b"), (2, 2, 4, "1f1b"),
                                         (4, 2, 8, "1f1b"), (4, 3, 8, "1f1b"), (4, 1, 8, "gpipe"), (4, 2, 4, "gpipe")])
 def test_in_flight_matches_schedule_tables(p, v, m, kind):
@@ -241,3 +295,50 @@ def test_dry_run_validates_and_prints_the_plan():
     assert "1 node(s) x 4" in proc.stdout and "TP 2 (NVLink) x CP 1 x DP 2" in proc.stdout, proc.stdout
     proc = _run("pretrain_gpt.py", [*args[:-1], "--num-nodes", "2", "--gpus-per-node", "8", "--fp16", "--bf16"])
     assert proc.returncode == 2 and "--fp16 and --bf16 are exclusive" in proc.stderr, proc.stderr
+
+
+def test_search_proposes_only_what_pretrain_accepts():
+    """Every ranked layout passes pretrain_gpt.py's full validation on the cluster's world."""
+    from megalite.config import validate
+
+    cfg = parse_args([*GPT3[:8], "--micro-batch-size", "1", "--global-batch-size", "64", "--num-layers", "8",
+                      "--bf16", "--mock-data", "--vocab-size", "50000"])
+    values, _ = split_argv(["--num-nodes", "4", "--gpus-per-node", "8", "--gpu", "h100-sxm"])
+    cluster = _cluster(values)
+    result = search(cfg, cluster, vocab_of(cfg))
+    assert result.plans and result.too_big and result.refused
+    for plan in result.plans:
+        run = plan.layout.apply(cfg)
+        validate(run, cluster.world_size, cluster.gpus_per_node)
+        assert plan.fits and plan.memory.total <= 80e9
+
+
+def _cp_shape(cp: int, **flat) -> RunShape:
+    """Context parallelism has not landed (validation refuses CP > 1): its terms, on a config built
+    without the rules."""
+    cfg = MegaliteConfig.from_flat({**GPT, "num_layers": 4, "bf16": True, "micro_batch_size": 2,
+                                    "global_batch_size": 16, "context_parallel_size": cp,
+                                    "tensor_model_parallel_size": 2, "sequence_parallel": True, **flat})
+    return RunShape.of(cfg, 8, VOCAB)
+
+
+def test_context_parallel_terms():
+    from megalite.planning.hardware import ClusterConfig
+    from megalite.planning.memory import optimizer_bytes
+    from megalite.planning.timing import cp_comm_s, link
+
+    one, two = _cp_shape(1, recompute_granularity="selective"), _cp_shape(2, recompute_granularity="selective")
+    assert two.dp * two.cp == one.dp and two.local_tokens * 2 == one.local_tokens
+    assert chunk_activation_bytes(two) == pytest.approx(chunk_activation_bytes(one) / 2)
+    dist = _cp_shape(2, use_distributed_optimizer=True)
+    assert optimizer_bytes(dist, 1000) == pytest.approx(12 * 1000 / (dist.dp * 2))  # shards over DP x CP
+    # ring p2p: each rank sends its K/V chunk 2·b·(s/c)·(groups/tp)·d·bytes c - 1 times forward and dK/dV
+    # c - 1 times backward, per layer and micro-batch
+    cl = ClusterConfig(num_nodes=1, gpus_per_node=8)
+    b, s, groups, d = 2, GPT["seq_length"], GPT["num_attention_heads"], GPT["hidden_size"] // GPT["num_attention_heads"]
+    for c in (2, 4):
+        sh = _cp_shape(c)
+        kv = 2 * b * (s // c) * (groups // 2) * d * 2
+        expected = 2 * kv * (c - 1) * sh.layers_per_stage * sh.m
+        assert cp_comm_s(sh, cl) * link(sh, cl, "cp", c) == pytest.approx(expected)
+    assert cp_comm_s(_cp_shape(1), cl) == 0.0

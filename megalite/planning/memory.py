@@ -175,28 +175,41 @@ def in_flight_chunks(sh: RunShape, stage: int) -> float:
 
 
 def embedding_activation_bytes(sh: RunShape, stage: int) -> float:
-    """First stage, per in-flight micro-batch: the embedding's output and its dropout mask."""
-    if stage != 0:
+    """First stage, per micro-batch in flight: the embedding dropout's output (with --hidden-dropout)."""
+    if stage != 0 or sh.cfg.model.hidden_dropout == 0:
         return 0.0
-    return sh.local_tokens * sh.h * (sh.act_bytes + 1) / (sh.tp if sh.sp else 1)
+    return sh.local_tokens * sh.h * sh.act_bytes / (sh.tp if sh.sp else 1)
 
 
 def logits_bytes(sh: RunShape, stage: int) -> float:
-    """Last stage: the output layer's logits and their fp32 copy for the loss (one micro-batch at a
-    time); with --cross-entropy-loss-fusion one chunk of at least 512 tokens instead."""
+    """Last stage, per micro-batch whose loss is computed: the fp32 logits the vocab-parallel
+    cross-entropy keeps for backward, and the inputs of the final norm and the output layer. With
+    --cross-entropy-loss-fusion: one chunk of at least 512 tokens, the fp32 weight-gradient accumulator
+    and the input gradient (not measured here)."""
     if stage != sh.pp - 1:
         return 0.0
-    vocab = sh.padded_vocab // sh.tp
-    tokens = sh.local_tokens
+    vocab, tokens = sh.padded_vocab // sh.tp, sh.local_tokens
+    inputs = 2 * tokens * sh.h * sh.act_bytes / (sh.tp if sh.sp else 1)
     if sh.cfg.model.cross_entropy_loss_fusion:
-        tokens = min(tokens, max(512, 2**24 // vocab))
-    return tokens * vocab * (4 + sh.act_bytes)
+        chunk = min(tokens, max(512, 2**24 // vocab))
+        return chunk * vocab * 4 + vocab * sh.h * 4 + tokens * sh.h * 4 + inputs
+    return tokens * vocab * 4 + inputs
+
+
+def losses_in_flight(sh: RunShape) -> int:
+    """Micro-batches whose loss inputs the last stage holds at once: all of them under GPipe, else one
+    (its backward starts right after its forward)."""
+    return sh.m if sh.cfg.parallel.pipeline_schedule == "gpipe" and sh.pp > 1 else 1
 
 
 def activation_bytes(sh: RunShape, stage: int) -> float:
+    """The stage's peak: its chunks in flight, the embedding outputs of the micro-batches in flight on
+    the first chunk, and the larger of the losses' inputs and full recomputation's working set (the
+    loss's backward frees its logits before any layer is recomputed)."""
     chunks = in_flight_chunks(sh, stage)
-    return (chunks * chunk_activation_bytes(sh) + recompute_working_bytes(sh)
-            + chunks / sh.v * embedding_activation_bytes(sh, stage) + logits_bytes(sh, stage))
+    first_chunk = -(-chunks // sh.v)
+    return (chunks * chunk_activation_bytes(sh) + first_chunk * embedding_activation_bytes(sh, stage)
+            + max(losses_in_flight(sh) * logits_bytes(sh, stage), recompute_working_bytes(sh)))
 
 
 # ---- communication buffers ---------------------------------------------------------------------------
