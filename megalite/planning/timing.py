@@ -1,6 +1,7 @@
 """Step time on a cluster, one function per term (docs/planning.md).
 
-compute = the model's FLOPs per rank / (dense peak x compute efficiency); the bubble (p - 1)/(v·m) of the
+compute = the model's FLOPs per rank / (dense peak x compute efficiency); the memory-bound work (bytes
+the elementwise work moves / device-memory bandwidth); the bubble (p - 1)/(v·m) of the
 compute of one pipeline; communication = bytes a rank puts on its link (ring algorithms: all-reduce
 2(n-1)/n of the buffer, reduce-scatter and all-gather (n-1)/n each) / the bandwidth of the link the group
 actually uses (NVLink inside a node, the network across nodes, from the rank order and the node size),
@@ -13,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megalite.planning.hardware import ClusterConfig
-from megalite.planning.memory import layer_params, stage_params
+from megalite.planning.memory import full_layer_bytes, layer_params, stage_params
 from megalite.planning.shape import RunShape
 from megalite.training.flops import training_flops
 
@@ -33,6 +34,16 @@ def step_flops(sh: RunShape, with_recompute: bool) -> float:
 def compute_s(sh: RunShape, cl: ClusterConfig) -> float:
     """One rank's share of the step's FLOPs (full recomputation's extra forward included)."""
     return step_flops(sh, True) / sh.world / (cl.peak_flops(sh.dtype) * cl.compute_efficiency)
+
+
+def memory_bound_s(sh: RunShape, cl: ClusterConfig) -> float:
+    """Work bound by device-memory bandwidth rather than FLOPs (norms, dropouts, activations, residuals,
+    the loss): every activation a layer keeps is written in forward and read in backward, and its
+    gradient written and read (4x the layer's activation bytes); the cross-entropy makes 5 passes (read
+    and write) over the fp32 logits, on the last stage (spread over the stages here)."""
+    per_mb = 4 * sh.layers_per_stage * full_layer_bytes(sh)
+    ce = 10 * sh.local_tokens * sh.padded_vocab / sh.tp * 4 / sh.pp
+    return sh.m * (per_mb + ce) / cl.hbm_bytes_per_s()
 
 
 def bubble_s(sh: RunShape, cl: ClusterConfig) -> float:
@@ -162,7 +173,8 @@ class TimeReport:
 
 
 def step_time(sh: RunShape, cl: ClusterConfig) -> TimeReport:
-    terms = {"compute": compute_s(sh, cl), "pipeline bubble": bubble_s(sh, cl), "TP comm": tp_comm_s(sh, cl),
+    terms = {"compute": compute_s(sh, cl), "memory-bound work": memory_bound_s(sh, cl),
+             "pipeline bubble": bubble_s(sh, cl), "TP comm": tp_comm_s(sh, cl),
              "CP comm": cp_comm_s(sh, cl), "PP comm": pp_comm_s(sh, cl), "DP comm": dp_comm_s(sh, cl),
              "embedding comm": embedding_comm_s(sh, cl), "MoE all-to-all (not yet)": 0.0}
     return TimeReport(terms, step_flops(sh, False), step_flops(sh, True), sh.world)
