@@ -18,7 +18,7 @@ import pytest
 from megalite.config.arguments import MegaliteConfig, parse_args
 from megalite.config.validate import fill_derived_defaults
 from megalite.pipeline.schedule_table import ScheduleSpec, rank_table
-from megalite.planning.cli import _cluster, split_argv, vocab_of
+from megalite.planning.cli import cluster_from_values, split_argv, vocab_of
 from megalite.planning.estimate import estimate
 from megalite.planning.layout import layout_rule_errors
 from megalite.planning.memory import activation_bytes, chunk_activation_bytes, in_flight_chunks, stage_memory
@@ -220,7 +220,7 @@ RANK_BOUND, RANK_BOUND_SMALL = 5, 11
 
 def _published_plan(run):
     values, rest = split_argv(run_flags(run) + cluster_flags(run))
-    cfg, cluster = parse_args(rest), _cluster(values)
+    cfg, cluster = parse_args(rest), cluster_from_values(values)
     assert not layout_rule_errors(cfg, cluster.world_size, cluster.gpus_per_node)
     fill_derived_defaults(cfg, cluster.world_size)
     return cfg, cluster, estimate(cfg, cluster, vocab_of(cfg))
@@ -304,7 +304,7 @@ def test_search_proposes_only_what_pretrain_accepts():
     cfg = parse_args([*GPT3[:8], "--micro-batch-size", "1", "--global-batch-size", "64", "--num-layers", "8",
                       "--bf16", "--mock-data", "--vocab-size", "50000"])
     values, _ = split_argv(["--num-nodes", "4", "--gpus-per-node", "8", "--gpu", "h100-sxm"])
-    cluster = _cluster(values)
+    cluster = cluster_from_values(values)
     result = search(cfg, cluster, vocab_of(cfg))
     assert result.plans and result.too_big and result.refused
     for plan in result.plans:

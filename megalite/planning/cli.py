@@ -54,7 +54,7 @@ def vocab_of(cfg: MegaliteConfig) -> int:
     return cfg.data.vocab_size + 1 if cfg.data.vocab_size else DEFAULT_VOCAB
 
 
-def _cluster(values: dict) -> ClusterConfig:
+def cluster_from_values(values: dict) -> ClusterConfig:
     return ClusterConfig(**{k: v for k, v in values.items() if k in ClusterConfig.__dataclass_fields__})
 
 
@@ -66,7 +66,7 @@ def _fail(prog: str, errors: list[str]) -> int:
 def plan_main(argv: Sequence[str] | None = None, prog: str = "plan.py") -> int:
     values, rest = split_argv(sys.argv[1:] if argv is None else argv)
     cfg = parse_args(rest)
-    cluster = _cluster(values)
+    cluster = cluster_from_values(values)
     errors = cluster_errors(cluster)
     if errors:
         return _fail(prog, errors)
@@ -100,7 +100,7 @@ def dry_run(argv: Sequence[str], world: int, local_world: int) -> int:
     if "num_nodes" not in values and "gpus_per_node" not in values:
         values["gpus_per_node"] = local_world
         values["num_nodes"] = max(world // max(local_world, 1), 1)
-    cluster = _cluster(values)
+    cluster = cluster_from_values(values)
     errors = cluster_errors(cluster)
     try:
         validate(cfg, cluster.world_size, cluster.gpus_per_node)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megalite.planning.hardware import ClusterConfig
-from megalite.planning.memory import full_layer_bytes, layer_params, stage_params
+from megalite.planning.memory import full_layer_bytes, stage_params
 from megalite.planning.shape import RunShape
 from megalite.training.flops import training_flops
 
@@ -153,7 +153,12 @@ def embedding_comm_s(sh: RunShape, cl: ClusterConfig) -> float:
     if sh.pp == 1 or not sh.cfg.model.tied_embeddings:
         return 0.0
     n = sh.padded_vocab // sh.tp * sh.h
-    return 2 * n * sh.grad_bytes / 2 / link(sh, cl, "pp", sh.pp)
+    return n * sh.grad_bytes / link(sh, cl, "pp", sh.pp)  # a 2-rank ring all-reduce: 2(2 - 1)/2 = 1 buffer
+
+
+def moe_comm_s(sh: RunShape, cl: ClusterConfig) -> float:
+    """The expert-parallel all-to-alls: not yet (MoE has not landed)."""
+    return 0.0
 
 
 @dataclass
@@ -176,10 +181,6 @@ def step_time(sh: RunShape, cl: ClusterConfig) -> TimeReport:
     terms = {"compute": compute_s(sh, cl), "memory-bound work": memory_bound_s(sh, cl),
              "pipeline bubble": bubble_s(sh, cl), "TP comm": tp_comm_s(sh, cl),
              "CP comm": cp_comm_s(sh, cl), "PP comm": pp_comm_s(sh, cl), "DP comm": dp_comm_s(sh, cl),
-             "embedding comm": embedding_comm_s(sh, cl), "MoE all-to-all (not yet)": 0.0}
+             "embedding comm": embedding_comm_s(sh, cl), "MoE all-to-all (not yet)": moe_comm_s(sh, cl)}
     return TimeReport(terms, step_flops(sh, False), step_flops(sh, True), sh.world)
 
-
-def layer_params_total(sh: RunShape) -> int:
-    """All ranks' distinct parameters (for the report's model size)."""
-    return layer_params(sh) * sh.tp * sh.cfg.model.num_layers
