@@ -238,7 +238,7 @@ def test_published_run_fits_and_is_predicted(run):
 @pytest.mark.parametrize("run", PUBLISHED, ids=[f"{r.gpu}-{r.name}" for r in PUBLISHED])
 def test_published_layout_ranks_high(run):
     cfg, cluster, _ = _published_plan(run)
-    rank = rank_of(search(cfg, cluster, vocab_of(cfg)), run.tp, run.pp)
+    rank = rank_of(search(cfg, cluster, vocab_of(cfg), context_parallel=False), run.tp, run.pp)  # they had no CP
     big = float(run.name.rstrip("B")) >= 76
     assert rank is not None and rank <= (RANK_BOUND if big else RANK_BOUND_SMALL), rank
 

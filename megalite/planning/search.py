@@ -20,14 +20,14 @@ def divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def candidates(cfg: MegaliteConfig, cluster: ClusterConfig) -> Iterator[Layout]:
+def candidates(cfg: MegaliteConfig, cluster: ClusterConfig, context_parallel: bool = True) -> Iterator[Layout]:
     """Layouts whose sizes divide the world and the layers: TP and TP x CP inside a node; the
     distributed optimizer whenever there is more than one DP x CP rank (it needs less memory and, with
     16-bit weights, moves fewer bytes); SP whenever TP > 1 (same bytes, 1/TP of the activations)."""
     m, world, gpn = cfg.model, cluster.world_size, cluster.gpus_per_node
     gbs = cfg.training.global_batch_size or cfg.training.micro_batch_size
     for tp in divisors(gpn):
-        for cp in divisors(gpn // tp):
+        for cp in divisors(gpn // tp) if context_parallel else [1]:
             for pp in divisors(m.num_layers):
                 if world % (tp * cp * pp):
                     continue
@@ -49,9 +49,10 @@ class SearchResult:
     refused: Counter = field(default_factory=Counter)  # first broken rule -> layouts
 
 
-def search(cfg: MegaliteConfig, cluster: ClusterConfig, vocab: int) -> SearchResult:
+def search(cfg: MegaliteConfig, cluster: ClusterConfig, vocab: int, context_parallel: bool = True) -> SearchResult:
+    """``context_parallel=False`` leaves CP out (to compare with runs made without it)."""
     out = SearchResult()
-    for layout in candidates(cfg, cluster):
+    for layout in candidates(cfg, cluster, context_parallel):
         out.considered += 1
         run = layout.apply(cfg)
         errors = layout_rule_errors(run, cluster.world_size, cluster.gpus_per_node)
