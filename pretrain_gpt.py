@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """Pretrain a GPT. Megatron-LM's flag names; run with `torchrun --nproc-per-node N pretrain_gpt.py ...`
-(or plain `python pretrain_gpt.py ...` for one rank). `--help` lists every flag."""
+(or plain `python pretrain_gpt.py ...` for one rank). `--help` lists every flag; `--dry-run` validates them,
+prints the plan (memory per rank, step time; cluster flags as tools/plan.py's) and exits (docs/planning.md)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from megalite.distributed.failure import FailureBoard
 from megalite.distributed.launch import distributed_run, launcher_env, run_timeout
 from megalite.distributed.rendezvous import RendezvousError
 from megalite.optimizer.loss_scaler import LossScaleCollapse
+from megalite.planning.cli import dry_run
 from megalite.training.loop import NonFiniteError, pretrain
 
 PROG = "pretrain_gpt.py"
@@ -52,6 +54,8 @@ def _parse(argv: list[str] | None, rank: int, world: int) -> MegaliteConfig:
 @record  # under torchrun, a bug's traceback goes to the elastic error file with its rank
 def main(argv: list[str] | None = None) -> int:
     rank, world, _, local_world = launcher_env()
+    if "--dry-run" in (sys.argv[1:] if argv is None else argv):  # no process group, nothing run
+        return dry_run(sys.argv[1:] if argv is None else argv, world, local_world)
     cfg = _parse(argv, rank, world)
     board = FailureBoard(PROG, rank, world, run_timeout(cfg))
     with board.reporting(EXPECTED):

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from megalite.config.flags import option
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(kw_only=True)
@@ -25,7 +27,9 @@ class PrecisionConfig:
         "--min-loss-scale (the model trains nothing then).")
 
     @property
-    def params_dtype(self) -> torch.dtype:
+    def params_dtype(self) -> "torch.dtype":
+        import torch  # lazily: the config (and tools/plan.py) stays importable without torch
+
         return torch.float16 if self.fp16 else torch.bfloat16 if self.bf16 else torch.float32
 
 

@@ -1,0 +1,92 @@
+"""One layout's plan: memory per rank against the device, step time and its parts, as a report."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from megalite.config.arguments import MegaliteConfig
+from megalite.planning.hardware import ClusterConfig
+from megalite.planning.layout import Layout
+from megalite.planning.memory import MemoryReport, peak_memory, stage_params
+from megalite.planning.shape import RunShape
+from megalite.planning.timing import TimeReport, crosses_nodes, step_time
+
+GB = 1e9
+
+
+def fmt_bytes(x: float) -> str:
+    return f"{x / GB:9.2f} GB" if abs(x) >= 0.1 * GB else f"{x / 1e6:9.2f} MB"
+
+
+def fmt_s(x: float) -> str:
+    return f"{x * 1e3:12,.1f} ms"
+
+
+@dataclass
+class Plan:
+    layout: Layout
+    shape: RunShape
+    cluster: ClusterConfig
+    memory: MemoryReport
+    time: TimeReport
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.total <= self.cluster.memory_bytes()
+
+    @property
+    def total_params(self) -> int:
+        one = dataclasses.replace(self.shape, tp=1, pp=1, v=1)
+        return stage_params(one, 0)
+
+
+def estimate(cfg: MegaliteConfig, cluster: ClusterConfig, vocab: int) -> Plan:
+    """The plan of ``cfg``'s layout on ``cluster`` (cfg must be valid for the cluster's world size)."""
+    sh = RunShape.of(cfg, cluster.world_size, vocab)
+    return Plan(Layout.from_config(cfg), sh, cluster, peak_memory(sh), step_time(sh, cluster))
+
+
+def _where(sh: RunShape, cl: ClusterConfig, axis: str, size: int) -> str:
+    if size == 1:
+        return ""
+    return " (network)" if crosses_nodes(sh, cl, axis, size) else " (NVLink)"
+
+
+def format_report(plan: Plan) -> str:
+    sh, cl, mem, tm = plan.shape, plan.cluster, plan.memory, plan.time
+    spec = cl.spec()
+    gpu_mem = cl.memory_bytes() / GB
+    lines = [
+        f"model: {plan.total_params / 1e9:.2f} B parameters, {sh.cfg.model.num_layers} layers, h={sh.h}, "
+        f"s={sh.s}, vocab {sh.vocab} (padded {sh.padded_vocab}), {sh.dtype}",
+        f"cluster: {cl.num_nodes} node(s) x {cl.gpus_per_node} {spec.name} = {cl.world_size} GPUs, "
+        f"{gpu_mem:.0f} GB, {cl.peak_flops(sh.dtype) / 1e12:.0f} TFLOP/s dense {sh.dtype} peak x "
+        f"{cl.compute_efficiency:.2f} efficiency",
+        f"layout: TP {sh.tp}{_where(sh, cl, 'tp', sh.tp)} x CP {sh.cp}{_where(sh, cl, 'cp', sh.cp)} x "
+        f"DP {sh.dp}{_where(sh, cl, 'dp', sh.dp)} x PP {sh.pp}{_where(sh, cl, 'pp', sh.pp)}"
+        f"{f', {sh.v} virtual stages per rank' if sh.v > 1 else ''}; micro-batch {sh.b}, {sh.m} micro-batches "
+        f"per step; SP {'on' if sh.sp else 'off'}; recompute {sh.recompute or 'none'}; distributed optimizer "
+        f"{'on' if sh.cfg.ddp.use_distributed_optimizer else 'off'}",
+        f"  flags: {plan.layout.flags()}",
+        "",
+        f"memory per rank (pipeline rank {mem.stage}, the fullest; {mem.params / 1e9:.3f} B parameters):",
+    ]
+    for name, value in mem.terms.items():
+        if value or "not yet" not in name:
+            lines.append(f"  {name:<24} {fmt_bytes(value)}")
+    verdict = "fits" if plan.fits else "DOES NOT FIT"
+    lines += [f"  {'total':<24} {fmt_bytes(mem.total)} of {gpu_mem:.0f} GB: {verdict}", "",
+              "step time (estimated):"]
+    for name, value in tm.terms.items():
+        if value or name in ("compute", "pipeline bubble"):
+            lines.append(f"  {name:<24} {fmt_s(value)}")
+    tokens = sh.m * sh.b * sh.dp * sh.s
+    mfu = tm.tflops_per_gpu() * 1e12 / cl.peak_flops(sh.dtype)
+    lines += [f"  {'total':<24} {fmt_s(tm.step_s)} per step of {tokens} tokens "
+              f"({tokens / tm.step_s / cl.world_size:.0f} tokens/s per GPU)",
+              f"  model TFLOP/s per GPU: {tm.tflops_per_gpu():.1f} (MFU {mfu:.1%})"
+              + (f"; with recomputation: {tm.tflops_per_gpu(True):.1f}" if sh.recompute == "full" else "")]
+    if not plan.fits:
+        lines.append("  (does not fit: tools/plan.py --search ranks the layouts that do)")
+    return "\n".join(lines)

@@ -1,0 +1,85 @@
+"""A candidate layout (the flags the search varies), applied to a run config, and the rules it must pass.
+
+The rules are config/validate.py's own (world size, TP/PP/VP cuts, batch divisibility, sequence and
+context parallelism, hierarchical reduction): the planner never proposes a layout pretrain_gpt.py would
+refuse. Only the rules that need files, a tokenizer or a device are left to the run itself.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+from megalite.config.arguments import MegaliteConfig
+from megalite.config.validate import (
+    model_errors,
+    optimizer_errors,
+    parallel_errors,
+    positive_errors,
+    precision_errors,
+    schedule_errors,
+    training_errors,
+)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What --search varies; everything else is the user's config."""
+
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    vp_layers: int | None = None  # --num-layers-per-virtual-pipeline-stage
+    micro_batch: int = 1
+    sequence_parallel: bool = False
+    recompute: str | None = None  # None, "selective", "full"
+    distributed_optimizer: bool = False
+
+    @classmethod
+    def from_config(cls, cfg: MegaliteConfig) -> "Layout":
+        p = cfg.parallel
+        return cls(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size,
+                   p.num_layers_per_virtual_pipeline_stage, cfg.training.micro_batch_size, p.sequence_parallel,
+                   cfg.model.recompute_granularity, cfg.ddp.use_distributed_optimizer)
+
+    def apply(self, cfg: MegaliteConfig) -> MegaliteConfig:
+        """A copy of ``cfg`` with this layout's flags."""
+        out = copy.deepcopy(cfg)
+        p = out.parallel
+        p.tensor_model_parallel_size, p.pipeline_model_parallel_size = self.tp, self.pp
+        p.context_parallel_size, p.num_layers_per_virtual_pipeline_stage = self.cp, self.vp_layers
+        p.sequence_parallel = self.sequence_parallel
+        out.training.micro_batch_size = self.micro_batch
+        out.model.recompute_granularity = self.recompute
+        if self.recompute != "full":
+            out.model.recompute_method = None
+        out.ddp.use_distributed_optimizer = self.distributed_optimizer
+        if not self.distributed_optimizer:
+            out.ddp.overlap_param_gather = False
+        return out
+
+    def flags(self) -> str:
+        """The command-line flags that select this layout."""
+        out = [f"--tensor-model-parallel-size {self.tp}", f"--pipeline-model-parallel-size {self.pp}"]
+        if self.cp > 1:
+            out.append(f"--context-parallel-size {self.cp}")
+        if self.vp_layers:
+            out.append(f"--num-layers-per-virtual-pipeline-stage {self.vp_layers}")
+        out.append(f"--micro-batch-size {self.micro_batch}")
+        if self.sequence_parallel:
+            out.append("--sequence-parallel")
+        if self.recompute:
+            out.append(f"--recompute-granularity {self.recompute}")
+        if self.distributed_optimizer:
+            out.append("--use-distributed-optimizer")
+        return " ".join(out)
+
+
+def layout_rule_errors(cfg: MegaliteConfig, world_size: int, local_world_size: int) -> list[str]:
+    """config/validate.py's rules for this config on this world (those that need no file or device)."""
+    errors = positive_errors(cfg)
+    if errors:
+        return errors
+    return [*model_errors(cfg.model), *parallel_errors(cfg, world_size, local_world_size),
+            *training_errors(cfg, world_size), *optimizer_errors(cfg.optimizer),
+            *schedule_errors(cfg.training, cfg.optimizer), *precision_errors(cfg.precision, cfg.ddp)]

@@ -1,0 +1,253 @@
+"""Bytes per rank, one function per term (docs/design.md §3.4-3.6, docs/planning.md).
+
+Activation bytes are what megalite's eager layer keeps, tensor by tensor (tests/test_planning.py holds
+them to the bytes autograd saves on CPU within 5%): Korthikanti et al.'s per-layer terms plus what the
+eager code keeps besides (2 more bytes per token and channel outside the GEMMs, the repeated K/V and the
+causal mask of the unfused attention, RoPE's rotated copies). Terms for features that have not landed
+(MoE experts, ZeRO-style sharding of gradients and weights) return 0 and say so in the report.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megalite.planning.shape import RunShape
+
+UNFUSED_BACKENDS = ("unfused", "local")  # the explicit softmax(QK^T)V; others are flash attention on a GPU
+
+
+# ---- parameters ------------------------------------------------------------------------------------
+def layer_params(sh: RunShape) -> int:
+    """One transformer layer's parameters on one TP rank (norms and row-parallel biases replicated)."""
+    m, t, h = sh.cfg.model, sh.tp, sh.h
+    a, g, d, f = m.num_attention_heads, m.num_query_groups, m.kv_channels, m.ffn_hidden_size
+    bias = m.add_bias_linear
+    qkv_rows = (a // t + 2 * max(g // t, 1)) * d
+    fc1_rows = (2 * f if m.swiglu else f) // t
+    n = qkv_rows * h + (qkv_rows if bias or m.add_qkv_bias else 0)
+    n += (a * d // t) * h + (h if bias else 0)
+    n += fc1_rows * h + (fc1_rows if bias else 0)
+    n += (f // t) * h + (h if bias else 0)
+    return n + 2 * norm_params(sh)
+
+
+def norm_params(sh: RunShape) -> int:
+    return sh.h * (2 if sh.cfg.model.normalization == "LayerNorm" else 1)
+
+
+def embedding_params(sh: RunShape) -> int:
+    """First stage: the vocab-parallel word embedding and the learned positions."""
+    m = sh.cfg.model
+    pos = m.max_position_embeddings * sh.h if m.position_embedding_type == "learned_absolute" else 0
+    return sh.padded_vocab // sh.tp * sh.h + pos
+
+
+def output_params(sh: RunShape) -> int:
+    """Last stage: the final norm and the output layer (its own weight unless tied on one stage)."""
+    own = not sh.cfg.model.tied_embeddings or sh.pp > 1
+    return norm_params(sh) + (sh.padded_vocab // sh.tp * sh.h if own else 0)
+
+
+def stage_params(sh: RunShape, stage: int) -> int:
+    """Parameters on pipeline rank ``stage`` (its v chunks)."""
+    n = sh.layers_per_stage * layer_params(sh)
+    if stage == 0:
+        n += embedding_params(sh)
+    if stage == sh.pp - 1:
+        n += output_params(sh)
+    return n
+
+
+# ---- weights, gradients, optimizer state (docs/design.md §3.6) ---------------------------------------
+def weight_bytes(sh: RunShape, n: int) -> float:
+    return n * sh.param_bytes
+
+
+def grad_bytes(sh: RunShape, n: int) -> float:
+    """The contiguous gradient buffer is never sharded (reduce-scattered in place)."""
+    return n * sh.grad_bytes
+
+
+def optimizer_bytes(sh: RunShape, n: int) -> float:
+    """fp32 main params (aliased to the weight in fp32 runs) and two Adam moments, sharded over the
+    DP x CP ranks with the distributed optimizer, on the host with --optimizer-cpu-offload."""
+    if sh.cfg.ddp.optimizer_cpu_offload:
+        return 0.0
+    per = (4 if sh.param_bytes == 2 else 0) + 8
+    shards = sh.dp * sh.cp if sh.cfg.ddp.use_distributed_optimizer else 1
+    return n * per / shards
+
+
+def moe_bytes(sh: RunShape) -> float:
+    """Expert weights and their state: not yet (MoE has not landed)."""
+    return 0.0
+
+
+def zero_sharding_saving(sh: RunShape) -> float:
+    """Gradient / weight sharding beyond the distributed optimizer: not yet (it has not landed)."""
+    return 0.0
+
+
+# ---- activations (docs/design.md §3.5) ----------------------------------------------------------------
+def layer_outside_core_bytes(sh: RunShape) -> float:
+    """Per micro-batch: what one layer keeps outside the core attention (selective recomputation's
+    total), in elements of the activation dtype per token unless said otherwise.
+
+    Replicated over TP (split by TP with sequence parallelism): the two norms' inputs and outputs (4h),
+    the residual dropouts' outputs (2h, with --hidden-dropout > 0), the norm statistics (4 bytes per
+    element size), and with RMSNorm the eager decomposition's 6 bytes per channel per norm. Split by
+    TP: the fused QKV output ((a + 2g)d), a new copy of q when heads share a K/V group or RoPE rotates
+    it, the rotated k with RoPE, the projection's input (ad), the MLP's fc1 output and activation (2f;
+    SwiGLU 4f). RoPE's cos/sin tables (4 of s x rotated channels) do not depend on the batch."""
+    m, h, t, e = sh.cfg.model, sh.h, sh.tp, sh.act_bytes
+    a, g, d, f = m.num_attention_heads, m.num_query_groups, m.kv_channels, m.ffn_hidden_size
+    rope = m.position_embedding_type == "rope"
+    qkv = (a + 2 * g) * d + (a * d if rope or a != g else 0) + (g * d if rope else 0)
+    sharded = (qkv + a * d + (4 * f if m.swiglu else 2 * f)) * e
+    replicated = (4 + (2 if m.hidden_dropout > 0 else 0)) * h * e + 4 * e
+    if m.normalization == "RMSNorm":
+        replicated += 12 * h
+    per_token = (replicated + sharded) / t if sh.sp else replicated + sharded / t
+    tables = 4 * (sh.s // sh.cp) * int(d * m.rotary_percent) * e if rope else 0
+    return per_token * sh.local_tokens + tables
+
+
+def core_attention_bytes(sh: RunShape) -> float:
+    """Per micro-batch: the core attention's saved tensors. Unfused: per score the softmax output, and
+    with --attention-dropout > 0 the dropout mask and output (Korthikanti's 5 bytes, 6 here), K and V
+    repeated to every head, and the causal mask (s x s bytes); flash attention: its output and fp32
+    log-sum-exp (its q, k, v are the tensors selective recomputation keeps)."""
+    m, t, e = sh.cfg.model, sh.tp, sh.act_bytes
+    a, d = m.num_attention_heads, m.kv_channels
+    tokens = sh.local_tokens
+    if m.attention_backend in UNFUSED_BACKENDS:
+        scores = tokens * sh.s * a / t  # each local query sees the whole sequence
+        per_score = (3 if m.attention_dropout > 0 else 1) * e
+        # QK^T and PV keep the repeated K and V, not the fused QKV output (unless q is a view of it)
+        # nor RoPE's rotated k, which layer_outside_core_bytes counts for the recomputed case
+        g, rope = m.num_query_groups, m.position_embedding_type == "rope"
+        unkept = ((a + 2 * g) * d if rope or a != g else 0) + (g * d if rope else 0)
+        return (per_score * scores + (2 * a * d - unkept) * tokens / t * e + sh.s * sh.s // sh.cp)
+    return a * d * tokens / t * e + 4 * a * tokens / t
+
+
+def full_layer_bytes(sh: RunShape) -> float:
+    return layer_outside_core_bytes(sh) + core_attention_bytes(sh)
+
+
+def layer_input_bytes(sh: RunShape) -> float:
+    """What full recomputation keeps per recomputed group: its input (split by TP with SP)."""
+    return sh.local_tokens * sh.h * sh.act_bytes / (sh.tp if sh.sp else 1)
+
+
+def chunk_activation_bytes(sh: RunShape) -> float:
+    """One model chunk (layers_per_chunk layers) of one micro-batch, as kept between its forward and
+    backward, by recomputation granularity."""
+    m, n = sh.cfg.model, sh.layers_per_chunk
+    if sh.recompute == "selective":
+        return n * layer_outside_core_bytes(sh)
+    if sh.recompute != "full":
+        return n * full_layer_bytes(sh)
+    k = min(m.recompute_num_layers, n)
+    if m.recompute_method == "block":  # the first k layers recomputed, the rest kept
+        return k * layer_input_bytes(sh) + (n - k) * full_layer_bytes(sh)
+    return -(-n // k) * layer_input_bytes(sh)  # uniform: one input per group of k layers
+
+
+def recompute_working_bytes(sh: RunShape) -> float:
+    """Full recomputation rebuilds one group's activations at a time during backward."""
+    if sh.recompute != "full":
+        return 0.0
+    return min(sh.cfg.model.recompute_num_layers, sh.layers_per_chunk) * full_layer_bytes(sh)
+
+
+def in_flight_chunks(sh: RunShape, stage: int) -> float:
+    """Micro-batch chunks whose activations a pipeline rank holds at its peak (docs/design.md §3.4):
+    1F1B p - r, the interleaved warm-up (p - r - 1)·2 + (v - 1)·p + 1 chunks, GPipe all m."""
+    p, v, m = sh.pp, sh.v, sh.m
+    if p == 1:
+        return 1.0
+    if sh.cfg.parallel.pipeline_schedule == "gpipe":
+        return float(m * v)
+    if v == 1:
+        return float(min(p - stage, m))
+    return float(min((p - stage - 1) * 2 + (v - 1) * p + 1, m * v))
+
+
+def embedding_activation_bytes(sh: RunShape, stage: int) -> float:
+    """First stage, per micro-batch in flight: the embedding dropout's output (with --hidden-dropout)."""
+    if stage != 0 or sh.cfg.model.hidden_dropout == 0:
+        return 0.0
+    return sh.local_tokens * sh.h * sh.act_bytes / (sh.tp if sh.sp else 1)
+
+
+def logits_bytes(sh: RunShape, stage: int) -> float:
+    """Last stage, per micro-batch whose loss is computed: the fp32 logits the vocab-parallel
+    cross-entropy keeps for backward, and the inputs of the final norm and the output layer. With
+    --cross-entropy-loss-fusion: one chunk of at least 512 tokens, the fp32 weight-gradient accumulator
+    and the input gradient (not measured here)."""
+    if stage != sh.pp - 1:
+        return 0.0
+    vocab, tokens = sh.padded_vocab // sh.tp, sh.local_tokens
+    inputs = 2 * tokens * sh.h * sh.act_bytes / (sh.tp if sh.sp else 1)
+    if sh.cfg.model.cross_entropy_loss_fusion:
+        chunk = min(tokens, max(512, 2**24 // vocab))
+        return chunk * vocab * 4 + vocab * sh.h * 4 + tokens * sh.h * 4 + inputs
+    return tokens * vocab * 4 + inputs
+
+
+def losses_in_flight(sh: RunShape) -> int:
+    """Micro-batches whose loss inputs the last stage holds at once: all of them under GPipe, else one
+    (its backward starts right after its forward)."""
+    return sh.m if sh.cfg.parallel.pipeline_schedule == "gpipe" and sh.pp > 1 else 1
+
+
+def activation_bytes(sh: RunShape, stage: int) -> float:
+    """The stage's peak: its chunks in flight, the embedding outputs of the micro-batches in flight on
+    the first chunk, and the larger of the losses' inputs and full recomputation's working set (the
+    loss's backward frees its logits before any layer is recomputed)."""
+    chunks = in_flight_chunks(sh, stage)
+    first_chunk = -(-chunks // sh.v)
+    return (chunks * chunk_activation_bytes(sh) + first_chunk * embedding_activation_bytes(sh, stage)
+            + max(losses_in_flight(sh) * logits_bytes(sh, stage), recompute_working_bytes(sh)))
+
+
+# ---- communication buffers ---------------------------------------------------------------------------
+def comm_buffer_bytes(sh: RunShape) -> float:
+    """Receive buffers of the pipeline (an activation and a gradient per chunk), the gathered input of a
+    column-parallel GEMM with SP, and the K/V chunks a context-parallel ring has in flight."""
+    msg = sh.local_tokens * sh.h * sh.act_bytes / (sh.tp if sh.sp else 1)
+    pp = 2 * sh.v * msg if sh.pp > 1 else 0.0
+    sp = sh.local_tokens * sh.h * sh.act_bytes if sh.sp else 0.0
+    m = sh.cfg.model
+    kv = 2 * sh.local_tokens * max(m.num_query_groups // sh.tp, 1) * m.kv_channels * sh.act_bytes
+    cp = 2 * kv if sh.cp > 1 else 0.0
+    return pp + sp + cp
+
+
+# ---- the total -----------------------------------------------------------------------------------------
+@dataclass
+class MemoryReport:
+    stage: int  # the pipeline rank shown (the one with the most bytes)
+    params: int
+    terms: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def total(self) -> float:
+        return sum(self.terms.values())
+
+
+def stage_memory(sh: RunShape, stage: int) -> MemoryReport:
+    n = stage_params(sh, stage)
+    terms = {"weights": weight_bytes(sh, n), "gradients": grad_bytes(sh, n),
+             "optimizer state": optimizer_bytes(sh, n), "activations": activation_bytes(sh, stage),
+             "communication buffers": comm_buffer_bytes(sh), "MoE experts (not yet)": moe_bytes(sh),
+             "ZeRO sharding (not yet)": -zero_sharding_saving(sh)}
+    return MemoryReport(stage, n, terms)
+
+
+def peak_memory(sh: RunShape) -> MemoryReport:
+    """The pipeline rank with the most bytes (the first holds the most activations, the last the
+    output layer and the logits)."""
+    stages = {0, sh.pp - 1}
+    return max((stage_memory(sh, r) for r in sorted(stages)), key=lambda r: r.total)

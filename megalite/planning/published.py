@@ -1,0 +1,102 @@
+"""Published training runs the time model is checked against (data, with their source; the
+comparison is in docs/planning.md and tests/test_planning.py).
+
+Table 1 of "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM"
+(Narayanan et al., 2021): GPT models on A100-80GB (DGX A100 nodes of 8, 200 Gb/s HDR InfiniBand per
+GPU), sequence 2048, vocabulary 51,200, fp16, full activation recomputation; TFLOP/s per GPU counts the
+recomputation's extra forward. And the H100 weak-scaling table of the Megatron-LM README: vocabulary
+131,072, sequence 4,096, bf16, gradient reduction and parameter gather overlapped, model FLOPs (MFU's
+count). Neither gives the micro-batch size, the schedule or the recomputation of each row; the
+assumptions the planner runs them with are the fields below and docs/planning.md states them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PublishedRun:
+    source: str
+    name: str
+    heads: int
+    hidden: int
+    layers: int
+    tp: int
+    pp: int
+    gpus: int
+    batch: int
+    tflops_per_gpu: float  # as published
+    gpu: str
+    seq: int
+    vocab: int
+    dtype: str  # "fp16" or "bf16"
+    recompute: str | None  # assumed
+    counts_recompute: bool  # the published TFLOP/s include the recomputed forward
+    distributed_optimizer: bool
+    overlap: bool  # --overlap-grad-reduce / --overlap-param-gather
+
+    @property
+    def dp(self) -> int:
+        return self.gpus // (self.tp * self.pp)
+
+
+_TABLE1 = "Narayanan et al. 2021, Table 1"
+_H100 = "Megatron-LM README, H100 weak scaling"
+
+
+def _a100(name: str, heads: int, hidden: int, layers: int, tp: int, pp: int, gpus: int, batch: int,
+          tflops: float) -> PublishedRun:
+    return PublishedRun(_TABLE1, name, heads, hidden, layers, tp, pp, gpus, batch, tflops, "a100-80g", 2048,
+                        51200, "fp16", "full", True, False, False)
+
+
+def _h100(name: str, heads: int, hidden: int, layers: int, tp: int, pp: int, gpus: int, batch: int,
+          tflops: float) -> PublishedRun:
+    return PublishedRun(_H100, name, heads, hidden, layers, tp, pp, gpus, batch, tflops, "h100-sxm", 4096,
+                        131072, "bf16", "selective", False, True, True)
+
+
+PUBLISHED: list[PublishedRun] = [
+    _a100("1.7B", 24, 2304, 24, 1, 1, 32, 512, 137),
+    _a100("3.6B", 32, 3072, 30, 2, 1, 64, 512, 138),
+    _a100("7.5B", 32, 4096, 36, 4, 1, 128, 512, 142),
+    _a100("18.4B", 48, 6144, 40, 8, 1, 256, 1024, 135),
+    _a100("39.1B", 64, 8192, 48, 8, 2, 512, 1536, 138),
+    _a100("76.1B", 80, 10240, 60, 8, 4, 1024, 1792, 140),
+    _a100("145.6B", 96, 12288, 80, 8, 8, 1536, 2304, 148),
+    _a100("310.1B", 128, 16384, 96, 8, 16, 1920, 2160, 155),
+    _a100("529.6B", 128, 20480, 105, 8, 35, 2520, 2520, 163),
+    _a100("1008.0B", 160, 25600, 128, 8, 64, 3072, 3072, 163),
+    _h100("1.7B", 16, 2048, 24, 1, 1, 48, 192, 408.8),
+    _h100("7.1B", 32, 4096, 30, 2, 1, 96, 192, 465.9),
+    _h100("16B", 48, 6144, 32, 4, 1, 192, 192, 489.1),
+    _h100("32B", 56, 7168, 48, 8, 1, 384, 192, 459.6),
+    _h100("70B", 64, 8192, 84, 8, 2, 768, 384, 419.7),
+    _h100("119B", 80, 10240, 92, 8, 4, 1536, 768, 420.5),
+    _h100("177B", 96, 12288, 96, 8, 6, 2304, 1152, 432.8),
+    _h100("314B", 128, 16384, 96, 8, 8, 3072, 1536, 474.4),
+    _h100("462B", 144, 18432, 112, 8, 16, 6144, 3072, 459.9),
+]
+
+
+def run_flags(run: PublishedRun) -> list[str]:
+    """pretrain_gpt.py flags of a published run (micro-batch 1, 1F1B)."""
+    flags = ["--num-layers", str(run.layers), "--hidden-size", str(run.hidden), "--num-attention-heads",
+             str(run.heads), "--seq-length", str(run.seq), "--max-position-embeddings", str(run.seq),
+             "--micro-batch-size", "1", "--global-batch-size", str(run.batch),
+             "--tensor-model-parallel-size", str(run.tp), "--pipeline-model-parallel-size", str(run.pp),
+             f"--{run.dtype}", "--vocab-size", str(run.vocab - 1), "--make-vocab-size-divisible-by", "128"]
+    if run.recompute:
+        flags += ["--recompute-granularity", run.recompute]
+    if run.distributed_optimizer:
+        flags.append("--use-distributed-optimizer")
+    if run.overlap:
+        flags += ["--overlap-grad-reduce", "--overlap-param-gather"]
+    if run.tp > 1:
+        flags.append("--sequence-parallel") if run.source == _H100 else None
+    return flags
+
+
+def cluster_flags(run: PublishedRun) -> list[str]:
+    return ["--num-nodes", str(run.gpus // 8), "--gpus-per-node", "8", "--gpu", run.gpu]

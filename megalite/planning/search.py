@@ -1,0 +1,119 @@
+"""--search: every layout of the model on the cluster for the run's global batch that the config rules
+accept and that fits in device memory, ranked by estimated step time."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from megalite.config.arguments import MegaliteConfig
+from megalite.planning.estimate import Plan, estimate
+from megalite.planning.hardware import ClusterConfig
+from megalite.planning.layout import Layout, layout_rule_errors
+
+MICRO_BATCHES = (1, 2, 4, 8)
+RECOMPUTE = (None, "selective", "full")
+
+
+def divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def candidates(cfg: MegaliteConfig, cluster: ClusterConfig, context_parallel: bool = True) -> Iterator[Layout]:
+    """Layouts whose sizes divide the world and the layers: TP and TP x CP inside a node; the
+    distributed optimizer whenever there is more than one DP x CP rank (it needs less memory and, with
+    16-bit weights, moves fewer bytes); SP whenever TP > 1 (same bytes, 1/TP of the activations)."""
+    m, world, gpn = cfg.model, cluster.world_size, cluster.gpus_per_node
+    gbs = cfg.training.global_batch_size or cfg.training.micro_batch_size
+    for tp in divisors(gpn):
+        for cp in divisors(gpn // tp) if context_parallel else [1]:
+            for pp in divisors(m.num_layers):
+                if world % (tp * cp * pp):
+                    continue
+                dp = world // (tp * cp * pp)
+                vps = [None] + [k for k in divisors(m.num_layers // pp) if pp > 1 and m.num_layers // (pp * k) > 1]
+                for mbs in MICRO_BATCHES:
+                    if gbs % (mbs * dp):
+                        continue
+                    for vp in vps:
+                        for rc in RECOMPUTE:
+                            yield Layout(tp, pp, cp, vp, mbs, tp > 1, rc, dp * cp > 1)
+
+
+@dataclass
+class SearchResult:
+    plans: list[Plan] = field(default_factory=list)  # ranked, fastest first
+    considered: int = 0
+    too_big: int = 0
+    refused: Counter = field(default_factory=Counter)  # first broken rule -> layouts
+
+
+def search(cfg: MegaliteConfig, cluster: ClusterConfig, vocab: int, context_parallel: bool = True) -> SearchResult:
+    """``context_parallel=False`` leaves CP out (to compare with runs made without it)."""
+    out = SearchResult()
+    for layout in candidates(cfg, cluster, context_parallel):
+        out.considered += 1
+        run = layout.apply(cfg)
+        errors = layout_rule_errors(run, cluster.world_size, cluster.gpus_per_node)
+        if errors:
+            out.refused[errors[0].split(" (")[0]] += 1
+            continue
+        plan = estimate(run, cluster, vocab)
+        if not plan.fits:
+            out.too_big += 1
+            continue
+        out.plans.append(plan)
+    out.plans.sort(key=lambda p: (p.time.step_s, p.memory.total))
+    return out
+
+
+def reasons(plan: Plan) -> str:
+    """The costs beside compute, as shares of the step."""
+    t = plan.time
+    parts = [f"{name} {v / t.step_s:.0%}" for name, v in t.terms.items() if name != "compute" and v / t.step_s >= 0.005]
+    return ", ".join(parts) or "compute only"
+
+
+def distinct_layouts(result: SearchResult) -> list[tuple[int, int, int]]:
+    """(TP, PP, CP) in the order of their fastest plan: the ranking of the ways to cut the model."""
+    seen: dict[tuple[int, int, int], None] = {}
+    for plan in result.plans:
+        seen.setdefault((plan.layout.tp, plan.layout.pp, plan.layout.cp), None)
+    return list(seen)
+
+
+def rank_of(result: SearchResult, tp: int, pp: int, cp: int = 1) -> int | None:
+    """1-based rank of (TP, PP, CP) among the distinct layouts that fit (None when none fits)."""
+    order = distinct_layouts(result)
+    return order.index((tp, pp, cp)) + 1 if (tp, pp, cp) in order else None
+
+
+def best_variants(result: SearchResult) -> list[Plan]:
+    """The fastest plan of each (TP, PP, CP, VP, micro-batch): what differs below it is only the
+    recomputation or the optimizer, which the shown flags already choose."""
+    seen: dict[tuple, Plan] = {}
+    for plan in result.plans:
+        lay = plan.layout
+        seen.setdefault((lay.tp, lay.pp, lay.cp, lay.vp_layers, lay.micro_batch), plan)
+    return list(seen.values())
+
+
+def label(plan: Plan) -> str:
+    lay, v = plan.layout, plan.shape.v
+    return (f"TP{lay.tp} PP{lay.pp}" + (f" VP{v}" if v > 1 else "") + (f" CP{lay.cp}" if lay.cp > 1 else "")
+            + f" mbs{lay.micro_batch} {lay.recompute or 'no'}-rc")
+
+
+def format_search(result: SearchResult, top: int) -> str:
+    lines = [f"{result.considered} layouts considered: {len(result.plans)} fit, {result.too_big} need more "
+             f"memory than the device has, {sum(result.refused.values())} refused by the config rules"]
+    for rule, n in result.refused.most_common(3):
+        lines.append(f"  refused ({n}): {rule}")
+    lines.append("")
+    for i, plan in enumerate(best_variants(result)[:top], 1):
+        lines.append(f"{i:3d}. {label(plan):<28} {plan.time.step_s * 1e3:9.1f} ms/step  "
+                     f"{plan.time.tflops_per_gpu():6.1f} TFLOP/s/GPU  {plan.memory.total / 1e9:6.1f} GB"
+                     f"  ({reasons(plan)})")
+        lines.append(f"     {plan.layout.flags()}")
+    return "\n".join(lines)

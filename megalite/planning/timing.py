@@ -1,0 +1,186 @@
+"""Step time on a cluster, one function per term (docs/planning.md).
+
+compute = the model's FLOPs per rank / (dense peak x compute efficiency); the memory-bound work (bytes
+the elementwise work moves / device-memory bandwidth); the bubble (p - 1)/(v·m) of the
+compute of one pipeline; communication = bytes a rank puts on its link (ring algorithms: all-reduce
+2(n-1)/n of the buffer, reduce-scatter and all-gather (n-1)/n each) / the bandwidth of the link the group
+actually uses (NVLink inside a node, the network across nodes, from the rank order and the node size),
+counted exposed unless megalite overlaps it (the DP gradient reduction with --overlap-grad-reduce, except
+its last bucket; the parameter all-gather with --overlap-param-gather).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megalite.planning.hardware import ClusterConfig
+from megalite.planning.memory import full_layer_bytes, stage_params
+from megalite.planning.shape import RunShape
+from megalite.training.flops import training_flops
+
+
+def step_flops(sh: RunShape, with_recompute: bool) -> float:
+    """The training loop's FLOPs per step over all ranks (megalite/training/flops.py); with_recompute
+    adds what recomputation runs again: a whole forward (full), the attention square's two matmuls
+    (selective)."""
+    m = sh.cfg.model
+    tokens = sh.m * sh.b * sh.dp * sh.s
+    flops = training_flops(m, sh.vocab, sh.s, tokens, recompute=with_recompute and sh.recompute == "full")
+    if with_recompute and sh.recompute == "selective":
+        flops += tokens * m.num_layers * 2 * 2 * sh.s * m.num_attention_heads * m.kv_channels
+    return flops
+
+
+def compute_s(sh: RunShape, cl: ClusterConfig) -> float:
+    """One rank's share of the step's FLOPs (full recomputation's extra forward included)."""
+    return step_flops(sh, True) / sh.world / (cl.peak_flops(sh.dtype) * cl.compute_efficiency)
+
+
+def memory_bound_s(sh: RunShape, cl: ClusterConfig) -> float:
+    """Work bound by device-memory bandwidth rather than FLOPs (norms, dropouts, activations, residuals,
+    the loss): every activation a layer keeps is written in forward and read in backward, and its
+    gradient written and read (4x the layer's activation bytes); the cross-entropy makes 5 passes (read
+    and write) over the fp32 logits, on the last stage (spread over the stages here)."""
+    per_mb = 4 * sh.layers_per_stage * full_layer_bytes(sh)
+    ce = 10 * sh.local_tokens * sh.padded_vocab / sh.tp * 4 / sh.pp
+    return sh.m * (per_mb + ce) / cl.hbm_bytes_per_s()
+
+
+def bubble_s(sh: RunShape, cl: ClusterConfig) -> float:
+    """Idle time of the pipeline schedule: (p - 1)/(v·m) of the compute (GPipe: (p - 1)/m)."""
+    v = 1 if sh.cfg.parallel.pipeline_schedule == "gpipe" else sh.v
+    return compute_s(sh, cl) * (sh.pp - 1) / (v * sh.m)
+
+
+# ---- which link a group uses -----------------------------------------------------------------------------
+def axis_stride(sh: RunShape, axis: str) -> int:
+    sizes = {"tp": sh.tp, "cp": sh.cp, "dp": sh.dp, "pp": sh.pp}
+    stride = 1
+    for a in sh.cfg.parallel.layout_order.split("-"):
+        if a == axis:
+            return stride
+        stride *= sizes[a]
+    raise ValueError(axis)
+
+
+def crosses_nodes(sh: RunShape, cl: ClusterConfig, axis: str, size: int) -> bool:
+    """Whether a group of ``axis`` spans nodes: its ranks lie ``stride`` apart and nodes hold
+    gpus_per_node consecutive ranks (parallel/layout.py's node mapping)."""
+    return size > 1 and axis_stride(sh, axis) * size > cl.gpus_per_node
+
+
+def ranks_per_node_in_group(sh: RunShape, cl: ClusterConfig, axis: str, size: int) -> int:
+    return max(1, min(size, cl.gpus_per_node // axis_stride(sh, axis)))
+
+
+def link(sh: RunShape, cl: ClusterConfig, axis: str, size: int) -> float:
+    return cl.link_bytes_per_s(crosses_nodes(sh, cl, axis, size))
+
+
+# ---- communication terms --------------------------------------------------------------------------------
+def tp_comm_s(sh: RunShape, cl: ClusterConfig) -> float:
+    """Two all-reduces of b·s·h forward and two backward per layer and micro-batch (with SP an all-gather
+    and a reduce-scatter each, the same bytes); full recomputation repeats the forward's two."""
+    t = sh.tp
+    if t == 1:
+        return 0.0
+    per = 2 * (t - 1) / t * sh.local_tokens * sh.h * sh.act_bytes
+    count = 6 if sh.recompute == "full" else 4
+    return count * per * sh.layers_per_stage * sh.m / link(sh, cl, "tp", t)
+
+
+def cp_comm_s(sh: RunShape, cl: ClusterConfig) -> float:
+    """Context parallelism per layer and micro-batch, by --cp-comm-type. p2p (ring): each rank sends its
+    K/V chunk (2·b·(s/c)·n_kv·d) c - 1 times forward and dK/dV c - 1 times backward; a2a: 4 all-to-alls
+    forward and 4 backward of the local activations, (c - 1)/c of each leaving the rank; allgather: K/V
+    gathered forward, dK/dV reduce-scattered backward."""
+    c = sh.cp
+    if c == 1:
+        return 0.0
+    m = sh.cfg.model
+    kv = 2 * sh.local_tokens * max(m.num_query_groups // sh.tp, 1) * m.kv_channels * sh.act_bytes
+    kind = getattr(sh.cfg.parallel, "cp_comm_type", "p2p")
+    if kind == "a2a":
+        per = 8 * sh.local_tokens * sh.h / sh.tp * sh.act_bytes * (c - 1) / c
+    elif kind in ("allgather", "all_gather"):
+        per = 2 * kv * (c - 1)
+    else:
+        per = 2 * kv * (c - 1)
+    if sh.recompute == "full":
+        per *= 1.5
+    return per * sh.layers_per_stage * sh.m / link(sh, cl, "cp", c)
+
+
+def pp_comm_s(sh: RunShape, cl: ClusterConfig) -> float:
+    """An activation forward and a gradient backward per micro-batch and chunk, b·s·h (s/t with SP):
+    on the critical path of the schedule."""
+    if sh.pp == 1:
+        return 0.0
+    msg = sh.local_tokens * sh.h * sh.act_bytes / (sh.tp if sh.sp else 1)
+    return 2 * sh.v * sh.m * msg / link(sh, cl, "pp", sh.pp)
+
+
+def dp_comm_s(sh: RunShape, cl: ClusterConfig) -> float:
+    """The gradient buffer once per step over the DP x CP ranks: an all-reduce, or with the distributed
+    optimizer a reduce-scatter of gradients and an all-gather of weights; hierarchical reduction sends
+    1/k of it across nodes (k of the group's ranks per node). Exposed: all of it, or with
+    --overlap-grad-reduce the last bucket, plus the all-gather unless --overlap-param-gather."""
+    d = sh.dp * sh.cp
+    if d == 1:
+        return 0.0
+    dd, n = sh.cfg.ddp, stage_params(sh, 0)
+    axis = "dp"
+    inter = crosses_nodes(sh, cl, axis, sh.dp) or (sh.cp > 1 and crosses_nodes(sh, cl, "cp", sh.cp))
+    k = ranks_per_node_in_group(sh, cl, axis, sh.dp) if sh.cfg.parallel.hierarchical_dp_reduce else 1
+    bw = cl.link_bytes_per_s(inter)
+    frac = (d - 1) / d
+    if dd.use_distributed_optimizer:
+        reduce, gather = frac * n * sh.grad_bytes, frac * n * sh.param_bytes
+    else:
+        reduce, gather = 2 * frac * n * sh.grad_bytes, 0.0
+    if inter and k > 1:
+        reduce, gather = reduce / k, gather / k
+    if dd.overlap_grad_reduce:
+        bucket = dd.ddp_bucket_size or max(40_000_000, 1_000_000 * sh.dp)
+        reduce *= min(1.0, bucket / max(n, 1))
+    if dd.overlap_param_gather:
+        gather = 0.0
+    return (reduce + gather) / bw
+
+
+def embedding_comm_s(sh: RunShape, cl: ClusterConfig) -> float:
+    """The tied embedding's gradient, all-reduced between first and last stage once per step."""
+    if sh.pp == 1 or not sh.cfg.model.tied_embeddings:
+        return 0.0
+    n = sh.padded_vocab // sh.tp * sh.h
+    return n * sh.grad_bytes / link(sh, cl, "pp", sh.pp)  # a 2-rank ring all-reduce: 2(2 - 1)/2 = 1 buffer
+
+
+def moe_comm_s(sh: RunShape, cl: ClusterConfig) -> float:
+    """The expert-parallel all-to-alls: not yet (MoE has not landed)."""
+    return 0.0
+
+
+@dataclass
+class TimeReport:
+    terms: dict[str, float] = field(default_factory=dict)
+    model_flops: float = 0.0  # per step, all ranks, without recomputation (MFU's count)
+    hardware_flops: float = 0.0  # with full recomputation's extra forward
+    world: int = 1
+
+    @property
+    def step_s(self) -> float:
+        return sum(self.terms.values())
+
+    def tflops_per_gpu(self, with_recompute: bool = False) -> float:
+        f = self.hardware_flops if with_recompute else self.model_flops
+        return f / self.world / self.step_s / 1e12
+
+
+def step_time(sh: RunShape, cl: ClusterConfig) -> TimeReport:
+    terms = {"compute": compute_s(sh, cl), "memory-bound work": memory_bound_s(sh, cl),
+             "pipeline bubble": bubble_s(sh, cl), "TP comm": tp_comm_s(sh, cl),
+             "CP comm": cp_comm_s(sh, cl), "PP comm": pp_comm_s(sh, cl), "DP comm": dp_comm_s(sh, cl),
+             "embedding comm": embedding_comm_s(sh, cl), "MoE all-to-all (not yet)": moe_comm_s(sh, cl)}
+    return TimeReport(terms, step_flops(sh, False), step_flops(sh, True), sh.world)
+
