@@ -124,7 +124,7 @@ class ParamGatherer:
         training = torch.is_grad_enabled()
         if training and isinstance(out, torch.Tensor) and out.requires_grad:
             out.register_hook(lambda grad, i=i: self._pre_backward(i))
-        if not _in_backward() and not (self.keep and training):
+        if not _in_backward() and not (self.keep and module.training):
             self.release(i)
 
     def _pre_backward(self, i: int) -> None:
