@@ -8,6 +8,7 @@
 - DP bytes per step: ZeRO-2 m reduce-scatters of the gradient buffer plus one parameter all-gather;
   ZeRO-3 m x (reduce-scatter + two all-gathers, forward and backward), or one all-gather per step when
   the gathered layers are kept across micro-batches;
+- evaluation (forward only) gathers and frees the same way and gives the serial validation loss;
 - bf16 and fp16 (loss scaling) runs' loss falls;
 - a checkpoint saved under one strategy and DP size resumes under another on the same curve."""
 
@@ -58,6 +59,11 @@ def make_cfg(tp: int = 1, pp: int = 1, **extra) -> MegaliteConfig:
     return layout_cfg(MODEL, vocab=VOCAB, iters=ITERS, tp=tp, pp=pp, **extra)
 
 
+def with_eval(cfg: MegaliteConfig) -> MegaliteConfig:
+    cfg.training.eval_iters, cfg.training.eval_interval = 2, 5
+    return cfg
+
+
 def _held(res, pg) -> dict:
     """What this rank holds after the last step, and the DP bytes of a step against the formula."""
     bufs = res.optimizer.buffers
@@ -91,6 +97,12 @@ def _run(rank: int, world: int) -> dict:
         res = pretrain(cfg, pg, data=data, log=QUIET)
         out[name] = (res.losses, res.grad_norms)
         out[f"{name}/held"] = _held(res, pg)
+    cfg = with_eval(make_cfg())  # forward-only passes gather and free layers too
+    validate(cfg, 1)
+    out["serial_eval"] = pretrain(cfg, groups_for(1, 0), data=data, log=QUIET).valid_losses
+    cfg = with_eval(make_cfg(2, 1, **Z3))
+    validate(cfg, world)
+    out["tp2_dp2_z3_eval"] = pretrain(cfg, groups_for(world, rank, tp=2), data=data, log=QUIET).valid_losses
     for name, extra in LOW_PRECISION.items():
         cfg = make_cfg(**extra)
         validate(cfg, world)
@@ -121,6 +133,13 @@ def test_rank_holds_only_its_shards_and_dp_bytes_follow_the_formula(curves, layo
             assert h["param_shard"] * h["dp"] == h["numel"], f"rank {rank}: parameter storage is not the 1/d shard"
             assert h["placeholders"], f"rank {rank}: a gathered weight outlived the step"
         assert h["dp_bytes"] == h["dp_formula"], f"rank {rank} {layout}: (reduce-scatter, all-gather) bytes per step"
+
+
+def test_sharded_evaluation_matches_serial(curves):
+    for rank, c in enumerate(curves):
+        assert [i for i, _ in c["tp2_dp2_z3_eval"]] == [i for i, _ in c["serial_eval"]] == [5, 10]
+        assert_rel_close([v for _, v in c["tp2_dp2_z3_eval"]], [v for _, v in c["serial_eval"]], 1e-5,
+                         f"rank {rank} validation loss")
 
 
 @pytest.mark.parametrize("name", sorted(LOW_PRECISION))
