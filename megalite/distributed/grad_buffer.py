@@ -213,6 +213,8 @@ class GradBuffer:
             param_meta(p).spec.finalize_grad(part.view(p.grad.shape), self.pg)
             p.grad = None
         flat.mul_(1.0 / self.dp)
+        for b in self.buckets:  # overlap: one bucket in flight while the next one's gradients are computed
+            self._drain(b)
         out = torch.empty(bucket.numel // self.dp, dtype=flat.dtype, device=flat.device)
         work = self.pg.reduce_scatter_flat(out, flat, Group.DP, async_op=self.overlap, label="grad_reduce_scatter")
         bucket.pending.append((work, out, flat))
@@ -223,7 +225,9 @@ class GradBuffer:
             self.on_reduced(bucket)
 
     def _drain(self, bucket: Bucket) -> None:
-        """Add the finished reduce-scatters of ``bucket`` into the gradient shards."""
+        """Wait for ``bucket``'s reduce-scatter, if one is in flight, and add it into the gradient shard."""
+        if not bucket.pending:
+            return
         lo = self.shard_offset(bucket)
         for work, out, _ in bucket.pending:
             if work is not None:
