@@ -69,6 +69,7 @@ class GradBuffer:
         ``distributed``): keep only this rank's gradient shards (ZeRO-2). ``units`` (ZeRO-3, forward order):
         groups of parameters gathered together; each is its own buckets, and the parameters live sharded."""
         self.pg, self.overlap = pg, overlap
+        self.kind = Group.DP  # the group gradients are reduced and sharded over
         self.dp = pg.dp_size
         self.distributed = distributed and self.dp > 1
         self.shard_grads = (shard_grads or units is not None) and self.distributed
@@ -216,7 +217,7 @@ class GradBuffer:
         for b in self.buckets:  # overlap: one bucket in flight while the next one's gradients are computed
             self._drain(b)
         out = torch.empty(bucket.numel // self.dp, dtype=flat.dtype, device=flat.device)
-        work = self.pg.reduce_scatter_flat(out, flat, Group.DP, async_op=self.overlap, label="grad_reduce_scatter")
+        work = self.pg.reduce_scatter_flat(out, flat, self.kind, async_op=self.overlap, label="grad_reduce_scatter")
         bucket.pending.append((work, out, flat))
         if not self.overlap:
             self._drain(bucket)

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from megalite.distributed.grad_buffer import GradBuffer, placeholder
-from megalite.parallel.groups import Group, ProcessGroups
+from megalite.parallel.groups import ProcessGroups
 
 
 def param_units(chunk: nn.Module) -> list[list[nn.Parameter]]:
@@ -74,7 +74,7 @@ class ParamGatherer:
             full = torch.empty(b.numel, dtype=buf.param_shard.dtype, device=buf.param_shard.device)
             lo = buf.shard_offset(b)
             shard = buf.param_shard[lo: lo + b.numel // buf.dp]
-            self.works[i].append(self.pg.all_gather_flat(full, shard, Group.DP, async_op=True,
+            self.works[i].append(self.pg.all_gather_flat(full, shard, buf.kind, async_op=True,
                                                          label="param_all_gather"))
             for p in b.params:
                 s, e = buf.ranges[p]
