@@ -1,4 +1,4 @@
-"""Mixed precision, data-parallel reduction and distributed-optimizer flags (Megatron-LM names)."""
+"""Mixed precision, data-parallel reduction and sharding flags (Megatron-LM names)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,9 @@ from megalite.config.flags import option
 
 if TYPE_CHECKING:
     import torch
+
+# --data-parallel-sharding-strategy values (Megatron-FSDP's names): ZeRO-0, 1, 2, 3.
+SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
 
 @dataclass(kw_only=True)
@@ -51,3 +54,37 @@ class DDPConfig:
         False, help="Accumulate and reduce gradients in bf16 (halves DP traffic; less exact).")
     optimizer_cpu_offload: bool = option(
         False, help="Keep fp32 main params and Adam moments in host memory and step there (GPU runs).")
+    data_parallel_sharding_strategy: str | None = option(
+        None, choices=SHARDING_STRATEGIES,
+        help="What is sharded over data-parallel ranks: no_shard; optim (the optimizer state, as "
+        "--use-distributed-optimizer); optim_grads (also the gradients: reduce-scattered every micro-batch); "
+        "optim_grads_params (also the parameters: all-gathered per layer before its forward and backward). "
+        "Default: optim with --use-distributed-optimizer, optim_grads_params with --use-megatron-fsdp, else "
+        "no_shard.")
+    use_megatron_fsdp: bool = option(
+        False, help="Shard over data-parallel ranks with --data-parallel-sharding-strategy, optim_grads_params "
+        "unless that flag says otherwise.")
+    fsdp_keep_params_across_microbatches: bool = option(
+        False, help="optim_grads_params: keep each layer's gathered parameters until the step's last backward "
+        "(one all-gather per step instead of two per micro-batch; the chunk's full parameters stay held).")
+
+    @property
+    def sharding(self) -> str:
+        """The effective --data-parallel-sharding-strategy (see its help for the defaults)."""
+        if self.data_parallel_sharding_strategy is not None:
+            return self.data_parallel_sharding_strategy
+        if self.use_megatron_fsdp:
+            return "optim_grads_params"
+        return "optim" if self.use_distributed_optimizer else "no_shard"
+
+    @property
+    def shards_optimizer(self) -> bool:
+        return self.sharding != "no_shard"
+
+    @property
+    def shards_grads(self) -> bool:
+        return self.sharding in ("optim_grads", "optim_grads_params")
+
+    @property
+    def shards_params(self) -> bool:
+        return self.sharding == "optim_grads_params"

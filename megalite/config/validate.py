@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from megalite.config.arguments import MegaliteConfig
     from megalite.config.model import ModelConfig
+    from megalite.config.parallel import ParallelConfig
     from megalite.config.precision import DDPConfig, PrecisionConfig
     from megalite.config.training import CheckpointConfig, LoggingConfig, OptimizerConfig, TrainingConfig
     from megalite.data.config import DataConfig
@@ -287,10 +288,27 @@ def precision_errors(pr: "PrecisionConfig", dd: "DDPConfig") -> list[str]:
                       f"({pr.initial_loss_scale})")
     if pr.hysteresis < 1 or pr.loss_scale_window < 1:
         errors.append("--hysteresis and --loss-scale-window must be >= 1")
-    if dd.overlap_param_gather and not dd.use_distributed_optimizer:
-        errors.append("--overlap-param-gather needs --use-distributed-optimizer")
     if dd.ddp_bucket_size is not None and dd.ddp_bucket_size <= 0:
         errors.append("--ddp-bucket-size must be positive")
+    return errors
+
+
+def sharding_errors(dd: "DDPConfig", p: "ParallelConfig") -> list[str]:
+    """--data-parallel-sharding-strategy against the flags that imply or need a strategy."""
+    errors = []
+    if dd.data_parallel_sharding_strategy == "no_shard" and dd.use_distributed_optimizer:
+        errors.append("--use-distributed-optimizer shards the optimizer state (strategy optim); it contradicts "
+                      "--data-parallel-sharding-strategy no_shard")
+    if dd.overlap_param_gather and not dd.shards_optimizer:
+        errors.append("--overlap-param-gather needs --use-distributed-optimizer (or a sharding strategy other "
+                      "than no_shard)")
+    if dd.fsdp_keep_params_across_microbatches and not dd.shards_params:
+        errors.append(f"--fsdp-keep-params-across-microbatches needs sharded parameters "
+                      f"(--data-parallel-sharding-strategy optim_grads_params), not {dd.sharding}")
+    if dd.shards_grads and p.hierarchical_dp_reduce:
+        errors.append(f"--hierarchical-dp-reduce reduces a full gradient buffer once per step; "
+                      f"--data-parallel-sharding-strategy {dd.sharding} reduce-scatters every micro-batch: "
+                      "use one of them")
     return errors
 
 
@@ -349,7 +367,8 @@ def validate(cfg: "MegaliteConfig", world_size: int, local_world_size: int | Non
     _raise_if([*model_errors(cfg.model), *parallel_errors(cfg, world_size, local_world_size or world_size),
                *training_errors(cfg, world_size), *optimizer_errors(cfg.optimizer),
                *schedule_errors(cfg.training, cfg.optimizer),
-               *precision_errors(cfg.precision, cfg.ddp), *kernel_errors(cfg.model, cfg.precision),
+               *precision_errors(cfg.precision, cfg.ddp), *sharding_errors(cfg.ddp, cfg.parallel),
+               *kernel_errors(cfg.model, cfg.precision),
                *logging_errors(cfg.logging),
                *checkpoint_errors(cfg.checkpoint), *data_errors(cfg.data)])
     fill_derived_defaults(cfg, world_size)

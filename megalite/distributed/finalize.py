@@ -5,7 +5,9 @@
    norms); each ShardSpec knows its rule.
 3. PP: sum the tied embedding's gradient over the embedding group (first and last stage).
 The three are sums over different groups, so their order does not change the result; with the
-distributed optimizer only this rank's shard is final, which is all it reads.
+distributed optimizer only this rank's shard is final, which is all it reads. With sharded gradients
+(ZeRO-2/3) the TP sums ran per micro-batch before the reduce-scatter (they need whole gradients), and
+the tied embedding's sum runs on this rank's shard (both copies shard identically).
 """
 
 from __future__ import annotations
@@ -27,9 +29,14 @@ def tied_embedding_params(modules: list[nn.Module]) -> list[nn.Parameter]:
 def finalize_grads(modules: list[nn.Module], buffers: list[GradBuffer], pg: ProcessGroups) -> None:
     for b in buffers:
         b.finish_grad_sync()
+    owner = {p: b for b in buffers for p in b.ranges}
     for m in modules:
         for p in m.parameters():
-            param_meta(p).spec.finalize_grad(p.main_grad, pg)
+            if p in owner and not owner[p].shard_grads:
+                param_meta(p).spec.finalize_grad(p.main_grad, pg)
     if pg.pp_size > 1:
         for p in tied_embedding_params(modules):
-            pg.all_reduce(p.main_grad, Group.EMBD)
+            buf = owner[p]
+            region = buf.owned_region(p) if buf.shard_grads else (0, p.numel())
+            if region is not None:
+                pg.all_reduce(buf.grad_slice(p, *region), Group.EMBD)

@@ -15,6 +15,15 @@ reduces in steps: reduce-scatter over the k ranks inside the node, then over the
 1/k shard crosses the network (all-reduce; or a reduce-scatter, with the distributed optimizer), then
 an all-gather inside the node (all-reduce path only). The first step overlaps with backward like the
 flat reduction; the rest runs in ``finish_grad_sync``. Same sum, different addition order.
+
+With sharded gradients (``--data-parallel-sharding-strategy optim_grads``/``optim_grads_params``, ZeRO-2/3)
+no full buffer is kept: autograd writes each micro-batch's gradients into ``param.grad``; as soon as a
+bucket's last one is ready its gradients are flattened, TP partials summed, and the bucket is
+reduce-scattered into ``grad_data``, which then holds only this rank's shards (numel / d). The DP
+traffic is m reduce-scatters per step (m micro-batches) instead of one; in exchange a full gradient
+never outlives its bucket's backward. With sharded parameters (ZeRO-3) ``param_shard`` holds this
+rank's shard of every bucket's weights; megalite/distributed/param_shard.py gathers and frees the full
+ones around each layer's use.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ import torch
 from torch import nn
 
 from megalite.parallel.groups import Group, ProcessGroups
+from megalite.tensor_parallel.param_meta import param_meta
 
 
 @dataclass
@@ -36,6 +46,7 @@ class Bucket:
     work: object = None
     shard_out: torch.Tensor | None = None
     intra_out: torch.Tensor | None = None  # hierarchical: this rank's part after the intra-node step
+    pending: list = field(default_factory=list)  # sharded grads: (work, shard out, flat input) in flight
 
     @property
     def numel(self) -> int:
@@ -51,56 +62,87 @@ class GradBuffer:
 
     def __init__(self, params: list[nn.Parameter], pg: ProcessGroups, *, grad_dtype: torch.dtype,
                  bucket_size: int | None = None, distributed: bool = False, overlap: bool = False,
-                 separate: list[nn.Parameter] | None = None) -> None:
+                 separate: list[nn.Parameter] | None = None, shard_grads: bool = False,
+                 units: list[list[nn.Parameter]] | None = None) -> None:
         """``separate``: parameters that get a bucket of their own at the start of the buffer (a tied
-        embedding, so that both of its copies shard identically over DP)."""
-        self.pg, self.distributed, self.overlap = pg, distributed, overlap
-        self.kind = pg.grad_kind  # DP, or DP x CP with context parallelism
+        embedding, so that both of its copies shard identically over DP). ``shard_grads`` (needs
+        ``distributed``): keep only this rank's gradient shards (ZeRO-2). ``units`` (ZeRO-3, forward order):
+        groups of parameters gathered together; each is its own buckets, and the parameters live sharded."""
+        self.pg, self.overlap = pg, overlap
+        self.kind = pg.grad_kind  # DP, or DP x CP with context parallelism: gradients reduced and sharded over it
         self.dp = pg.size(self.kind)
+        self.distributed = distributed and self.dp > 1
+        self.shard_grads = (shard_grads or units is not None) and self.distributed
+        self.shard_params = units is not None and self.distributed
         self.hierarchical = pg.hierarchical_dp and self.dp > 1
-        bucket_size = bucket_size or default_bucket_size(self.dp)
-        align = self.dp if distributed else pg.size(Group.DP_INTRA) if self.hierarchical else 1
-        separate = [p for p in (separate or []) if p.requires_grad]
+        self.align = self.dp if self.distributed else pg.size(Group.DP_INTRA) if self.hierarchical else 1
+        self.separate = [p for p in (separate or []) if p.requires_grad]
+        self.unit_buckets: list[list[Bucket]] = []
+        self.buckets: list[Bucket] = []
+        self.ranges: dict[nn.Parameter, tuple[int, int]] = {}
+        self.numel = 0
+        if units is not None and self.shard_params:
+            for unit in reversed(units):  # backward order
+                self.unit_buckets.insert(0, self._add_buckets(unit, None))
+        else:
+            self._add_buckets(params, bucket_size or default_bucket_size(self.dp))
+        device = params[0].device if params else torch.device("cpu")
+        self.bucket_of = {p: b for b in self.buckets for p in b.params}
+        self.grad_data = torch.zeros(self.numel // self.dp if self.shard_grads else self.numel, dtype=grad_dtype,
+                                     device=device)
+        self.param_data: torch.Tensor | None = None  # ZeRO-1/2: the full flat parameters
+        self.param_shard: torch.Tensor | None = None  # ZeRO-3: this rank's shard of them
+        if self.distributed:
+            self._flatten_params(params[0].dtype, device)
+        for p, (s, e) in self.ranges.items():
+            if not self.shard_grads:
+                p.main_grad = self.grad_data[s:e].view(p.shape)
+                if p.dtype == grad_dtype:
+                    p.grad = p.main_grad  # autograd accumulates into the buffer in place
+            p.register_post_accumulate_grad_hook(self._sharded_hook if self.shard_grads else self._hook)
+        self.last_microbatch = True
+        self.on_reduced = None  # ZeRO-3: called with each bucket once its micro-batch gradients are reduced
+        self.param_gatherer = None  # ZeRO-3: the chunk's ParamGatherer (megalite/distributed/param_shard.py)
+
+    def _add_buckets(self, params: list[nn.Parameter], bucket_size: int | None) -> list[Bucket]:
+        """Buckets for ``params`` in backward order (``separate`` ones first, one each), appended to the
+        buffer; ``bucket_size`` None: one bucket for the rest."""
+        separate = [p for p in params if p.requires_grad and any(p is s for s in self.separate)]
         rest = [p for p in reversed(params) if p.requires_grad and all(p is not s for s in separate)]
         groups: list[list[nn.Parameter]] = [[p] for p in separate]
         current: list[nn.Parameter] = []
         for p in rest:  # backward order: the last layers' grads are ready first
             current.append(p)
-            if sum(q.numel() for q in current) >= bucket_size:
+            if bucket_size is not None and sum(q.numel() for q in current) >= bucket_size:
                 groups.append(current)
                 current = []
         if current:
             groups.append(current)
-
-        self.ranges: dict[nn.Parameter, tuple[int, int]] = {}
-        self.buckets: list[Bucket] = []
-        offset = 0
+        added = []
         for group in groups:
-            start = offset
+            start = self.numel
             for p in group:
-                self.ranges[p] = (offset, offset + p.numel())
-                offset += p.numel()
-            offset = -(-offset // align) * align  # pad so every DP rank's shard is equal
-            self.buckets.append(Bucket(start, offset, group))
-        self.numel = offset
-        device = params[0].device if params else torch.device("cpu")
-        self.grad_data = torch.zeros(self.numel, dtype=grad_dtype, device=device)
-        self.param_data: torch.Tensor | None = None
-        if distributed:  # params become views of one flat buffer, the target of the all-gather
-            self.param_data = torch.zeros(self.numel, dtype=params[0].dtype, device=device)
-            for p, (s, e) in self.ranges.items():
-                self.param_data[s:e].copy_(p.data.view(-1))
-                p.data = self.param_data[s:e].view(p.shape)
-        self.bucket_of: dict[nn.Parameter, Bucket] = {}
-        for b in self.buckets:
-            for p in b.params:
-                self.bucket_of[p] = b
+                self.ranges[p] = (self.numel, self.numel + p.numel())
+                self.numel += p.numel()
+            self.numel = -(-self.numel // self.align) * self.align  # pad so every DP rank's shard is equal
+            added.append(Bucket(start, self.numel, group))
+        self.buckets += added
+        return added
+
+    @torch.no_grad()
+    def _flatten_params(self, dtype: torch.dtype, device: torch.device) -> None:
+        """ZeRO-1/2: params become views of one flat buffer, the target of the all-gather. ZeRO-3: only
+        this rank's shard is kept; the params hold a placeholder until gathered."""
+        full = torch.zeros(self.numel, dtype=dtype, device=device)
         for p, (s, e) in self.ranges.items():
-            p.main_grad = self.grad_data[s:e].view(p.shape)
-            if p.dtype == grad_dtype:
-                p.grad = p.main_grad  # autograd accumulates into the buffer in place
-            p.register_post_accumulate_grad_hook(self._hook)
-        self.last_microbatch = True
+            full[s:e].copy_(p.data.view(-1))
+            p.data = full[s:e].view(p.shape)
+        if not self.shard_params:
+            self.param_data = full
+            return
+        self.param_shard = torch.cat([full[slice(*self.shard_range(b))] for b in self.buckets])
+        for p in self.ranges:
+            p.data = placeholder(p.shape, dtype, device)
 
     # ---- ownership (distributed optimizer) ----------------------------------------------------
     def shard_range(self, bucket: Bucket) -> tuple[int, int]:
@@ -110,6 +152,29 @@ class GradBuffer:
         size = bucket.numel // self.dp
         start = bucket.start + self.pg.index(self.kind) * size
         return start, start + size
+
+    def shard_offset(self, bucket: Bucket) -> int:
+        """Where ``bucket``'s shard starts in the sharded storage (``grad_data`` with sharded grads,
+        ``param_shard``): the shards of all buckets, in buffer order."""
+        return bucket.start // self.dp
+
+    def _slice(self, param: nn.Parameter, lo: int, hi: int, sharded: torch.Tensor) -> torch.Tensor:
+        s, _ = self.ranges[param]
+        bucket = self.bucket_of[param]
+        off = s + lo - self.shard_range(bucket)[0] + self.shard_offset(bucket)
+        return sharded[off: off + hi - lo]
+
+    def grad_slice(self, param: nn.Parameter, lo: int, hi: int) -> torch.Tensor:
+        """The reduced gradient of ``param``'s owned flat region [lo, hi) (a view, valid every step)."""
+        if self.shard_grads:
+            return self._slice(param, lo, hi, self.grad_data)
+        return param.main_grad.view(-1)[lo:hi]
+
+    def param_slice(self, param: nn.Parameter, lo: int, hi: int) -> torch.Tensor:
+        """The model weights of ``param``'s owned flat region [lo, hi), where the update is written."""
+        if self.shard_params:
+            return self._slice(param, lo, hi, self.param_shard)
+        return param.data.view(-1)[lo:hi]
 
     def owned_region(self, param: nn.Parameter) -> tuple[int, int] | None:
         """The part [lo, hi) of ``param``'s flat elements whose update this rank owns (None: none)."""
@@ -128,6 +193,48 @@ class GradBuffer:
             bucket.ready.add(id(p))
             if len(bucket.ready) == len(bucket.params):
                 self._start(bucket)
+
+    def _sharded_hook(self, p: nn.Parameter) -> None:
+        bucket = self.bucket_of[p]
+        bucket.ready.add(id(p))
+        if len(bucket.ready) == len(bucket.params):
+            self._reduce_scatter_microbatch(bucket)
+
+    @torch.no_grad()
+    def _reduce_scatter_microbatch(self, bucket: Bucket) -> None:
+        """This micro-batch's gradients of ``bucket``: TP partials summed, then reduce-scattered and added
+        into this rank's shard; ``param.grad`` is freed."""
+        flat = torch.zeros(bucket.numel, dtype=self.grad_data.dtype, device=self.grad_data.device)
+        for p in bucket.params:
+            if p.grad is None:  # unused in this micro-batch
+                continue
+            s, e = self.ranges[p]
+            part = flat[s - bucket.start: e - bucket.start]
+            part.copy_(p.grad.reshape(-1))
+            param_meta(p).spec.finalize_grad(part.view(p.grad.shape), self.pg)
+            p.grad = None
+        flat.mul_(1.0 / self.dp)
+        for b in self.buckets:  # overlap: one bucket in flight while the next one's gradients are computed
+            self._drain(b)
+        out = torch.empty(bucket.numel // self.dp, dtype=flat.dtype, device=flat.device)
+        work = self.pg.reduce_scatter_flat(out, flat, self.kind, async_op=self.overlap, label="grad_reduce_scatter")
+        bucket.pending.append((work, out, flat))
+        if not self.overlap:
+            self._drain(bucket)
+        bucket.ready.clear()
+        if self.on_reduced is not None:
+            self.on_reduced(bucket)
+
+    def _drain(self, bucket: Bucket) -> None:
+        """Wait for ``bucket``'s reduce-scatter, if one is in flight, and add it into the gradient shard."""
+        if not bucket.pending:
+            return
+        lo = self.shard_offset(bucket)
+        for work, out, _ in bucket.pending:
+            if work is not None:
+                work.wait()
+            self.grad_data[lo: lo + out.numel()].add_(out)
+        bucket.pending = []
 
     def _start(self, bucket: Bucket) -> None:
         if bucket.work is not None or self.dp == 1:
@@ -178,11 +285,21 @@ class GradBuffer:
 
     def start_grad_sync(self) -> None:
         """Launch the reduction of every bucket not yet launched."""
+        if self.shard_grads:
+            return
         for b in self.buckets:
             self._start(b)
 
     def finish_grad_sync(self) -> None:
         """Wait for every bucket's reduction (launching any that are left)."""
+        if self.shard_grads:
+            for b in self.buckets:
+                if b.ready:  # some parameter had no gradient in the last micro-batch
+                    self._reduce_scatter_microbatch(b)
+                self._drain(b)
+            if self.param_gatherer is not None:  # the step's backward is over: free whatever is gathered
+                self.param_gatherer.release_all()
+            return
         self.start_grad_sync()
         for b in self.buckets:
             if b.work is not None:
@@ -198,13 +315,13 @@ class GradBuffer:
     def zero_grad(self) -> None:
         self.grad_data.zero_()
         for p in self.ranges:
-            p.grad = p.main_grad if p.dtype == self.grad_data.dtype else None
+            p.grad = p.main_grad if not self.shard_grads and p.dtype == self.grad_data.dtype else None
 
     # ---- parameter all-gather (distributed optimizer) -----------------------------------------
     def start_param_gather(self) -> list:
         """All-gather every bucket's updated shards into the parameter buffer (async handles)."""
         works = []
-        if not self.distributed or self.dp == 1:
+        if not self.distributed or self.shard_params:  # ZeRO-3 gathers before each use instead
             return works
         for b in self.buckets:
             lo, hi = self.shard_range(b)
@@ -212,6 +329,18 @@ class GradBuffer:
             out = self.param_data[b.start:b.end]
             works.append(self.pg.all_gather_flat(out, shard, self.kind, async_op=True, label="param_all_gather"))
         return works
+
+
+_PLACEHOLDERS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """What a sharded (ZeRO-3) parameter holds while not gathered: one NaN expanded to its shape, so the
+    shape stays readable, no memory is held, and a use by mistake poisons the result visibly."""
+    key = (dtype, torch.device(device))
+    if key not in _PLACEHOLDERS:
+        _PLACEHOLDERS[key] = torch.full((1,), float("nan"), dtype=dtype, device=device)
+    return _PLACEHOLDERS[key].expand(shape)
 
 
 class _Done:

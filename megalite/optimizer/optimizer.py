@@ -2,9 +2,10 @@
 AdamW, and the distributed (sharded) variant — one class, since sharding only changes which slice of
 each parameter this rank updates.
 
-For each parameter, this rank owns a flat slice (all of it, or with --use-distributed-optimizer its part
-of the DP shard of the gradient buffer). The fp32 main copy of that slice (an alias of the model weight
-for fp32 models without offload), its gradient view and its Adam moments are all this rank keeps.
+For each parameter, this rank owns a flat slice (all of it, or with --use-distributed-optimizer / a
+--data-parallel-sharding-strategy its part of the DP shard of the gradient buffer). The fp32 main copy
+of that slice (an alias of the model weight for fp32 models without offload), its gradient view and its
+Adam moments are all this rank keeps.
 Bytes per parameter (mixed precision): 2 + 4 + 12 = 18, or 2 + 4 + 12/d when sharded.
 
 Adam's parameter groups hold these slices, so a shard that spans an embedding and a layer simply has
@@ -38,6 +39,8 @@ class Entry:
     main: torch.Tensor  # fp32 slice being optimized
     alias: bool  # main is the model weight itself
     counted: list[tuple[int, int]]  # ranges of [0, hi - lo) that count in the grad norm
+    weight: torch.Tensor  # the model weights of the slice (a view; in the shard storage with ZeRO-3)
+    grad: torch.Tensor  # its reduced gradient (a view into the gradient buffer, or shard with ZeRO-2/3)
 
 
 @dataclass
@@ -83,7 +86,7 @@ class MegaliteOptimizer:
     def __init__(self, buffers: list[GradBuffer], cfg: MegaliteConfig, pg: ProcessGroups) -> None:
         o = cfg.optimizer
         self.buffers, self.pg, self.cfg = buffers, pg, cfg
-        self.distributed = cfg.ddp.use_distributed_optimizer and pg.grad_size > 1
+        self.distributed = cfg.ddp.shards_optimizer and pg.grad_size > 1
         self.scaler = make_loss_scaler(cfg)
         offload = cfg.ddp.optimizer_cpu_offload and device.has_cuda()
         self.entries: list[Entry] = []
@@ -93,12 +96,13 @@ class MegaliteOptimizer:
                 if region is None:
                     continue
                 lo, hi = region
-                flat = p.data.view(-1)[lo:hi]
+                flat = buf.param_slice(p, lo, hi)
                 alias = p.dtype == torch.float32 and not offload
                 main = flat if alias else flat.detach().to(torch.float32, copy=True)
                 if offload:
                     main = main.cpu().pin_memory() if device.has_cuda() else main.cpu()
-                self.entries.append(Entry(p, lo, hi, main, alias, counted_ranges(p, pg, lo, hi)))
+                self.entries.append(Entry(p, lo, hi, main, alias, counted_ranges(p, pg, lo, hi), flat,
+                                          buf.grad_slice(p, lo, hi)))
         groups = param_groups([(e.param, e.main) for e in self.entries], o)
         self.adam = build_adamw(groups, on_gpu=device.has_cuda() and not offload, lr=o.lr,
                                 betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps)
@@ -125,7 +129,7 @@ class MegaliteOptimizer:
         the overflow check and clipping to ``clip_grad``."""
         grads = []
         for e in self.entries:
-            g = e.param.main_grad.view(-1)[e.lo:e.hi]
+            g = e.grad
             if g.dtype != torch.float32 or g.device != e.main.device:
                 g = g.to(e.main.device, torch.float32)
             e.main.grad = g
@@ -152,7 +156,7 @@ class MegaliteOptimizer:
         self.adam.step()
         for e in self.entries:
             if not e.alias:
-                e.param.data.view(-1)[e.lo:e.hi].copy_(e.main)
+                e.weight.copy_(e.main)
             e.main.grad = None
         for b in self.buffers:
             self.pending_gathers += b.start_param_gather()
@@ -182,7 +186,7 @@ class MegaliteOptimizer:
         for e, v in zip(self.entries, values):
             e.main.copy_(v["main"])
             if not e.alias:  # the weight is the low-precision copy of the fp32 main param
-                e.param.data.view(-1)[e.lo:e.hi].copy_(e.main)
+                e.weight.copy_(e.main)
             state = self.adam.state[e.main]
             state["step"] = torch.tensor(step, dtype=torch.float32, device=e.main.device)  # fused: on device
             state["exp_avg"] = v["exp_avg"].to(e.main.device).clone()

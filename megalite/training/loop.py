@@ -10,6 +10,7 @@ from torch import nn
 
 from megalite.config.arguments import MegaliteConfig
 from megalite.distributed.grad_buffer import GradBuffer
+from megalite.distributed.param_shard import full_params
 from megalite.model.build import build_model
 from megalite.optimizer.lr_schedule import LRSchedule, schedule_from_config
 from megalite.optimizer.optimizer import MegaliteOptimizer
@@ -99,7 +100,8 @@ class Run:
 
     def save(self) -> None:
         self.optimizer.wait_param_gather()
-        save(self.cfg, self.state, self.chunks, self.optimizer, self.pg, self.tracker, self.vocab_size, self.say)
+        with full_params(self.buffers):  # sharded parameters (ZeRO-3): the checkpoint stores full tensors
+            save(self.cfg, self.state, self.chunks, self.optimizer, self.pg, self.tracker, self.vocab_size, self.say)
 
 
 def start_run(cfg: MegaliteConfig, pg: ProcessGroups, data: RunData | None, say: Callable[[str], None]) -> Run:
@@ -115,7 +117,8 @@ def start_run(cfg: MegaliteConfig, pg: ProcessGroups, data: RunData | None, say:
         c.train()
     schedule = schedule_from_config(o, t)
     result = TrainResult(chunks=chunks, optimizer=optimizer)
-    state = maybe_load(cfg, chunks, optimizer, pg, tracker, vocab, say)
+    with full_params(buffers if cfg.checkpoint.load else [], write_back=True):
+        state = maybe_load(cfg, chunks, optimizer, pg, tracker, vocab, say)
     return Run(cfg, pg, data, tracker, chunks, buffers, optimizer, schedule, state, result, say, ManualGC(t))
 
 

@@ -19,6 +19,7 @@ from megalite import device
 from megalite.config.arguments import MegaliteConfig
 from megalite.distributed.finalize import finalize_grads, tied_embedding_params
 from megalite.distributed.grad_buffer import GradBuffer
+from megalite.distributed.param_shard import ParamGatherer, param_units
 from megalite.model.steps import hidden_shape, lm_forward_step
 from megalite.optimizer.optimizer import MegaliteOptimizer
 from megalite.parallel.groups import Group, ProcessGroups
@@ -29,11 +30,20 @@ from megalite.training.timers import Timers
 
 
 def build_buffers(chunks: list[nn.Module], cfg: MegaliteConfig, pg: ProcessGroups) -> list[GradBuffer]:
-    """One contiguous gradient buffer per model chunk (a tied embedding in a bucket of its own)."""
-    grad_dtype = torch.bfloat16 if cfg.ddp.grad_reduce_in_bf16 else torch.float32
-    return [GradBuffer(list(c.parameters()), pg, grad_dtype=grad_dtype, bucket_size=cfg.ddp.ddp_bucket_size,
-                       distributed=cfg.ddp.use_distributed_optimizer, overlap=cfg.ddp.overlap_grad_reduce,
-                       separate=tied_embedding_params([c])) for c in chunks]
+    """One contiguous gradient buffer per model chunk (a tied embedding in a bucket of its own); with
+    sharded parameters, one bucket per layer and a ParamGatherer on the chunk."""
+    dd = cfg.ddp
+    grad_dtype = torch.bfloat16 if dd.grad_reduce_in_bf16 else torch.float32
+    buffers = []
+    for c in chunks:
+        buf = GradBuffer(list(c.parameters()), pg, grad_dtype=grad_dtype, bucket_size=dd.ddp_bucket_size,
+                         distributed=dd.shards_optimizer, overlap=dd.overlap_grad_reduce,
+                         separate=tied_embedding_params([c]), shard_grads=dd.shards_grads,
+                         units=param_units(c) if dd.shards_params else None)
+        if buf.shard_params:
+            ParamGatherer(c, buf, pg, keep=dd.fsdp_keep_params_across_microbatches)
+        buffers.append(buf)
+    return buffers
 
 
 def run_microbatches(chunks: list[nn.Module], microbatches: list[dict], pg: ProcessGroups, **kwargs
