@@ -46,4 +46,11 @@ class DDPConfig:
     grad_reduce_in_bf16: bool = option(
         False, help="Accumulate and reduce gradients in bf16 (halves DP traffic; less exact).")
     optimizer_cpu_offload: bool = option(
-        False, help="Keep fp32 main params and Adam moments in host memory and step there (GPU runs).")
+        False, help="Keep the fp32 main params and Adam moments of --optimizer-offload-fraction of this rank's "
+        "optimizer slice in a separate host-memory pool (pinned where the build supports it) and run their AdamW "
+        "update on the host: gradients copied device-to-host, parameters host-to-device (on GPUs on a side "
+        "stream, overlapped with the device's own update). Same math as without it; on CPU-only runs the pool "
+        "and the copies are still separate, so the path is exercised.")
+    optimizer_offload_fraction: float = option(
+        1.0, help="With --optimizer-cpu-offload, the fraction of this rank's optimizer elements (by parameter, "
+        "in order) whose state and update live on the host; the rest stays on the device.")
