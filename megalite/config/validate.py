@@ -252,6 +252,10 @@ def precision_errors(pr: "PrecisionConfig", dd: "DDPConfig") -> list[str]:
         errors.append("--overlap-param-gather needs --use-distributed-optimizer")
     if dd.ddp_bucket_size is not None and dd.ddp_bucket_size <= 0:
         errors.append("--ddp-bucket-size must be positive")
+    if not 0 < dd.optimizer_offload_fraction <= 1:
+        errors.append(f"--optimizer-offload-fraction must be in (0, 1], got {dd.optimizer_offload_fraction}")
+    elif dd.optimizer_offload_fraction != 1.0 and not dd.optimizer_cpu_offload:
+        errors.append("--optimizer-offload-fraction needs --optimizer-cpu-offload")
     return errors
 
 
