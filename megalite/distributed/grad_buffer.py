@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from megalite.distributed.compression import GradCompressor
 from megalite.parallel.groups import Group, ProcessGroups
 
 
@@ -51,10 +52,12 @@ class GradBuffer:
 
     def __init__(self, params: list[nn.Parameter], pg: ProcessGroups, *, grad_dtype: torch.dtype,
                  bucket_size: int | None = None, distributed: bool = False, overlap: bool = False,
-                 separate: list[nn.Parameter] | None = None) -> None:
+                 separate: list[nn.Parameter] | None = None, compressor: GradCompressor | None = None) -> None:
         """``separate``: parameters that get a bucket of their own at the start of the buffer (a tied
-        embedding, so that both of its copies shard identically over DP)."""
+        embedding, so that both of its copies shard identically over DP). ``compressor``: --grad-compression
+        (all-reduce path only)."""
         self.pg, self.distributed, self.overlap = pg, distributed, overlap
+        self.compressor = compressor
         self.dp = pg.dp_size
         self.hierarchical = pg.hierarchical_dp and self.dp > 1
         bucket_size = bucket_size or default_bucket_size(self.dp)
@@ -140,7 +143,14 @@ class GradBuffer:
             bucket.work = self.pg.reduce_scatter_flat(bucket.shard_out, data, Group.DP, async_op=True,
                                                       label="grad_reduce_scatter")
         else:
-            bucket.work = self.pg.all_reduce(data, Group.DP, async_op=True, label="grad_all_reduce")
+            bucket.work = self._all_reduce(bucket, data, Group.DP, async_op=True)
+
+    def _all_reduce(self, bucket: Bucket, data: torch.Tensor, kind: str, async_op: bool = False):
+        """A bucket's all-reduce (hierarchical: its inter-node part), compressed (synchronously) when
+        --grad-compression is on and past its warm-up."""
+        if self.compressor is not None and self.compressor.all_reduce(data, kind, key=bucket.start):
+            return _Done() if async_op else None
+        return self.pg.all_reduce(data, kind, async_op=async_op, label="grad_all_reduce")
 
     # ---- hierarchical reduction (--hierarchical-dp-reduce) ------------------------------------
     def _start_hierarchical(self, bucket: Bucket, data: torch.Tensor) -> None:
@@ -170,7 +180,7 @@ class GradBuffer:
             self.grad_data[lo:hi].copy_(shard)
             return
         if n > 1:
-            self.pg.all_reduce(part, Group.DP_INTER, label="grad_all_reduce")
+            self._all_reduce(bucket, part, Group.DP_INTER)
         if k > 1:
             data = self.grad_data[bucket.start:bucket.end]
             self.pg.all_gather_flat(data, part, Group.DP_INTRA, label="grad_all_gather")

@@ -17,6 +17,7 @@ from torch import nn
 
 from megalite import device
 from megalite.config.arguments import MegaliteConfig
+from megalite.distributed.compression import make_compressor
 from megalite.distributed.finalize import finalize_grads, tied_embedding_params
 from megalite.distributed.grad_buffer import GradBuffer
 from megalite.model.steps import hidden_shape, lm_forward_step
@@ -30,10 +31,13 @@ from megalite.training.timers import Timers
 
 def build_buffers(chunks: list[nn.Module], cfg: MegaliteConfig, pg: ProcessGroups) -> list[GradBuffer]:
     """One contiguous gradient buffer per model chunk (a tied embedding in a bucket of its own)."""
-    grad_dtype = torch.bfloat16 if cfg.ddp.grad_reduce_in_bf16 else torch.float32
-    return [GradBuffer(list(c.parameters()), pg, grad_dtype=grad_dtype, bucket_size=cfg.ddp.ddp_bucket_size,
-                       distributed=cfg.ddp.use_distributed_optimizer, overlap=cfg.ddp.overlap_grad_reduce,
-                       separate=tied_embedding_params([c])) for c in chunks]
+    d = cfg.ddp
+    grad_dtype = torch.bfloat16 if d.grad_reduce_in_bf16 else torch.float32
+    return [GradBuffer(list(c.parameters()), pg, grad_dtype=grad_dtype, bucket_size=d.ddp_bucket_size,
+                       distributed=d.use_distributed_optimizer, overlap=d.overlap_grad_reduce,
+                       separate=tied_embedding_params([c]),
+                       compressor=make_compressor(d.grad_compression, pg, d.powersgd_rank,
+                                                  d.grad_compression_warmup_steps)) for c in chunks]
 
 
 def run_microbatches(chunks: list[nn.Module], microbatches: list[dict], pg: ProcessGroups, **kwargs
