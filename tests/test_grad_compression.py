@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megalite.config import ConfigError, validate
-from megalite.distributed.compression import GradCompressor, int8_bytes, matrix_shape, powersgd_bytes
+from megalite.distributed.compression import GradCompressor, int8_bytes, matrix_layout, matrix_shape, powersgd_bytes
 from megalite.parallel.groups import ProcessGroups
 from megalite.parallel.layout import RankLayout
 from megalite.training.loop import pretrain
@@ -38,6 +38,18 @@ def test_powersgd_full_rank_reproduces_input():
             data = x.clone()
             assert comp.all_reduce(data, "dp", key=n)
             assert torch.allclose(data, x, atol=1e-4), (data - x).abs().max()
+
+
+def test_powersgd_compresses_each_matrix_in_its_shape():
+    comp = GradCompressor("powersgd", ProcessGroups.single(), rank=10_000)
+    layout = [(0, 6, 4), (30, 3, 5)]  # a 6x4 matrix, a 6-element vector, a 3x5 matrix
+    x = torch.randn(45)
+    data = x.clone()
+    comp.all_reduce(data, "dp", key=0, layout=layout)
+    assert torch.allclose(data, x, atol=1e-5)
+    assert [tuple(q.shape) for q in comp.qs[0]] == [(4, 4), (5, 3)]  # full rank: min(rows, cols)
+    assert torch.equal(comp.errors[0][24:30], torch.zeros(6))  # the vector travelled exact
+    assert powersgd_bytes(45, 1, layout) == 4 * (1 * 10 + 1 * 8 + 6)
 
 
 def test_powersgd_low_rank_bytes_formula():
@@ -94,8 +106,10 @@ def make_cfg(**extra):
     return layout_cfg(MODEL, vocab=VOCAB, iters=ITERS, **extra)
 
 
-def _grad_bytes(res) -> list[int]:
-    return [b.numel for buf in res.optimizer.buffers for b in buf.buckets]
+def _grad_bytes(res) -> list[tuple[int, list]]:
+    """(elements, weight-matrix layout) of every bucket."""
+    return [(b.numel, matrix_layout(b.params, buf.ranges, b.start)) for buf in res.optimizer.buffers
+            for b in buf.buckets]
 
 
 def _dp2(rank: int, world: int) -> dict:
@@ -131,15 +145,15 @@ def test_dp_bytes_drop_by_the_formula(dp2):
     for c in dp2:
         buckets = c["none"]["buckets"]
         assert len(buckets) > 1  # several buckets, each compressed on its own
-        exact = sum(4 * n for n in buckets)
+        exact = sum(4 * n for n, _ in buckets)
         assert c["none"]["bytes"] == {"grad_all_reduce": exact * ITERS}
         compressed = ITERS - WARMUP
         ps = c["powersgd"]["bytes"]
         assert ps.pop("grad_all_reduce") == exact * WARMUP
-        assert sum(ps.values()) == compressed * sum(powersgd_bytes(n, 2) for n in buckets)
+        assert sum(ps.values()) == compressed * sum(powersgd_bytes(n, 2, layout) for n, layout in buckets)
         i8 = c["int8"]["bytes"]
         assert i8.pop("grad_all_reduce") == exact * WARMUP
-        assert sum(i8.values()) == compressed * sum(int8_bytes(n, 2) for n in buckets)
+        assert sum(i8.values()) == compressed * sum(int8_bytes(n, 2) for n, _ in buckets)
         assert sum(i8.values()) < 0.6 * exact * compressed and sum(ps.values()) < 0.2 * exact * compressed
 
 

@@ -6,10 +6,13 @@ declines and the exact all-reduce runs. After that the bucket is compressed with
 compression lost on this rank is added to the bucket's next gradient, so the sum of the applied updates
 tracks the sum of the true gradients (the error never accumulates; Karimireddy et al., Vogels et al.).
 
-- ``powersgd``: the bucket as a rows x cols matrix M (zero-padded, cols = ceil(sqrt(n))); one power
-  iteration with a warm-started Q: P = sum_i M_i Q (all-reduce), orthonormalise P, Q = sum_i M_i^T P
-  (all-reduce), sum_i M_i ~ P Q^T. Bytes: 4 r (rows + cols) instead of 4 n. At full rank r = min(rows,
-  cols) it is exact up to rounding. Error: M_i - P Q^T / d (each rank keeps its share of the miss).
+- ``powersgd``: every weight matrix of the bucket in its own shape (rows x cols; a bucket handed over
+  without its layout, the inter-node shard of --hierarchical-dp-reduce, is one zero-padded matrix with
+  cols = ceil(sqrt(n))); one power iteration with a warm-started Q per matrix: P = sum_i M_i Q
+  (all-reduce), orthonormalise P, Q = sum_i M_i^T P (all-reduce), sum_i M_i ~ P Q^T. Vectors (biases,
+  norm weights) travel exact with the P all-reduce. Bytes: 4 (sum r (rows + cols) + vector elements)
+  instead of 4 n. At full rank r = min(rows, cols) it is exact up to rounding. Error: M_i - P Q^T / d
+  (each rank keeps its share of the miss); none on the exact vectors.
 - ``int8``: each rank quantises its bucket to int8 in d chunks (one fp32 scale per chunk, absmax / 127),
   an all-to-all hands every rank the d versions of its chunk, which it sums in fp32, re-quantises and
   all-gathers. Bytes: 2 n + 8 d (int8 payload both ways, the scales) instead of 4 n. Error: this rank's
@@ -37,11 +40,27 @@ def matrix_shape(n: int) -> tuple[int, int]:
     return math.ceil(n / cols), cols
 
 
-def powersgd_bytes(n: int, rank: int) -> int:
-    """DP bytes of one compressed PowerSGD reduction of ``n`` elements (P and Q, fp32)."""
-    rows, cols = matrix_shape(n)
-    r = min(rank, rows, cols)
-    return 4 * r * (rows + cols)
+Layout = list[tuple[int, int, int]]  # (offset, rows, cols) of each matrix inside a bucket
+
+
+def matrix_layout(params: list, ranges: dict, start: int) -> Layout:
+    """Where the weight matrices (2-D and up, as rows x the rest) of a bucket's ``params`` lie in it, from
+    GradBuffer's ``ranges`` and the bucket's ``start``."""
+    return [(ranges[p][0] - start, p.shape[0], p.numel() // p.shape[0]) for p in params if p.ndim >= 2]
+
+
+def _plan(n: int, layout: Layout | None) -> tuple[Layout, int]:
+    """The matrices PowerSGD compresses and the number of elements it sends exact."""
+    if layout is None:
+        rows, cols = matrix_shape(n)
+        return [(0, rows, cols)], 0
+    return layout, n - sum(r * c for _, r, c in layout)
+
+
+def powersgd_bytes(n: int, rank: int, layout: Layout | None = None) -> int:
+    """DP bytes of one compressed PowerSGD reduction of ``n`` elements (P, Q and the exact vectors, fp32)."""
+    mats, exact = _plan(n, layout)
+    return 4 * (sum(min(rank, r, c) * (r + c) for _, r, c in mats) + exact)
 
 
 def int8_bytes(n: int, d: int) -> int:
@@ -63,16 +82,19 @@ class GradCompressor:
         self.errors: dict = {}
         self.qs: dict = {}
 
-    def all_reduce(self, data: torch.Tensor, kind: str, key: object) -> bool:
-        """Sum ``data`` over group ``kind`` in place, compressed; False (nothing done) during the warm-up."""
+    def all_reduce(self, data: torch.Tensor, kind: str, key: object, layout: Layout | None = None) -> bool:
+        """Sum ``data`` over group ``kind`` in place, compressed; False (nothing done) during the warm-up.
+        ``layout``: the weight matrices in ``data`` (PowerSGD compresses each in its shape)."""
         self.calls[key] += 1
         if self.calls[key] <= self.warmup:
             return False
         m = data.reshape(-1).float()
         if self.error_feedback and key in self.errors:
             m = m + self.errors[key]
-        reduce = self._powersgd if self.method == "powersgd" else self._int8
-        out, err = reduce(m, kind, key)
+        if self.method == "powersgd":
+            out, err = self._powersgd(m, kind, key, layout)
+        else:
+            out, err = self._int8(m, kind, key)
         finite = bool(torch.isfinite(err).all())
         if self.error_feedback:
             self.errors[key] = err if finite else torch.zeros_like(err)
@@ -82,25 +104,39 @@ class GradCompressor:
         return True
 
     # ---- PowerSGD -------------------------------------------------------------------------------
-    def _start_q(self, key: object, cols: int, r: int, dev: torch.device) -> torch.Tensor:
+    def _start_qs(self, key: object, mats: Layout, dev: torch.device) -> list[torch.Tensor]:
         if key not in self.qs:  # the same seeded start on every rank
             gen = torch.Generator().manual_seed(1234)
-            self.qs[key] = torch.randn(cols, r, generator=gen).to(dev)
+            self.qs[key] = [torch.randn(c, min(self.rank, r, c), generator=gen).to(dev) for _, r, c in mats]
         return self.qs[key]
 
-    def _powersgd(self, m: torch.Tensor, kind: str, key: object) -> tuple[torch.Tensor, torch.Tensor]:
+    def _powersgd(self, m: torch.Tensor, kind: str, key: object, layout: Layout | None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
         n = m.numel()
-        rows, cols = matrix_shape(n)
-        r = min(self.rank, rows, cols)
-        mat = torch.nn.functional.pad(m, (0, rows * cols - n)).view(rows, cols)
-        p = mat @ self._start_q(key, cols, r, m.device)
-        self.pg.all_reduce(p, kind, label="grad_powersgd_p")
-        p = torch.linalg.qr(p, mode="reduced").Q
-        q = mat.t() @ p
-        self.pg.all_reduce(q, kind, label="grad_powersgd_q")
-        self.qs[key] = q
-        out = (p @ q.t()).reshape(-1)[:n]
-        return out, m - out / self.pg.size(kind)
+        mats, _ = _plan(n, layout)
+        padded = torch.nn.functional.pad(m, (0, max(0, mats[0][1] * mats[0][2] - n))) if layout is None else m
+        views = [padded[o:o + r * c].view(r, c) for o, r, c in mats]
+        exact = torch.ones(n, dtype=torch.bool, device=m.device)
+        for o, r, c in mats:
+            exact[o:o + r * c] = False
+        ps = [v @ q for v, q in zip(views, self._start_qs(key, mats, m.device))]
+        sent = torch.cat([p.reshape(-1) for p in ps] + [m[exact]])
+        self.pg.all_reduce(sent, kind, label="grad_powersgd_p")
+        parts = list(sent.split([p.numel() for p in ps] + [int(exact.sum())]))
+        ps = [torch.linalg.qr(part.view_as(p), mode="reduced").Q for part, p in zip(parts, ps)]
+        qs = [v.t() @ p for v, p in zip(views, ps)]
+        sent_q = torch.cat([q.reshape(-1) for q in qs])
+        self.pg.all_reduce(sent_q, kind, label="grad_powersgd_q")
+        qs = [part.view_as(q) for part, q in zip(sent_q.split([q.numel() for q in qs]), qs)]
+        self.qs[key] = qs
+        out = torch.empty_like(padded)
+        for (o, r, c), p, q in zip(mats, ps, qs):
+            out[o:o + r * c] = (p @ q.t()).reshape(-1)
+        out = out[:n]
+        out[exact] = parts[-1]
+        err = m - out / self.pg.size(kind)
+        err[exact] = 0.0
+        return out, err
 
     # ---- int8 ----------------------------------------------------------------------------------
     @staticmethod

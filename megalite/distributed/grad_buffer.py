@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from megalite.distributed.compression import GradCompressor
+from megalite.distributed.compression import GradCompressor, Layout, matrix_layout
 from megalite.parallel.groups import Group, ProcessGroups
 
 
@@ -143,12 +143,14 @@ class GradBuffer:
             bucket.work = self.pg.reduce_scatter_flat(bucket.shard_out, data, Group.DP, async_op=True,
                                                       label="grad_reduce_scatter")
         else:
-            bucket.work = self._all_reduce(bucket, data, Group.DP, async_op=True)
+            bucket.work = self._all_reduce(bucket, data, Group.DP, async_op=True,
+                                           layout=matrix_layout(bucket.params, self.ranges, bucket.start))
 
-    def _all_reduce(self, bucket: Bucket, data: torch.Tensor, kind: str, async_op: bool = False):
+    def _all_reduce(self, bucket: Bucket, data: torch.Tensor, kind: str, async_op: bool = False,
+                    layout: Layout | None = None):
         """A bucket's all-reduce (hierarchical: its inter-node part), compressed (synchronously) when
-        --grad-compression is on and past its warm-up."""
-        if self.compressor is not None and self.compressor.all_reduce(data, kind, key=bucket.start):
+        --grad-compression is on and past its warm-up; ``layout``: its weight matrices (PowerSGD)."""
+        if self.compressor is not None and self.compressor.all_reduce(data, kind, bucket.start, layout):
             return _Done() if async_op else None
         return self.pg.all_reduce(data, kind, async_op=async_op, label="grad_all_reduce")
 
