@@ -49,6 +49,43 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
+def pin_memory_supported() -> bool:
+    """Whether host tensors can be page-locked (needs the CUDA runtime): asynchronous host<->device copies."""
+    return has_cuda()
+
+
+def host_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed host tensor, pinned where the build supports it (the optimizer's offload pool)."""
+    return torch.zeros(numel, dtype=dtype, pin_memory=pin_memory_supported())
+
+
+class SideStream:
+    """A second device stream for host<->device copies that overlap the default stream's work. On a
+    CPU-only run there is no stream: the same calls run the copies inline, so the code path is one."""
+
+    def __init__(self) -> None:
+        self.stream = torch.cuda.Stream() if has_cuda() else None
+
+    def use(self) -> contextlib.AbstractContextManager:
+        """Work issued inside runs on the side stream."""
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+
+    def wait_for_default(self) -> None:
+        """Side-stream work issued from now on starts after the default stream's work so far (e.g. gradients)."""
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream())
+
+    def default_waits(self) -> None:
+        """Default-stream work issued from now on starts after the side stream's (e.g. copied parameters)."""
+        if self.stream is not None:
+            torch.cuda.current_stream().wait_stream(self.stream)
+
+    def synchronize(self) -> None:
+        """The host waits for the side stream's copies (before it reads what they wrote)."""
+        if self.stream is not None:
+            self.stream.synchronize()
+
+
 def manual_seed(seed: int) -> None:
     """Seed the host and the device generators."""
     torch.manual_seed(seed)

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from megalite.config.deepspeed import DeepSpeedMapping, load_deepspeed_config, resolve_batch
+from megalite.config.deepspeed import refusal as ds_refusal
 from megalite.config.file_values import ConfigFileError, did_you_mean, load_config_file
 from megalite.config.flags import add_dataclass_flags, field_specs, field_types
 from megalite.config.megatron_compat import add_compat_flags, pop_compat_flags, refusal, warn_ignored
@@ -70,6 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", default=argparse.SUPPRESS,
                         help="YAML or JSON file of flag values (flat, or nested by section); "
                              "flags given on the command line win.")
+    parser.add_argument("--deepspeed-config", "--deepspeed_config", dest="deepspeed_config",
+                        default=argparse.SUPPRESS, metavar="DS_CONFIG_JSON",
+                        help="A DeepSpeed ds_config.json: its keys become megalite flags (the mapping is printed "
+                             "at start-up; keys megalite cannot honour are named); --config and command-line "
+                             "flags win over it. See docs/training.md.")
     for klass in SECTIONS.values():
         add_dataclass_flags(parser, klass)
     add_compat_flags(parser)
@@ -103,16 +111,42 @@ def parse_args(argv: Sequence[str] | None = None) -> MegaliteConfig:
     if refused:
         parser.error(refusal(refused))
     values: dict[str, Any] = {}
-    if "config" in ns:
-        try:
-            values.update(load_config_file(ns.pop("config"), SECTIONS, _file_fields()))
-        except ConfigFileError as e:
-            parser.error(str(e))
+    ds: DeepSpeedMapping | None = None
+    try:
+        if "deepspeed_config" in ns:
+            ds = load_deepspeed_config(ns.pop("deepspeed_config"), "data_parallel_sharding_strategy" in
+                                       field_types(DDPConfig))
+            values.update(ds.values)
+        if "config" in ns:
+            values.update(file_values := load_config_file(ns.pop("config"), SECTIONS, _file_fields()))
+            ns = {**file_values, **ns}  # --config and command-line values both win over the DeepSpeed file
+    except ConfigFileError as e:
+        parser.error(str(e))
     values.update(ns)
     try:
         cfg = MegaliteConfig.from_flat(values)
+        if ds is not None:
+            _apply_deepspeed_batch(cfg, ds, set(ns))
+            if ds_refusal(ds):
+                parser.error(ds_refusal(ds))
     except (TypeError, ValueError) as e:
         parser.error(f"--config: {e}")
         raise
     warn_ignored(parser.prog, ignored)
     return cfg
+
+
+def _apply_deepspeed_batch(cfg: MegaliteConfig, ds: DeepSpeedMapping, given: set[str]) -> None:
+    """DeepSpeed's batch keys, resolved with this launch's data-parallel size (WORLD_SIZE over TP x PP x CP);
+    then the mapping is printed (rank 0)."""
+    p = cfg.parallel
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    dp = max(world // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size), 1)
+    try:
+        for name, value in resolve_batch(ds, dp).items():
+            if name not in given:
+                setattr(cfg.training, name, value)
+    except ConfigFileError as e:
+        ds.refuse("batch size", str(e))
+    if os.environ.get("RANK", "0") == "0":
+        print(ds.report(given), flush=True)

@@ -53,7 +53,22 @@ class DDPConfig:
     grad_reduce_in_bf16: bool = option(
         False, help="Accumulate and reduce gradients in bf16 (halves DP traffic; less exact).")
     optimizer_cpu_offload: bool = option(
-        False, help="Keep fp32 main params and Adam moments in host memory and step there (GPU runs).")
+        False, help="Keep the fp32 main params and Adam moments of --optimizer-offload-fraction of this rank's "
+        "optimizer slice in a separate host-memory pool (pinned where the build supports it) and run their AdamW "
+        "update on the host: gradients copied device-to-host, parameters host-to-device (on GPUs on a side "
+        "stream, overlapped with the device's own update). Same math as without it; on CPU-only runs the pool "
+        "and the copies are still separate, so the path is exercised.")
+    grad_compression: str = option(
+        "none", choices=["none", "powersgd", "int8"],
+        help="Compress the data-parallel gradient all-reduce (inter-node part only with --hierarchical-dp-reduce), "
+        "with error feedback: powersgd (rank --powersgd-rank, 4r(rows+cols) bytes per bucket instead of 4n) or "
+        "int8 (about 2n bytes). Changes the math (approximate sums); not with the distributed optimizer.")
+    powersgd_rank: int = option(1, help="Rank of PowerSGD's low-rank approximation of each gradient bucket.")
+    grad_compression_warmup_steps: int = option(
+        0, help="Steps whose gradients are reduced exactly before --grad-compression starts.")
+    optimizer_offload_fraction: float = option(
+        1.0, help="With --optimizer-cpu-offload, the fraction of this rank's optimizer elements (by parameter, "
+        "in order) whose state and update live on the host; the rest stays on the device.")
     data_parallel_sharding_strategy: str | None = option(
         None, choices=SHARDING_STRATEGIES,
         help="What is sharded over data-parallel ranks: no_shard; optim (the optimizer state, as "

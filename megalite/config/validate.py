@@ -290,6 +290,29 @@ def precision_errors(pr: "PrecisionConfig", dd: "DDPConfig") -> list[str]:
         errors.append("--hysteresis and --loss-scale-window must be >= 1")
     if dd.ddp_bucket_size is not None and dd.ddp_bucket_size <= 0:
         errors.append("--ddp-bucket-size must be positive")
+    errors += compression_errors(dd)
+    if not 0 < dd.optimizer_offload_fraction <= 1:
+        errors.append(f"--optimizer-offload-fraction must be in (0, 1], got {dd.optimizer_offload_fraction}")
+    elif dd.optimizer_offload_fraction != 1.0 and not dd.optimizer_cpu_offload:
+        errors.append("--optimizer-offload-fraction needs --optimizer-cpu-offload")
+    return errors
+
+
+def compression_errors(dd: "DDPConfig") -> list[str]:
+    """--grad-compression compresses the all-reduce; the sharded paths reduce-scatter instead."""
+    errors = []
+    if dd.grad_compression == "none":
+        return errors
+    if dd.shards_optimizer:
+        flag = "--use-distributed-optimizer" if dd.use_distributed_optimizer else \
+            "--use-megatron-fsdp" if dd.data_parallel_sharding_strategy is None else \
+            f"--data-parallel-sharding-strategy {dd.data_parallel_sharding_strategy}"
+        errors.append(f"--grad-compression {dd.grad_compression} compresses the all-reduce and cannot be used with "
+                      f"{flag} (its gradients are reduce-scattered); drop one of them")
+    if dd.powersgd_rank < 1:
+        errors.append(f"--powersgd-rank must be >= 1, got {dd.powersgd_rank}")
+    if dd.grad_compression_warmup_steps < 0:
+        errors.append(f"--grad-compression-warmup-steps must be >= 0, got {dd.grad_compression_warmup_steps}")
     return errors
 
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from megalite.distributed.compression import GradCompressor, Layout, matrix_layout
 from megalite.parallel.groups import Group, ProcessGroups
 from megalite.tensor_parallel.param_meta import param_meta
 
@@ -63,12 +64,13 @@ class GradBuffer:
     def __init__(self, params: list[nn.Parameter], pg: ProcessGroups, *, grad_dtype: torch.dtype,
                  bucket_size: int | None = None, distributed: bool = False, overlap: bool = False,
                  separate: list[nn.Parameter] | None = None, shard_grads: bool = False,
-                 units: list[list[nn.Parameter]] | None = None) -> None:
+                 units: list[list[nn.Parameter]] | None = None, compressor: GradCompressor | None = None) -> None:
         """``separate``: parameters that get a bucket of their own at the start of the buffer (a tied
         embedding, so that both of its copies shard identically over DP). ``shard_grads`` (needs
         ``distributed``): keep only this rank's gradient shards (ZeRO-2). ``units`` (ZeRO-3, forward order):
-        groups of parameters gathered together; each is its own buckets, and the parameters live sharded."""
-        self.pg, self.overlap = pg, overlap
+        groups of parameters gathered together; each is its own buckets, and the parameters live sharded.
+        ``compressor``: --grad-compression (all-reduce path only)."""
+        self.pg, self.overlap, self.compressor = pg, overlap, compressor
         self.kind = pg.grad_kind  # DP, or DP x CP with context parallelism: gradients reduced and sharded over it
         self.dp = pg.size(self.kind)
         self.distributed = distributed and self.dp > 1
@@ -248,7 +250,16 @@ class GradBuffer:
             bucket.work = self.pg.reduce_scatter_flat(bucket.shard_out, data, self.kind, async_op=True,
                                                       label="grad_reduce_scatter")
         else:
-            bucket.work = self.pg.all_reduce(data, self.kind, async_op=True, label="grad_all_reduce")
+            bucket.work = self._all_reduce(bucket, data, self.kind, async_op=True,
+                                           layout=matrix_layout(bucket.params, self.ranges, bucket.start))
+
+    def _all_reduce(self, bucket: Bucket, data: torch.Tensor, kind: str, async_op: bool = False,
+                    layout: Layout | None = None):
+        """A bucket's all-reduce (hierarchical: its inter-node part), compressed (synchronously) when
+        --grad-compression is on and past its warm-up; ``layout``: its weight matrices (PowerSGD)."""
+        if self.compressor is not None and self.compressor.all_reduce(data, kind, bucket.start, layout):
+            return _Done() if async_op else None
+        return self.pg.all_reduce(data, kind, async_op=async_op, label="grad_all_reduce")
 
     # ---- hierarchical reduction (--hierarchical-dp-reduce) ------------------------------------
     def _start_hierarchical(self, bucket: Bucket, data: torch.Tensor) -> None:
@@ -278,7 +289,7 @@ class GradBuffer:
             self.grad_data[lo:hi].copy_(shard)
             return
         if n > 1:
-            self.pg.all_reduce(part, Group.DP_INTER, label="grad_all_reduce")
+            self._all_reduce(bucket, part, Group.DP_INTER)
         if k > 1:
             data = self.grad_data[bucket.start:bucket.end]
             self.pg.all_gather_flat(data, part, Group.DP_INTRA, label="grad_all_gather")

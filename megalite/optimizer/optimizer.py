@@ -10,6 +10,10 @@ Bytes per parameter (mixed precision): 2 + 4 + 12 = 18, or 2 + 4 + 12/d when sha
 
 Adam's parameter groups hold these slices, so a shard that spans an embedding and a layer simply has
 slices in two groups (--decoupled-lr gives the embedding and output layer groups of their own).
+
+With --optimizer-cpu-offload the leading --optimizer-offload-fraction of the owned slices keep their main
+params and moments in a host pool (optimizer/offload.py) and are updated by a second, host AdamW; the
+rest stays on the device. Same update, same global norm (summed in entry order either way).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from megalite.distributed.grad_buffer import GradBuffer
 from megalite.optimizer.adam import build_adamw
 from megalite.optimizer.clip import counted_ranges
 from megalite.optimizer.loss_scaler import ConstantLossScaler, DynamicLossScaler
+from megalite.optimizer.offload import HostPool, offloaded_count
 from megalite.parallel.groups import Group, ProcessGroups
 from megalite.tensor_parallel.param_meta import param_meta
 
@@ -41,6 +46,7 @@ class Entry:
     counted: list[tuple[int, int]]  # ranges of [0, hi - lo) that count in the grad norm
     weight: torch.Tensor  # the model weights of the slice (a view; in the shard storage with ZeRO-3)
     grad: torch.Tensor  # its reduced gradient (a view into the gradient buffer, or shard with ZeRO-2/3)
+    host: dict[str, torch.Tensor] | None = None  # offloaded: this slice's rows of the host pool
 
 
 @dataclass
@@ -84,29 +90,46 @@ def param_groups(slices: list[tuple[nn.Parameter, torch.Tensor]], o: OptimizerCo
 
 class MegaliteOptimizer:
     def __init__(self, buffers: list[GradBuffer], cfg: MegaliteConfig, pg: ProcessGroups) -> None:
-        o = cfg.optimizer
         self.buffers, self.pg, self.cfg = buffers, pg, cfg
         self.distributed = cfg.ddp.shards_optimizer and pg.grad_size > 1
         self.scaler = make_loss_scaler(cfg)
-        offload = cfg.ddp.optimizer_cpu_offload and device.has_cuda()
+        regions = [(buf, p, *buf.owned_region(p)) for buf in buffers for p in buf.ranges if buf.owned_region(p)]
+        n_host = offloaded_count([hi - lo for _, _, lo, hi in regions], cfg.ddp.optimizer_offload_fraction) \
+            if cfg.ddp.optimizer_cpu_offload else 0
+        self.pool = HostPool(sum(hi - lo for _, _, lo, hi in regions[:n_host]))
+        self.copies = device.SideStream() if n_host else None
         self.entries: list[Entry] = []
-        for buf in buffers:
-            for p in buf.ranges:
-                region = buf.owned_region(p)
-                if region is None:
-                    continue
-                lo, hi = region
-                flat = buf.param_slice(p, lo, hi)
-                alias = p.dtype == torch.float32 and not offload
+        for i, (buf, p, lo, hi) in enumerate(regions):
+            flat = buf.param_slice(p, lo, hi)
+            host = self.pool.take(hi - lo) if i < n_host else None
+            alias = host is None and p.dtype == torch.float32
+            if host is not None:
+                main = host["main"].copy_(flat)
+            else:
                 main = flat if alias else flat.detach().to(torch.float32, copy=True)
-                if offload:
-                    main = main.cpu().pin_memory() if device.has_cuda() else main.cpu()
-                self.entries.append(Entry(p, lo, hi, main, alias, counted_ranges(p, pg, lo, hi), flat,
-                                          buf.grad_slice(p, lo, hi)))
-        groups = param_groups([(e.param, e.main) for e in self.entries], o)
-        self.adam = build_adamw(groups, on_gpu=device.has_cuda() and not offload, lr=o.lr,
-                                betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps)
+            self.entries.append(Entry(p, lo, hi, main, alias, counted_ranges(p, pg, lo, hi), flat,
+                                      buf.grad_slice(p, lo, hi), host))
+        self.adam = self._build([e for e in self.entries if e.host is None], on_gpu=device.has_cuda())
+        self.host_adam = self._build([e for e in self.entries if e.host is not None], on_gpu=False)
+        self._reset_host_state(0.0)
         self.pending_gathers: list = []
+
+    def _build(self, entries: list[Entry], on_gpu: bool) -> torch.optim.Optimizer | None:
+        if not entries:
+            return None
+        o = self.cfg.optimizer
+        groups = param_groups([(e.param, e.main) for e in entries], o)
+        return build_adamw(groups, on_gpu=on_gpu, lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps)
+
+    def _reset_host_state(self, step: float) -> None:
+        """The host AdamW's state is the pool's moment rows (not tensors AdamW would allocate itself)."""
+        for e in self.entries:
+            if e.host is not None:
+                self.host_adam.state[e.main] = {"step": torch.tensor(step, dtype=torch.float32),
+                                                "exp_avg": e.host["exp_avg"], "exp_avg_sq": e.host["exp_avg_sq"]}
+
+    def _adam_of(self, e: Entry) -> torch.optim.Optimizer:
+        return self.host_adam if e.host is not None else self.adam
 
     @property
     def loss_scale(self) -> float:
@@ -123,56 +146,99 @@ class MegaliteOptimizer:
             self.pg.all_reduce(t, self.pg.grad_kind, op=op)
         return t
 
+    def _grads(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Every owned slice's fp32 gradient, set as its main param's ``.grad``: (device slices, offloaded
+        ones). Offloaded gradients are copied into the host pool on the side stream while the device
+        converts its own; the host waits for the copies before it reads them."""
+        dev, host = [], []
+        if self.copies is not None:
+            self.copies.wait_for_default()  # the gradients are final on the default stream
+            with self.copies.use():
+                for e in self.entries:
+                    if e.host is not None:
+                        g = e.grad
+                        e.host["grad"].copy_(g if g.dtype == torch.float32 else g.float(), non_blocking=True)
+                        e.main.grad = e.host["grad"]
+                        host.append(e.main.grad)
+        for e in self.entries:
+            if e.host is None:
+                g = e.grad
+                e.main.grad = g if g.dtype == torch.float32 and g.device == e.main.device else \
+                    g.to(e.main.device, torch.float32)
+                dev.append(e.main.grad)
+        if self.copies is not None:
+            self.copies.synchronize()
+        return dev, host
+
+    def _found_inf(self) -> bool:
+        found = torch.zeros(1, device=device.current_device())
+        for e in self.entries:
+            found = torch.maximum(found, (~torch.isfinite(e.main.grad)).any().float().reshape(1).to(found.device))
+        return bool(self._reduce(found, dist.ReduceOp.MAX).item())
+
+    def _grad_norm(self) -> float:
+        """The true global norm: each counted element once, summed in entry order (offloaded or not)."""
+        sq = torch.zeros(1, dtype=torch.float32, device=self.entries[0].main.device if self.entries else None)
+        for e in self.entries:
+            for s, t in e.counted:
+                sq += e.main.grad[s:t].square().sum().to(sq.device)
+        return float(self._reduce(sq.to(device.current_device())).sqrt())
+
     @torch.no_grad()
     def step(self, lr: float, clip_grad: float, decoupled_lr: float | None = None) -> StepResult:
         """One update at rate ``lr`` (``decoupled_lr`` for the --decoupled-lr groups) after unscaling,
         the overflow check and clipping to ``clip_grad``."""
-        grads = []
-        for e in self.entries:
-            g = e.grad
-            if g.dtype != torch.float32 or g.device != e.main.device:
-                g = g.to(e.main.device, torch.float32)
-            e.main.grad = g
-            grads.append(g)
-        dev = self.entries[0].main.device if self.entries else device.current_device()
+        lists = [g for g in self._grads() if g]
         if self.scaler is not None:
-            torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
-            found = torch.zeros(1, device=dev)
-            for g in grads:
-                found = torch.maximum(found, (~torch.isfinite(g)).any().float().reshape(1))
-            found_inf = bool(self._reduce(found.to(device.current_device()), dist.ReduceOp.MAX).item())
+            for grads in lists:
+                torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
+            found_inf = self._found_inf()
             self.scaler.update(found_inf)
             if found_inf:
                 return StepResult(True, None)
-        sq = torch.zeros(1, dtype=torch.float32, device=dev)
-        for e, g in zip(self.entries, grads):
-            for s, t in e.counted:
-                sq += g[s:t].square().sum()
-        norm = float(self._reduce(sq.to(device.current_device())).sqrt())
+        norm = self._grad_norm()
         if clip_grad > 0 and norm > clip_grad and norm == norm:
-            torch._foreach_mul_(grads, clip_grad / (norm + 1e-6))
-        for group in self.adam.param_groups:
-            group["lr"] = decoupled_lr if group["is_decoupled_lr"] and decoupled_lr is not None else lr
-        self.adam.step()
-        for e in self.entries:
-            if not e.alias:
-                e.weight.copy_(e.main)
-            e.main.grad = None
+            for grads in lists:
+                torch._foreach_mul_(grads, clip_grad / (norm + 1e-6))
+        self._update(lr, decoupled_lr)
         for b in self.buffers:
             self.pending_gathers += b.start_param_gather()
         if not self.cfg.ddp.overlap_param_gather:
             self.wait_param_gather()
         return StepResult(False, norm)
 
+    def _update(self, lr: float, decoupled_lr: float | None) -> None:
+        """AdamW: the device part first (asynchronous kernels on a GPU), then the host part while it runs;
+        the updated host slices go back to the weights on the side stream, which the default stream then
+        waits for (the parameter all-gather and the next forward read them)."""
+        for adam in (self.adam, self.host_adam):
+            for group in adam.param_groups if adam is not None else []:
+                group["lr"] = decoupled_lr if group["is_decoupled_lr"] and decoupled_lr is not None else lr
+        if self.adam is not None:
+            self.adam.step()
+        if self.host_adam is not None:
+            self.host_adam.step()
+        for e in self.entries:
+            if e.host is None and not e.alias:
+                e.weight.copy_(e.main)
+            e.main.grad = None
+        if self.copies is not None:
+            with self.copies.use():
+                for e in self.entries:
+                    if e.host is not None:
+                        dst = e.weight
+                        dst.copy_(e.main.to(dst.device, non_blocking=True))
+            self.copies.default_waits()
+
     def state_tensors(self) -> tuple[list[SliceState], float]:
         """What a checkpoint stores: every owned slice's main params and Adam moments (the live tensors,
         not copies; before the first step, zeros that take no memory) and Adam's step count."""
         slices, step = [], 0.0
         for e in self.entries:
-            state = self.adam.state.get(e.main, {})
+            state = self._adam_of(e).state.get(e.main, {})
             zeros = e.main.new_zeros(()).expand_as(e.main)
             tensors = {"main": e.main, **{f: state.get(f, zeros) for f in ("exp_avg", "exp_avg_sq")}}
-            step = float(state.get("step", step))
+            step = max(step, float(state.get("step", step)))
             slices.append(SliceState(e.param, e.lo, e.hi, tensors))
         return slices, step
 
@@ -180,19 +246,37 @@ class MegaliteOptimizer:
     def load_state_tensors(self, values: list[dict[str, torch.Tensor]], step: float) -> None:
         """Restore the state ``state_tensors`` describes: ``values[i]`` are the "main", "exp_avg" and
         "exp_avg_sq" tensors of its i-th slice (flat, hi - lo elements). The model weights take the
-        loaded main params; step 0 (never stepped) leaves Adam without state, as a fresh run."""
+        loaded main params (offloaded ones into the host pool); step 0 (never stepped) leaves Adam
+        without state, as a fresh run."""
         if len(values) != len(self.entries):
             raise ValueError(f"optimizer state for {len(values)} slices, this rank owns {len(self.entries)}")
         for e, v in zip(self.entries, values):
             e.main.copy_(v["main"])
-            if not e.alias:  # the weight is the low-precision copy of the fp32 main param
+            if not e.alias:  # the weight is the low-precision (or device) copy of the fp32 main param
                 e.weight.copy_(e.main)
+            if e.host is not None:
+                for f in ("exp_avg", "exp_avg_sq"):
+                    e.host[f].copy_(v[f])
+                continue
             state = self.adam.state[e.main]
             state["step"] = torch.tensor(step, dtype=torch.float32, device=e.main.device)  # fused: on device
             state["exp_avg"] = v["exp_avg"].to(e.main.device).clone()
             state["exp_avg_sq"] = v["exp_avg_sq"].to(e.main.device).clone()
-        if step == 0:
+        self._reset_host_state(step)
+        if step == 0 and self.adam is not None:
             self.adam.state.clear()
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes the optimizer holds beyond the model: its host pool (16 per offloaded element), and on the
+        device its fp32 main copies (none where they alias fp32 weights) and Adam moments."""
+        on_device = 0
+        for e in self.entries:
+            if e.host is None:
+                state = self.adam.state.get(e.main, {})
+                on_device += (0 if e.alias else e.main.nbytes) + sum(
+                    state[f].nbytes for f in ("exp_avg", "exp_avg_sq") if f in state)
+        return {"host_pool": self.pool.nbytes, "device": on_device, "host_elements": self.pool.numel,
+                "elements": sum(e.hi - e.lo for e in self.entries)}
 
     def wait_param_gather(self) -> None:
         """Finish the all-gather of updated parameters that step() left running (--overlap-param-gather).

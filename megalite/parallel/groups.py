@@ -190,6 +190,12 @@ class ProcessGroups:
         of ``data``."""
         return self._flat(dist.reduce_scatter_single, out, data, kind, data, async_op, label)
 
+    def all_to_all_flat(self, out: torch.Tensor, data: torch.Tensor, kind: str, async_op: bool = False,
+                        label: str = "all_to_all") -> dist.Work | None:
+        """Rank j's i-th of n equal parts of the flat ``data`` lands as the j-th part of rank i's ``out``;
+        counts the bytes of ``data`` (compressed gradient reduction)."""
+        return self._flat(dist.all_to_all_single, out, data, kind, data, async_op, label)
+
     def _flat(self, fn, out: torch.Tensor, inp: torch.Tensor, kind: str, counted: torch.Tensor, async_op: bool,
               label: str) -> dist.Work | None:
         if self.size(kind) == 1:  # the one rank's part is the whole

@@ -17,6 +17,7 @@ from torch import nn
 
 from megalite import device
 from megalite.config.arguments import MegaliteConfig
+from megalite.distributed.compression import make_compressor
 from megalite.distributed.finalize import finalize_grads, tied_embedding_params
 from megalite.distributed.grad_buffer import GradBuffer
 from megalite.distributed.param_shard import ParamGatherer, param_units
@@ -39,7 +40,9 @@ def build_buffers(chunks: list[nn.Module], cfg: MegaliteConfig, pg: ProcessGroup
         buf = GradBuffer(list(c.parameters()), pg, grad_dtype=grad_dtype, bucket_size=dd.ddp_bucket_size,
                          distributed=dd.shards_optimizer, overlap=dd.overlap_grad_reduce,
                          separate=tied_embedding_params([c]), shard_grads=dd.shards_grads,
-                         units=param_units(c) if dd.shards_params else None)
+                         units=param_units(c) if dd.shards_params else None,
+                         compressor=make_compressor(dd.grad_compression, pg, dd.powersgd_rank,
+                                                    dd.grad_compression_warmup_steps))
         if buf.shard_params:
             ParamGatherer(c, buf, pg, keep=dd.fsdp_keep_params_across_microbatches)
         buffers.append(buf)
