@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megalite.config import validate  # noqa: E402
 from megalite.config.arguments import MegaliteConfig  # noqa: E402
+from megalite.model.activation_memory import saved_bytes  # noqa: E402
 from megalite.model.build import build_model  # noqa: E402
 from megalite.model.steps import lm_forward_step  # noqa: E402
 from megalite.parallel.groups import ProcessGroups  # noqa: E402
@@ -77,25 +78,13 @@ def saved_activation_bytes(cfg: MegaliteConfig, pg: ProcessGroups) -> int:
     """Bytes of distinct storages autograd saves over one micro-batch's forward, excluding the parameters'
     storages (a linear layer saves a transposed view of its weight, which is not an activation)."""
     chunks = build_model(cfg, pg, VOCAB, model_parallel_seed(1234, pg.tp_rank, pg.pp_rank, pg.cp_rank))
-    weights = {p.untyped_storage().data_ptr() for c in chunks for p in c.parameters()}
     seq = cfg.model.seq_length
     gen = torch.Generator().manual_seed(0)
     text = torch.randint(0, VOCAB, (1, seq + 1), generator=gen)
     mb = {"tokens": text[:, :-1], "labels": text[:, 1:], "loss_mask": torch.ones(1, seq)}
     if pg.cp_size > 1:
         mb = context_parallel_part(mb, pg.cp_size, pg.cp_rank)
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in weights:
-            seen[ptr] = max(seen.get(ptr, 0), t.untyped_storage().nbytes())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = lm_forward_step(chunks[0], mb, None)
-    loss.backward()  # the ring's backward exchanges must run on every rank alike
-    return sum(seen.values())
+    return saved_bytes(lm_forward_step, chunks[0], mb, None, weights=chunks[0])
 
 
 def groups(rank: int, cp: int) -> ProcessGroups:

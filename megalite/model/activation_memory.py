@@ -14,14 +14,16 @@ from megalite.tensor_parallel.init import initialize_parameters
 from megalite.tensor_parallel.random import model_parallel_seed
 
 
-def saved_bytes(fn, *args) -> int:
-    """Bytes of distinct storages autograd saves while running ``fn(*args)`` (parameters excluded)."""
+def saved_bytes(fn, *args, weights: torch.nn.Module | None = None) -> int:
+    """Bytes of distinct storages autograd saves while running ``fn(*args)`` (parameters excluded; with
+    ``weights``, every storage of its parameters too: a linear layer saves a transposed view of its
+    weight, which shares the weight's storage and is no activation)."""
     seen: dict[int, int] = {}
-    params: set[int] = set()
+    skip = {p.untyped_storage().data_ptr() for p in weights.parameters()} if weights is not None else set()
 
     def pack(t: torch.Tensor):
-        if not isinstance(t, torch.nn.Parameter) and id(t) not in params:
-            st = t.untyped_storage()
+        st = t.untyped_storage()
+        if not isinstance(t, torch.nn.Parameter) and st.data_ptr() not in skip:
             seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
         return t
 
@@ -32,7 +34,8 @@ def saved_bytes(fn, *args) -> int:
 
 
 def bytes_per_layer(cfg: ModelConfig, pg: ProcessGroups, micro_batch: int, vocab: int, *,
-                    sequence_parallel: bool = False, dtype: torch.dtype = torch.bfloat16) -> float:
+                    sequence_parallel: bool = False, dtype: torch.dtype = torch.bfloat16,
+                    exclude_weights: bool = False) -> float:
     """Saved bytes of one transformer layer: the difference between 2-layer and 1-layer models."""
     out = []
     for layers in (1, 2):
@@ -44,7 +47,7 @@ def bytes_per_layer(cfg: ModelConfig, pg: ProcessGroups, micro_batch: int, vocab
         tokens = torch.randint(0, vocab, (micro_batch, c.seq_length), generator=torch.Generator().manual_seed(0))
         hidden = model.embedding(tokens).detach().requires_grad_()
         angles = model._rope(c.seq_length, hidden.device)
-        out.append(saved_bytes(model._run_layers, hidden, angles))
+        out.append(saved_bytes(model._run_layers, hidden, angles, weights=model if exclude_weights else None))
     return float(out[1] - out[0])
 
 
