@@ -14,8 +14,6 @@ import json
 import pytest
 
 from megalite.config import parse_args, validate
-from megalite.config.flags import field_types
-from megalite.config.precision import DDPConfig
 from tests.cli_utils import losses, run_pretrain
 
 MODEL = ["--mock-data", "--vocab-size", "128", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads",
@@ -43,7 +41,6 @@ EQUIVALENT = ("--micro-batch-size 2 --global-batch-size 8 --log-interval 1 --cli
               "--initial-loss-scale 4096 --loss-scale-window 1000 --hysteresis 2 --min-loss-scale 1 "
               "--use-distributed-optimizer --optimizer-cpu-offload --overlap-grad-reduce "
               "--ddp-bucket-size 5000").split()
-HAS_ZERO3 = "data_parallel_sharding_strategy" in field_types(DDPConfig)
 
 
 def _write(tmp_path, cfg: dict, name: str = "ds_config.json") -> str:
@@ -64,11 +61,9 @@ def test_seed_config_on_two_ranks_prints_mapping(tmp_path):
     for row in ["train_batch_size", "--global-batch-size 8", "micro 2 x accumulation 2 x DP 2", "--fp16",
                 "--initial-loss-scale 4096.0", "--optimizer-cpu-offload", "--lr-decay-style linear"]:
         assert row in out, f"{row!r} missing from the mapping:\n{out[-3000:]}"
-    if HAS_ZERO3:
-        losses(proc)
-    else:
-        assert proc.returncode != 0, out[-3000:]  # torchrun reports a failed rank (exit 2) as 1
-        assert "zero_optimization.stage: 3 needs --data-parallel-sharding-strategy optim_grads_params" in out
+    assert "--data-parallel-sharding-strategy optim_grads_params" in out, out[-3000:]
+    curve = losses(proc)  # ZeRO-3 with the optimizer offloaded, fp16: it trains
+    assert len(curve) == 6 and all(v[0] == v[0] for v in curve.values())
 
 
 def test_stage1_variant_trains_as_the_equivalent_flags(tmp_path):

@@ -114,8 +114,7 @@ def parse_args(argv: Sequence[str] | None = None) -> MegaliteConfig:
     ds: DeepSpeedMapping | None = None
     try:
         if "deepspeed_config" in ns:
-            ds = load_deepspeed_config(ns.pop("deepspeed_config"), "data_parallel_sharding_strategy" in
-                                       field_types(DDPConfig))
+            ds = load_deepspeed_config(ns.pop("deepspeed_config"))
             values.update(ds.values)
         if "config" in ns:
             values.update(file_values := load_config_file(ns.pop("config"), SECTIONS, _file_fields()))

@@ -240,17 +240,13 @@ def _fp16(m: DeepSpeedMapping, sec: dict) -> None:
                  "megalite keeps fp32 main params and Megatron's hysteresis")
 
 
-def _zero(m: DeepSpeedMapping, sec: dict, has_sharding: bool) -> None:
+def _zero(m: DeepSpeedMapping, sec: dict) -> None:
     stage = _number(m, "zero_optimization.stage", sec.get("stage", 0), int)
     if stage == 1:
         m.set("zero_optimization.stage", "use_distributed_optimizer", True, "ZeRO-1: optimizer state sharded")
     elif stage in (2, 3):
         strategy = "optim_grads" if stage == 2 else "optim_grads_params"
-        if has_sharding:
-            m.set("zero_optimization.stage", "data_parallel_sharding_strategy", strategy, f"ZeRO-{stage}")
-        else:
-            m.refuse("zero_optimization.stage", f"{stage} needs --data-parallel-sharding-strategy {strategy}, "
-                     "not yet in megalite; use stage 1 (--use-distributed-optimizer) meanwhile")
+        m.set("zero_optimization.stage", "data_parallel_sharding_strategy", strategy, f"ZeRO-{stage}")
     elif stage not in (0, None):
         m.refuse("zero_optimization.stage", f"must be 0-3, got {stage}")
     off = _section(m, "zero_optimization.offload_optimizer", sec.get("offload_optimizer", {}))
@@ -293,7 +289,7 @@ def _zero_rest(m: DeepSpeedMapping, sec: dict) -> None:
             m.refuse(where, f"{value!r}: not a ZeRO option megalite can honour")
 
 
-def _top_level(m: DeepSpeedMapping, key: str, value: Any, has_sharding: bool) -> None:
+def _top_level(m: DeepSpeedMapping, key: str, value: Any) -> None:
     if key in BATCH_KEYS:
         n = _number(m, key, value, int)
         if n is not None and n <= 0:
@@ -311,7 +307,7 @@ def _top_level(m: DeepSpeedMapping, key: str, value: Any, has_sharding: bool) ->
     elif key == "gradient_clipping":
         m.set(key, "clip_grad", _number(m, key, value), "0: no clipping")
     elif key == "zero_optimization":
-        _zero(m, _section(m, key, value), has_sharding)
+        _zero(m, _section(m, key, value))
     elif key == "pipeline":
         _pipeline(m, _section(m, key, value))
     elif key == "steps_per_print":
@@ -343,10 +339,9 @@ def _pipeline(m: DeepSpeedMapping, sec: dict) -> None:
             m.refuse(where, f"{value!r}: not a pipeline option megalite knows")
 
 
-def load_deepspeed_config(path: str, has_sharding: bool) -> DeepSpeedMapping:
+def load_deepspeed_config(path: str) -> DeepSpeedMapping:
     """The mapping of ``path`` (its refused keys in ``refused``: see ``refusal``); raises ConfigFileError
-    for a file that is not a readable JSON object or holds "auto" values. ``has_sharding``: megalite has
-    --data-parallel-sharding-strategy (ZeRO-2/3)."""
+    for a file that is not a readable JSON object or holds "auto" values."""
     p = Path(path)
     if not p.is_file():
         raise ConfigFileError(f"{FLAG}: file {path} does not exist")
@@ -362,7 +357,7 @@ def load_deepspeed_config(path: str, has_sharding: bool) -> DeepSpeedMapping:
         raise ConfigFileError(f"{FLAG} {path}: {', '.join(auto)} is \"auto\" (filled in by the Hugging Face "
                               "Trainer integration, not by DeepSpeed): give the value")
     for key, value in data.items():
-        _top_level(m, key, value, has_sharding)
+        _top_level(m, key, value)
     opt = data.get("optimizer")
     if opt is not None:
         _optimizer(m, _section(m, "optimizer", opt))
