@@ -124,7 +124,7 @@ def test_reshard_command_weights_only(runs, tmp_path):
     assert sorted(os.listdir(os.path.join(out, "iter_0000003"))) == ["metadata.json", "mp_rank_00_000"]
     assert os.listdir(os.path.join(out, "iter_0000003", "mp_rank_00_000")) == ["model.safetensors"]
     meta = json.load(open(os.path.join(out, "iter_0000003", "metadata.json")))
-    assert meta["layout"] == {"world_size": None, "tp": 1, "pp": 1, "dp": 1, "vp": 1, "order": "tp-cp-dp-pp",
+    assert meta["layout"] == {"world_size": None, "tp": 1, "pp": 1, "dp": 1, "cp": 1, "vp": 1, "order": "tp-cp-dp-pp",
                               "distributed_optimizer": False}
     assert meta["written_by"]["source_layout"]["tp"] == 2
 
