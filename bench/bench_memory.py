@@ -39,7 +39,7 @@ def _rows(rank: int, world: int) -> list[tuple[str, float, float]]:
     for label, tp, sp, gran, backend in ROWS:
         cfg = ModelConfig(**SHAPE, recompute_granularity=gran, attention_backend=backend)
         pg = ProcessGroups.single() if tp == 1 else ProcessGroups.build(RankLayout(world, tp), rank)
-        measured = bytes_per_layer(cfg, pg, MB, VOCAB, sequence_parallel=sp)
+        measured = bytes_per_layer(cfg, pg, MB, VOCAB, sequence_parallel=sp, exclude_weights=True)
         out.append((label, measured, formula_bytes(cfg, MB, tp, sp)))
     return out
 
