@@ -240,7 +240,7 @@ def print_cap(res: dict) -> None:
     for name, r in res.items():
         for run in r["runs"]:
             mark = f" **(biggest under {CAP_MB} MiB)**" if run["layers"] == r["best"] else ""
-            print(f"| {name} | {run['layers']}{mark} | {run['params']:,} | {run['peak'] / mb:.1f} | "
+            print(f"| {name} | {run['layers']}{mark} | {run['params']:,} | {run['peak'] / mb:.2f} | "
                   f"{run['peak_max'] / mb:.1f} | {run['held'] / mb:.1f} | {run['state'] / mb:.1f} | "
                   f"{_loss(run)} |")
     print(f"\nbiggest model under {CAP_MB} MiB per rank")
@@ -252,7 +252,7 @@ def print_cap(res: dict) -> None:
             print(f"| {name} | none fits | | | |")
             continue
         run, nxt = runs[r["best"]], runs[r["best"] + 1]
-        print(f"| {name} | {run['layers']} | {run['params']:,} | {run['peak'] / mb:.1f} | {nxt['peak'] / mb:.1f} | "
+        print(f"| {name} | {run['layers']} | {run['params']:,} | {run['peak'] / mb:.2f} | {nxt['peak'] / mb:.2f} | "
               f"{_loss(run)} |")
 
 
