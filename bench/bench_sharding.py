@@ -16,24 +16,42 @@ micro-batches per rank:
 3. DP bytes handed to collectives per step (``ProcessGroups.comm_bytes``): G = N x 4 (fp32 gradients),
    P = N x 2 (bf16 weights), N the padded buffer size: no_shard G; optim G + P; optim_grads m G + P;
    optim_grads_params m (G + 2P) (a forward and a backward all-gather per micro-batch), with keep m G + P.
-4. the biggest model under a cap: cap / measured bytes per parameter, minus the measured transients
-   scaled to the model (state only: activations come on top and are the same for every strategy).
+4. ``--only cap``: the biggest model that trains under a fixed per-rank cap (``CAP_MB``), measured. For
+   each strategy the model grows by whole layers (h=256) and each size trains ``CAP_ITERS`` real steps of
+   ``pretrain()`` on 4 ranks, the whole run inside torch's profiler; a step's peak is the most bytes live
+   in torch's CPU allocator while it runs (bench/peak_memory.py: every weight, gradient buffer or shard,
+   optimizer state, gathered layer, saved activation and temporary). The ranks hold identical shapes and
+   the one counting error (a free on gloo's thread that the profiler does not see) only adds bytes, so the
+   peak reported is the smallest over ranks and steps 2.. (Adam's state exists from step 1), the largest
+   beside it. Sizes: 1 and 2 layers, a line through them predicts the boundary, then sizes are measured
+   until L fits and L + 1 does not.
 
-    OMP_NUM_THREADS=1 python bench/bench_sharding.py            # about 2 min on 2 cores; --json FILE
+    OMP_NUM_THREADS=1 python bench/bench_sharding.py            # parts 1-3, about 2 min on 2 cores; --json FILE
+    OMP_NUM_THREADS=1 python bench/bench_sharding.py --only cap # part 4, about 3 min on 2 cores
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import math
 import os
+import statistics
 import sys
+
+import torch
+import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.bench_data_parallel import MEM_MODEL, MEM_VOCAB, QUIET, groups, make_cfg, storage_by_kind  # noqa: E402
+from bench.peak_memory import labelled, measure  # noqa: E402
+from megalite.config import validate  # noqa: E402
+from megalite.config.arguments import MegaliteConfig  # noqa: E402
 from megalite.distributed import grad_buffer, param_shard  # noqa: E402
-from megalite.training.loop import pretrain  # noqa: E402
+from megalite.training import loop  # noqa: E402
+from megalite.training.loop import TrainResult, pretrain  # noqa: E402
 from tests.harness import run_ranks  # noqa: E402
 
 ITERS = 2
@@ -48,7 +66,17 @@ STRATEGIES = {
     "optim_grads_params, keep": ({"data_parallel_sharding_strategy": "optim_grads_params",
                                   "fsdp_keep_params_across_microbatches": True}, lambda d: 18 / d),
 }
-CAP_GB = 80.0  # per rank
+CAP_MB = 64  # per rank, part 4's measured cap
+CAP_D = 4
+CAP_MODEL = dict(hidden_size=256, num_attention_heads=4, seq_length=64, max_position_embeddings=64,
+                 hidden_dropout=0.0, attention_dropout=0.0)
+CAP_VOCAB = 1000
+CAP_ITERS = 10
+CAP_M = 2  # micro-batches per rank and step
+CAP_BUCKET = 800_000  # about one layer at h=256 (789,760 parameters): ZeRO-2/3 free a layer's gradients at a time
+CAP_STRATEGIES = {"no_shard": {}, "optim": {"data_parallel_sharding_strategy": "optim"},
+                  "optim_grads": {"data_parallel_sharding_strategy": "optim_grads"},
+                  "optim_grads_params": {"data_parallel_sharding_strategy": "optim_grads_params"}}
 
 
 class Transients:
@@ -131,30 +159,128 @@ def bench(ds: tuple[int, ...]) -> list[dict]:
             row["comm"] = {k: r0["comm"].get(k, 0) for k in exp}
             row["comm_expected"] = exp
             row["comm_exact"] = all(r["comm"].get(k, 0) == v for r in per_rank for k, v in exp.items())
-            transient = row["peak_gathered_per_param"] + row["peak_bucket_per_param"]
-            row["max_params_under_cap_b"] = CAP_GB / (row["total"] + transient)
             rows.append(row)
     return rows
+
+
+def _cap_cfg(world: int, layers: int, flags: dict) -> MegaliteConfig:
+    cfg = MegaliteConfig.from_flat(dict(
+        CAP_MODEL, num_layers=layers, micro_batch_size=1, global_batch_size=world * CAP_M, train_iters=CAP_ITERS,
+        lr=1e-3, log_interval=1, eval_iters=0, eval_interval=1000, mock_data=True, vocab_size=CAP_VOCAB, seed=1234,
+        bf16=True, ddp_bucket_size=CAP_BUCKET, **flags))
+    validate(cfg, world)
+    return cfg
+
+
+def held_state(res: TrainResult) -> int:
+    """Bytes of weights (or ZeRO-3 shards), gradient buffer, main params and Adam moments after the run."""
+    mem = storage_by_kind(res)
+    shards = [b.param_shard for b in res.optimizer.buffers if b.param_shard is not None]
+    return int(sum(mem[k] for k in ("params", "grads", "main params", "adam moments"))
+               + sum(s.numel() * s.element_size() for s in shards))
+
+
+def _cap_run(rank: int, world: int, layers: int, flags: dict) -> dict:
+    """Train one size under the profiler; every rank's step peaks and held bytes, gathered."""
+    cfg = _cap_cfg(world, layers, flags)
+    gc.collect()
+    with measure() as rep:
+        res = pretrain(cfg, groups(world, rank), log=QUIET)
+    n = sum(e - s for b in res.optimizer.buffers for s, e in b.ranges.values())
+    mine = torch.tensor(rep.steps + [rep.held, held_state(res)], dtype=torch.float64)
+    every = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine)
+    loss = [float(v) for v in res.losses]
+    del res
+    gc.collect()
+    steady = [float(v) for r in every for v in r[1:CAP_ITERS]]  # steps 2..: Adam state exists
+    return dict(layers=layers, params=n, peak=min(steady), peak_max=max(steady),
+                held=min(float(r[CAP_ITERS]) for r in every), state=max(float(r[-1]) for r in every), loss=loss)
+
+
+def _cap_worker(rank: int, world: int) -> dict:
+    loop.train_step = labelled(loop.train_step)  # each step is one window of the profile
+    cap = CAP_MB * 2**20
+    out = {}
+    for name, flags in CAP_STRATEGIES.items():
+        runs: dict[int, dict] = {}
+
+        def at(layers: int, runs: dict = runs, flags: dict = flags) -> dict:
+            if layers not in runs:
+                runs[layers] = _cap_run(rank, world, layers, flags)
+            return runs[layers]
+
+        per_layer = at(2)["peak"] - at(1)["peak"]
+        best = max(1, int((cap - at(1)["peak"]) // per_layer) + 1)
+        while best > 1 and at(best)["peak"] > cap:
+            best -= 1
+        while at(best)["peak"] <= cap and at(best + 1)["peak"] <= cap:
+            best += 1
+        out[name] = dict(runs=[runs[k] for k in sorted(runs)], best=best if at(best)["peak"] <= cap else 0)
+    return out
+
+
+def bench_cap() -> dict:
+    return run_ranks(_cap_worker, CAP_D, timeout=3600)[0]
+
+
+def _loss(run: dict) -> str:
+    loss = run["loss"]
+    finite = all(math.isfinite(v) for v in loss)
+    return f"{loss[0]:.3f} -> {statistics.mean(loss[-3:]):.3f}" + ("" if finite else " (NOT FINITE)")
+
+
+def print_cap(res: dict) -> None:
+    mb = 2**20
+    print(f"\nbf16, h={CAP_MODEL['hidden_size']}, seq {CAP_MODEL['seq_length']}, vocab {CAP_VOCAB}, d={CAP_D}, "
+          f"{CAP_M} micro-batches per rank, --ddp-bucket-size {CAP_BUCKET}, {CAP_ITERS} steps (MiB per rank)")
+    print("| strategy | layers | params | peak of a step | largest count seen | held after the last step | "
+          "of it weights + grads + optimizer | loss: step 1, mean of the last 3 |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, r in res.items():
+        for run in r["runs"]:
+            mark = f" **(biggest under {CAP_MB} MiB)**" if run["layers"] == r["best"] else ""
+            print(f"| {name} | {run['layers']}{mark} | {run['params']:,} | {run['peak'] / mb:.2f} | "
+                  f"{run['peak_max'] / mb:.1f} | {run['held'] / mb:.1f} | {run['state'] / mb:.1f} | "
+                  f"{_loss(run)} |")
+    print(f"\nbiggest model under {CAP_MB} MiB per rank")
+    print("| strategy | layers | params | measured peak (MiB) | next size's peak (MiB) | loss: step 1, last 3 |")
+    print("|---|---|---|---|---|---|")
+    for name, r in res.items():
+        runs = {x["layers"]: x for x in r["runs"]}
+        if r["best"] == 0:
+            print(f"| {name} | none fits | | | |")
+            continue
+        run, nxt = runs[r["best"]], runs[r["best"] + 1]
+        print(f"| {name} | {run['layers']} | {run['params']:,} | {run['peak'] / mb:.2f} | {nxt['peak'] / mb:.2f} | "
+              f"{_loss(run)} |")
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--d", type=int, nargs="+", default=[2, 4], help="data-parallel sizes")
     ap.add_argument("--json", help="also write the figures to this file")
+    ap.add_argument("--only", choices=["cap"], help="cap: part 4 only, the biggest model under a measured cap")
     a = ap.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if a.only == "cap":
+        res = bench_cap()
+        print_cap(res)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(res, f, indent=1)
+        return 0
     rows = bench(tuple(a.d))
     print(f"\nbf16, {MEM_MODEL['num_layers']} layers, hidden {MEM_MODEL['hidden_size']}, vocab {MEM_VOCAB} "
           f"({rows[0]['params_per_rank']} params), {M} micro-batches per rank\n"
           "| strategy | d | weights | grads | main params | Adam | **total** | formula | gathered peak (B/param, "
-          "layers) | bucket grads peak (B/param) | params under 80 GB (billions) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "layers) | bucket grads peak (B/param) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['strategy']} | {r['d']} | {r['params']:.3f} | {r['grads']:.3f} | {r['main params']:.3f} | "
               f"{r['adam moments']:.3f} | **{r['total']:.3f}** | {r['formula']:.3f} | "
               f"{r['peak_gathered_per_param']:.3f}, {r['peak_gathered_layers']:.2f} | "
-              f"{r['peak_bucket_per_param']:.3f} | "
-              f"{r['max_params_under_cap_b']:.1f} |")
+              f"{r['peak_bucket_per_param']:.3f} |")
     print("\nDP bytes per step and rank handed to collectives, measured vs formula")
     print("| strategy | d | measured | formula | exact on every rank |")
     print("|---|---|---|---|---|")
