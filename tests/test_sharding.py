@@ -4,7 +4,8 @@
   sequence parallelism, full recomputation, interleaved pipelines, overlapped reduction, small buckets
   and --fsdp-keep-params-across-microbatches;
 - what a rank holds after a step: ZeRO-2 the gradient shard only (numel / d), ZeRO-3 also only the
-  parameter shard (every weight a one-element placeholder);
+  parameter shard (every weight's storage released: no bytes, or a one-element placeholder before its
+  first gather);
 - DP bytes per step: ZeRO-2 m reduce-scatters of the gradient buffer plus one parameter all-gather;
   ZeRO-3 m x (reduce-scatter + two all-gathers, forward and backward), or one all-gather per step when
   the gathered layers are kept across micro-batches;
@@ -77,7 +78,7 @@ def _held(res, pg) -> dict:
     return dict(
         grad_numel=sum(b.grad_data.numel() for b in bufs), numel=numel, dp=pg.dp_size,
         param_shard=sum(b.param_shard.numel() for b in bufs) if z3 else None,
-        placeholders=all(q.untyped_storage().nbytes() == q.element_size() for q in params) if z3 else None,
+        placeholders=all(q.untyped_storage().nbytes() <= q.element_size() for q in params) if z3 else None,
         no_grads=all(q.grad is None for q in params),
         dp_bytes=(pg.comm_bytes[("dp", "grad_reduce_scatter")] // ITERS,
                   pg.comm_bytes[("dp", "param_all_gather")] // ITERS),

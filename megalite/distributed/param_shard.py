@@ -5,7 +5,10 @@ A model chunk is cut into units: the chunk's own parameters (embedding, final no
 for the whole forward and the whole backward, since the head's backward comes first and the embedding's
 last) and one unit per transformer layer. Each unit is a bucket of its own in the chunk's GradBuffer,
 which keeps this rank's shard of it in ``param_shard``; while not gathered a parameter holds a NaN
-placeholder of its shape (see ``grad_buffer.placeholder``).
+placeholder of its shape until its unit is first gathered (see ``grad_buffer.placeholder``); from then on it
+is a view of the unit's full buffer, whose storage is freed (resized to nothing) when the unit is released
+and re-allocated by the next gather, so that tensors autograd saved from it hold no memory in between and
+read the gathered weights again in the unit's backward; touching a released parameter raises.
 
 Forward: a module's pre-hook gathers its unit (normally already in flight) and starts gathering the
 next layer's, so the gather overlaps the current layer's compute; its post-hook frees the unit.
@@ -30,7 +33,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from megalite.distributed.grad_buffer import GradBuffer, placeholder
+from megalite.distributed.grad_buffer import GradBuffer
 from megalite.parallel.groups import ProcessGroups
 
 
@@ -52,7 +55,8 @@ class ParamGatherer:
     def __init__(self, chunk: nn.Module, buffer: GradBuffer, pg: ProcessGroups, keep: bool = False) -> None:
         self.buffer, self.pg, self.keep = buffer, pg, keep
         self.units = buffer.unit_buckets
-        self.full: list[list[torch.Tensor] | None] = [None] * len(self.units)
+        self.full: list[list[torch.Tensor] | None] = [None] * len(self.units)  # gathered now
+        self.storage: list[list[torch.Tensor] | None] = [None] * len(self.units)  # each bucket's full buffer
         self.works: list[list] = [[] for _ in self.units]
         self.reduced = [0] * len(self.units)
         self.unit_of = {id(b): i for i, unit in enumerate(self.units) for b in unit}
@@ -69,18 +73,20 @@ class ParamGatherer:
         """Start all-gathering unit ``i`` (a no-op when it is gathered or on its way)."""
         if i >= len(self.units) or self.full[i] is not None:
             return
-        buf, full_tensors = self.buffer, []
-        for b in self.units[i]:
-            full = torch.empty(b.numel, dtype=buf.param_shard.dtype, device=buf.param_shard.device)
+        buf, first = self.buffer, self.storage[i] is None
+        if first:  # one full buffer per bucket for the run; the parameters stay views of it
+            self.storage[i] = [torch.empty(b.numel, dtype=buf.param_shard.dtype, device=buf.param_shard.device)
+                               for b in self.units[i]]
+        for b, full in zip(self.units[i], self.storage[i]):
+            full.untyped_storage().resize_(full.numel() * full.element_size())  # re-allocate after a release
             lo = buf.shard_offset(b)
             shard = buf.param_shard[lo: lo + b.numel // buf.dp]
             self.works[i].append(self.pg.all_gather_flat(full, shard, buf.kind, async_op=True,
                                                          label="param_all_gather"))
-            for p in b.params:
+            for p in b.params if first else []:
                 s, e = buf.ranges[p]
                 p.data = full[s - b.start: e - b.start].view(p.shape)
-            full_tensors.append(full)
-        self.full[i] = full_tensors
+        self.full[i] = self.storage[i]
 
     def wait(self, i: int) -> None:
         for w in self.works[i]:
@@ -93,9 +99,11 @@ class ParamGatherer:
         if self.full[i] is None:
             return
         self.wait(i)
-        for b in self.units[i]:
-            for p in b.params:
-                p.data = placeholder(p.shape, p.dtype, p.device)
+        for full in self.full[i]:
+            # Free the memory itself, not only the parameters' reference: autograd saved views of these
+            # weights (a linear layer's transposed weight) until the unit's backward, which gathers into
+            # the same storage again before it reads them.
+            full.untyped_storage().resize_(0)
         self.full[i] = None
 
     def release_all(self) -> None:
