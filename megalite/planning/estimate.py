@@ -66,8 +66,8 @@ def format_report(plan: Plan) -> str:
         f"layout: TP {sh.tp}{_where(sh, cl, 'tp', sh.tp)} x CP {sh.cp}{_where(sh, cl, 'cp', sh.cp)} x "
         f"DP {sh.dp}{_where(sh, cl, 'dp', sh.dp)} x PP {sh.pp}{_where(sh, cl, 'pp', sh.pp)}"
         f"{f', {sh.v} virtual stages per rank' if sh.v > 1 else ''}; micro-batch {sh.b}, {sh.m} micro-batches "
-        f"per step; SP {'on' if sh.sp else 'off'}; recompute {sh.recompute or 'none'}; distributed optimizer "
-        f"{'on' if sh.cfg.ddp.use_distributed_optimizer else 'off'}",
+        f"per step; SP {'on' if sh.sp else 'off'}; recompute {sh.recompute or 'none'}; sharding over DP "
+        f"{sh.cfg.ddp.sharding}",
         f"  flags: {plan.layout.flags()}",
         "",
         f"memory per rank (pipeline rank {mem.stage}, the fullest; {mem.params / 1e9:.3f} B parameters):",

@@ -33,14 +33,14 @@ class Layout:
     micro_batch: int = 1
     sequence_parallel: bool = False
     recompute: str | None = None  # None, "selective", "full"
-    distributed_optimizer: bool = False
+    sharding: str = "no_shard"  # --data-parallel-sharding-strategy: no_shard, optim, optim_grads, optim_grads_params
 
     @classmethod
     def from_config(cls, cfg: MegaliteConfig) -> "Layout":
         p = cfg.parallel
         return cls(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size,
                    p.num_layers_per_virtual_pipeline_stage, cfg.training.micro_batch_size, p.sequence_parallel,
-                   cfg.model.recompute_granularity, cfg.ddp.use_distributed_optimizer)
+                   cfg.model.recompute_granularity, cfg.ddp.sharding)
 
     def apply(self, cfg: MegaliteConfig) -> MegaliteConfig:
         """A copy of ``cfg`` with this layout's flags."""
@@ -53,9 +53,13 @@ class Layout:
         out.model.recompute_granularity = self.recompute
         if self.recompute != "full":
             out.model.recompute_method = None
-        out.ddp.use_distributed_optimizer = self.distributed_optimizer
-        if not self.distributed_optimizer:
+        out.ddp.use_distributed_optimizer = self.sharding == "optim"
+        out.ddp.use_megatron_fsdp = False
+        out.ddp.data_parallel_sharding_strategy = None if self.sharding in ("no_shard", "optim") else self.sharding
+        if self.sharding != "optim":
             out.ddp.overlap_param_gather = False
+        if self.sharding != "optim_grads_params":
+            out.ddp.fsdp_keep_params_across_microbatches = False
         return out
 
     def flags(self) -> str:
@@ -70,8 +74,10 @@ class Layout:
             out.append("--sequence-parallel")
         if self.recompute:
             out.append(f"--recompute-granularity {self.recompute}")
-        if self.distributed_optimizer:
+        if self.sharding == "optim":
             out.append("--use-distributed-optimizer")
+        elif self.sharding != "no_shard":
+            out.append(f"--data-parallel-sharding-strategy {self.sharding}")
         return " ".join(out)
 
 

@@ -4,7 +4,9 @@ Activation bytes are what megalite's eager layer keeps, tensor by tensor (tests/
 them to the bytes autograd saves on CPU within 5%): Korthikanti et al.'s per-layer terms plus what the
 eager code keeps besides (2 more bytes per token and channel outside the GEMMs, the repeated K/V and the
 causal mask of the unfused attention, RoPE's rotated copies). Terms for features that have not landed
-(MoE experts, ZeRO-style sharding of gradients and weights) return 0 and say so in the report.
+(MoE experts) return 0 and say so in the report. ZeRO-2/3 (--data-parallel-sharding-strategy) divide
+gradients / weights by the DP x CP ranks and add what a step holds in full meanwhile (bench/README.md,
+"Sharding strategies").
 """
 
 from __future__ import annotations
@@ -59,32 +61,50 @@ def stage_params(sh: RunShape, stage: int) -> int:
 
 
 # ---- weights, gradients, optimizer state (docs/design.md §3.6) ---------------------------------------
+def _shards(sh: RunShape) -> int:
+    return sh.dp * sh.cp
+
+
+def _bucket_numel(sh: RunShape, n: int) -> int:
+    dd = sh.cfg.ddp
+    return min(n, dd.ddp_bucket_size or max(40_000_000, 1_000_000 * sh.dp))
+
+
 def weight_bytes(sh: RunShape, n: int) -> float:
-    return n * sh.param_bytes
+    """The weights; with optim_grads_params their shard, plus the full weights gathered at once: the
+    chunk's own unit (embedding, final norm, output layer) and two layers (the one computing, the one
+    prefetched), or all of them with --fsdp-keep-params-across-microbatches."""
+    dd = sh.cfg.ddp
+    if not dd.shards_params or _shards(sh) == 1:
+        return n * sh.param_bytes
+    gathered = n if dd.fsdp_keep_params_across_microbatches else \
+        min(n, n - sh.layers_per_stage * layer_params(sh) + 2 * layer_params(sh))
+    return (n / _shards(sh) + gathered) * sh.param_bytes
 
 
 def grad_bytes(sh: RunShape, n: int) -> float:
-    """The contiguous gradient buffer is never sharded (reduce-scattered in place)."""
-    return n * sh.grad_bytes
+    """The contiguous gradient buffer (reduce-scattered in place, so not sharded by the distributed
+    optimizer); with optim_grads / optim_grads_params the gradient shard, plus one bucket's gradients in
+    full while it waits for its reduce-scatter (the flat buffer and the low-precision .grad)."""
+    dd = sh.cfg.ddp
+    if not dd.shards_grads or _shards(sh) == 1:
+        return n * sh.grad_bytes
+    bucket = layer_params(sh) if dd.shards_params else _bucket_numel(sh, n)
+    return n * sh.grad_bytes / _shards(sh) + bucket * (sh.grad_bytes + sh.param_bytes)
 
 
 def optimizer_bytes(sh: RunShape, n: int) -> float:
     """fp32 main params (aliased to the weight in fp32 runs) and two Adam moments, sharded over the
-    DP x CP ranks with the distributed optimizer, on the host with --optimizer-cpu-offload."""
+    DP x CP ranks by every sharding strategy, on the host with --optimizer-cpu-offload."""
     if sh.cfg.ddp.optimizer_cpu_offload:
         return 0.0
     per = (4 if sh.param_bytes == 2 else 0) + 8
-    shards = sh.dp * sh.cp if sh.cfg.ddp.use_distributed_optimizer else 1
+    shards = _shards(sh) if sh.cfg.ddp.shards_optimizer else 1
     return n * per / shards
 
 
 def moe_bytes(sh: RunShape) -> float:
     """Expert weights and their state: not yet (MoE has not landed)."""
-    return 0.0
-
-
-def zero_sharding_saving(sh: RunShape) -> float:
-    """Gradient / weight sharding beyond the distributed optimizer: not yet (it has not landed)."""
     return 0.0
 
 
@@ -241,8 +261,7 @@ def stage_memory(sh: RunShape, stage: int) -> MemoryReport:
     n = stage_params(sh, stage)
     terms = {"weights": weight_bytes(sh, n), "gradients": grad_bytes(sh, n),
              "optimizer state": optimizer_bytes(sh, n), "activations": activation_bytes(sh, stage),
-             "communication buffers": comm_buffer_bytes(sh), "MoE experts (not yet)": moe_bytes(sh),
-             "ZeRO sharding (not yet)": -zero_sharding_saving(sh)}
+             "communication buffers": comm_buffer_bytes(sh), "MoE experts (not yet)": moe_bytes(sh)}
     return MemoryReport(stage, n, terms)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from megalite.config.arguments import MegaliteConfig
 from megalite.planning.estimate import Plan, estimate
@@ -23,7 +23,8 @@ def divisors(n: int) -> list[int]:
 def candidates(cfg: MegaliteConfig, cluster: ClusterConfig, context_parallel: bool = True) -> Iterator[Layout]:
     """Layouts whose sizes divide the world and the layers: TP and TP x CP inside a node; the
     distributed optimizer whenever there is more than one DP x CP rank (it needs less memory and, with
-    16-bit weights, moves fewer bytes); SP whenever TP > 1 (same bytes, 1/TP of the activations)."""
+    16-bit weights, moves fewer bytes; ``search`` tries ZeRO-2, then ZeRO-3, where it does not fit); SP
+    whenever TP > 1 (same bytes, 1/TP of the activations)."""
     m, world, gpn = cfg.model, cluster.world_size, cluster.gpus_per_node
     gbs = cfg.training.global_batch_size or cfg.training.micro_batch_size
     for tp in divisors(gpn):
@@ -38,7 +39,7 @@ def candidates(cfg: MegaliteConfig, cluster: ClusterConfig, context_parallel: bo
                         continue
                     for vp in vps:
                         for rc in RECOMPUTE:
-                            yield Layout(tp, pp, cp, vp, mbs, tp > 1, rc, dp * cp > 1)
+                            yield Layout(tp, pp, cp, vp, mbs, tp > 1, rc, "optim" if dp * cp > 1 else "no_shard")
 
 
 @dataclass
@@ -60,6 +61,11 @@ def search(cfg: MegaliteConfig, cluster: ClusterConfig, vocab: int, context_para
             out.refused[errors[0].split(" (")[0]] += 1
             continue
         plan = estimate(run, cluster, vocab)
+        for zero in ("optim_grads", "optim_grads_params") if layout.sharding == "optim" else ():
+            if plan.fits:  # ZeRO-2/3 only where the distributed optimizer alone does not fit: they move more
+                break
+            sharded = replace(layout, sharding=zero)
+            plan = estimate(sharded.apply(cfg), cluster, vocab)
         if not plan.fits:
             out.too_big += 1
             continue

@@ -122,7 +122,8 @@ def pp_comm_s(sh: RunShape, cl: ClusterConfig) -> float:
 
 def dp_comm_s(sh: RunShape, cl: ClusterConfig) -> float:
     """The gradient buffer once per step over the DP x CP ranks: an all-reduce, or with the distributed
-    optimizer a reduce-scatter of gradients and an all-gather of weights; hierarchical reduction sends
+    optimizer a reduce-scatter of gradients and an all-gather of weights (ZeRO-2: the reduce-scatter per
+    micro-batch; ZeRO-3: also two weight all-gathers per micro-batch, docs/parallelism.md); hierarchical reduction sends
     1/k of it across nodes (k of the group's ranks per node). Exposed: all of it, or with
     --overlap-grad-reduce the last bucket, plus the all-gather unless --overlap-param-gather."""
     d = sh.dp * sh.cp
@@ -134,7 +135,12 @@ def dp_comm_s(sh: RunShape, cl: ClusterConfig) -> float:
     k = ranks_per_node_in_group(sh, cl, axis, sh.dp) if sh.cfg.parallel.hierarchical_dp_reduce else 1
     bw = cl.link_bytes_per_s(inter)
     frac = (d - 1) / d
-    if dd.use_distributed_optimizer:
+    if dd.shards_params:  # ZeRO-3: per micro-batch a reduce-scatter and two weight gathers (or one per step)
+        gathers = 1 if dd.fsdp_keep_params_across_microbatches else 2 * sh.m
+        reduce, gather = sh.m * frac * n * sh.grad_bytes, gathers * frac * n * sh.param_bytes
+    elif dd.shards_grads:  # ZeRO-2: a reduce-scatter per micro-batch, one weight gather per step
+        reduce, gather = sh.m * frac * n * sh.grad_bytes, frac * n * sh.param_bytes
+    elif dd.shards_optimizer:
         reduce, gather = frac * n * sh.grad_bytes, frac * n * sh.param_bytes
     else:
         reduce, gather = 2 * frac * n * sh.grad_bytes, 0.0
