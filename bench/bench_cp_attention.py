@@ -1,6 +1,6 @@
 """Context-parallel attention alone (docs/parallelism.md, "Context parallelism: the attention"): bytes per
 rank against the formula, the bytes autograd saves per rank against serial attention, and the time of
-one forward + backward for the ring (p2p), a2a and all_gather, at c = 1 (serial), 2 and 4.
+one forward + backward for the ring (p2p), a2a and allgather, at c = 1 (serial), 2 and 4.
 
 Each CP size runs on its own gloo ranks (tests/harness.py). Per rank and comm type: the bytes
 ``ProcessGroups.comm_bytes`` counted (checked exactly against the formula), the bytes of the distinct
@@ -34,7 +34,7 @@ from tests.harness import run_ranks  # noqa: E402
 
 B, NQ, NKV, D = 1, 8, 4, 64
 REPS = 5
-COMM_TYPES = ("p2p", "a2a", "all_gather")
+COMM_TYPES = ("p2p", "a2a", "allgather")
 
 
 def formula(comm: str, c: int, s: int) -> int:
@@ -43,7 +43,7 @@ def formula(comm: str, c: int, s: int) -> int:
     kv = 2 * B * NKV * sl * D * e
     if c == 1:
         return 0
-    return {"p2p": 3 * (c - 1) * kv, "a2a": 2 * (NQ + 2 * NKV + NQ) * B * sl * D * e, "all_gather": 2 * c * kv}[comm]
+    return {"p2p": 3 * (c - 1) * kv, "a2a": 2 * (NQ + 2 * NKV + NQ) * B * sl * D * e, "allgather": 2 * c * kv}[comm]
 
 
 def saved_bytes(fn) -> tuple[torch.Tensor, int]:

@@ -1,7 +1,7 @@
 """Promise: context-parallel attention equals full-sequence causal attention (docs/parallelism.md,
 "Context parallelism").
 
-On real gloo ranks, CP 2 and 4, comm types p2p (ring), a2a and all_gather, MHA and GQA, with and without
+On real gloo ranks, CP 2 and 4, comm types p2p (ring), a2a and allgather, MHA and GQA, with and without
 document masks whose boundaries cross the zigzag chunks: every rank's output rows and dQ/dK/dV equal the
 serial attention's (fp32, 1e-5 of the largest value), and the bytes each rank hands to the CP group
 equal the formulas, exactly. Everything also runs under MEGALITE_NCCL_SEMANTICS=1 (``p2p_semantics``),
@@ -23,7 +23,7 @@ from megalite.parallel.nccl_check import NcclCheckError, Post, replay
 from tests.harness import run_ranks
 
 B, SEQ, D = 2, 32, 8
-COMM_TYPES = ["p2p", "a2a", "all_gather"]
+COMM_TYPES = ["p2p", "a2a", "allgather"]
 HEADS = {"mha": (4, 4), "gqa": (8, 4)}  # (query heads, query groups): both split 4 ways for a2a
 DOCS = [[5, 11, 3, 13], [20, 12]]  # document lengths per batch row: boundaries inside zigzag chunks
 CASES = [(h, docs) for h in HEADS for docs in (False, True)]

@@ -15,7 +15,7 @@ from megalite.context_parallel.ulysses import a2a_attention
 from megalite.context_parallel.zigzag import check_divisible
 from megalite.parallel.groups import Group, ProcessGroups
 
-COMM_TYPES = {"p2p": ring_attention, "a2a": a2a_attention, "all_gather": all_gather_attention}
+COMM_TYPES = {"p2p": ring_attention, "a2a": a2a_attention, "allgather": all_gather_attention}  # --cp-comm-type
 
 
 def check_heads(comm_type: str, heads: int, groups: int, cp: int) -> None:

@@ -87,8 +87,7 @@ class Attention(nn.Module):
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float) -> torch.Tensor:
         with self.tracker.fork() if p > 0 else contextlib.nullcontext():
             if self.pg.cp_size > 1:  # this rank's two sequence chunks against the whole sequence's keys
-                comm = "all_gather" if self.cp_comm_type == "allgather" else self.cp_comm_type  # Megatron's name
-                return context_parallel_attention(q, k, v, self.pg, comm, dropout_p=p)
+                return context_parallel_attention(q, k, v, self.pg, self.cp_comm_type, dropout_p=p)
             return core_attention(q, k, v, p, self.cfg.attention_backend)
 
     def forward(self, x: torch.Tensor, rope_angles: torch.Tensor | None, kv_cache=None) -> torch.Tensor:
