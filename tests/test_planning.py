@@ -316,8 +316,7 @@ def test_search_proposes_only_what_pretrain_accepts():
 
 
 def _cp_shape(cp: int, **flat) -> RunShape:
-    """Context parallelism has not landed (validation refuses CP > 1): its terms, on a config built
-    without the rules."""
+    """A context-parallel run's shape (TP2 with SP, bf16) on 8 ranks."""
     cfg = MegaliteConfig.from_flat({**GPT, "num_layers": 4, "bf16": True, "micro_batch_size": 2,
                                     "global_batch_size": 16, "context_parallel_size": cp,
                                     "tensor_model_parallel_size": 2, "sequence_parallel": True, **flat})
@@ -344,3 +343,31 @@ def test_context_parallel_terms():
         expected = 2 * kv * (c - 1) * sh.layers_per_stage * sh.m
         assert cp_comm_s(sh, cl) * link(sh, cl, "cp", c) == pytest.approx(expected)
     assert cp_comm_s(_cp_shape(1), cl) == 0.0
+
+
+@pytest.mark.parametrize("d", [2, 4])
+def test_zero_terms_hold_the_measured_bytes_per_parameter(d):
+    """Without the step's transients (one bucket's full gradients; ZeRO-3's gathered units), the planner's
+    weights + gradients + optimizer state per parameter are what bench/bench_sharding.py measures held
+    after a step in bf16: 2 + 4/d + 12/d (ZeRO-2) and 18/d (ZeRO-3); ZeRO-3 moves the most DP bytes."""
+    from megalite.planning.memory import grad_bytes, layer_params, optimizer_bytes, stage_params, weight_bytes
+    from megalite.planning.timing import dp_comm_s
+
+    def shape(strategy: str | None, **extra) -> RunShape:
+        cfg = MegaliteConfig.from_flat({**GPT, "num_layers": 4, "bf16": True, "micro_batch_size": 1,
+                                        "global_batch_size": 2 * d, "data_parallel_sharding_strategy": strategy,
+                                        "ddp_bucket_size": 10_000, **extra})
+        return RunShape.of(cfg, d, VOCAB)
+
+    z2, z3, opt = shape("optim_grads"), shape("optim_grads_params"), shape("optim")
+    n = stage_params(z2, 0)
+    held2 = weight_bytes(z2, n) + grad_bytes(z2, n) - 10_000 * 6 + optimizer_bytes(z2, n)
+    assert held2 / n == pytest.approx(2 + 4 / d + 12 / d)
+    gathered = n - z3.layers_per_stage * layer_params(z3) + 2 * layer_params(z3)
+    held3 = weight_bytes(z3, n) - 2 * gathered + grad_bytes(z3, n) - layer_params(z3) * 6 + optimizer_bytes(z3, n)
+    assert held3 / n == pytest.approx(18 / d)
+    keep = shape("optim_grads_params", fsdp_keep_params_across_microbatches=True)
+    assert weight_bytes(keep, n) == pytest.approx((n / d + n) * 2)
+    values, _ = split_argv(["--num-nodes", "1", "--gpus-per-node", str(d), "--gpu", "h100-sxm"])
+    cl = cluster_from_values(values)
+    assert dp_comm_s(opt, cl) < dp_comm_s(z2, cl) < dp_comm_s(z3, cl)
