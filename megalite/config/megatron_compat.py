@@ -39,7 +39,6 @@ IGNORED: dict[str, tuple[bool, str]] = {
 REFUSED: dict[str, str] = {
     "--rampup-batch-size": "batch-size ramp-up is not implemented; give a constant --global-batch-size",
     "--step-batch-size-schedule": "batch-size schedules are not implemented; give a constant --global-batch-size",
-    "--num-experts": "mixture-of-experts layers are not implemented",
 }
 
 # flag -> why it is honoured although no config field stores it

@@ -5,11 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megalite.config.flags import option
+from megalite.config.moe import MoEFields
 
 
 @dataclass(kw_only=True)
-class ModelConfig:
-    """Model: the GPT's shape. GPT-2 style by default; Llama style with rope/RMSNorm/swiglu/GQA."""
+class ModelConfig(MoEFields):
+    """Model: the GPT's shape. GPT-2 style by default; Llama style with rope/RMSNorm/swiglu/GQA; MoE layers
+    with --num-experts (config/moe.py)."""
 
     num_layers: int = option(2, help="Number of transformer layers.")
     hidden_size: int = option(64, help="Transformer hidden size h.")

@@ -29,6 +29,13 @@ class ParallelConfig:
         "around the CP ring, overlapped with the block computation), a2a (all-to-all to head-sharded full "
         "sequences; local heads and query groups must be divisible by the CP size) or allgather (gather "
         "K/V, keep queries local).", choices=["p2p", "a2a", "allgather"])
+    expert_model_parallel_size: int = option(
+        1, help="Expert-parallel size: ranks that split each MoE layer's experts, taken from the data-parallel "
+        "(and context-parallel) ranks of a stage, as in Megatron-LM. Expert gradients are reduced over the "
+        "remaining expert-data-parallel ranks.")
+    expert_tensor_parallel_size: int | None = option(
+        None, help="Ranks that split each expert's hidden size (default: --tensor-model-parallel-size; 1: whole "
+        "experts). Expert-TP x EP must divide the ranks of a pipeline stage.")
     sequence_parallel: bool = option(False, help="Shard norm/dropout activations along the sequence (needs TP>1).")
     rank_order: str = option("tp-cp-dp-pp", help="Rank layout order, leftmost axis varies fastest.",
                              choices=["tp-cp-dp-pp", "tp-cp-pp-dp"])

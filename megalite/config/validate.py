@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from megalite.config.moe import expert_layout_errors, moe_errors
+
 if TYPE_CHECKING:
     from megalite.config.arguments import MegaliteConfig
     from megalite.config.model import ModelConfig
@@ -173,7 +175,10 @@ def parallel_errors(cfg: "MegaliteConfig", world_size: int, local_world_size: in
     """The layout section: world size, the model cut over TP/PP/VP, sequence parallelism, topology."""
     p = cfg.parallel
     tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
-    errors = world_errors(world_size, tp, pp, cp)
+    errors = world_errors(world_size, tp, pp, cp) + moe_errors(cfg)
+    if cfg.model.is_moe:
+        errors += expert_layout_errors(world_size, tp, pp, cp, p.expert_model_parallel_size,
+                                       p.expert_tensor_parallel_size or tp)
     if p.sequence_parallel and tp == 1:
         errors.append("--sequence-parallel needs --tensor-model-parallel-size > 1")
     errors += layout_errors(cfg.model, tp, pp, p.num_layers_per_virtual_pipeline_stage)

@@ -64,15 +64,21 @@ class GradBuffer:
     def __init__(self, params: list[nn.Parameter], pg: ProcessGroups, *, grad_dtype: torch.dtype,
                  bucket_size: int | None = None, distributed: bool = False, overlap: bool = False,
                  separate: list[nn.Parameter] | None = None, shard_grads: bool = False,
-                 units: list[list[nn.Parameter]] | None = None, compressor: GradCompressor | None = None) -> None:
+                 units: list[list[nn.Parameter]] | None = None, compressor: GradCompressor | None = None,
+                 kind: str | None = None, chunk: int = 0) -> None:
         """``separate``: parameters that get a bucket of their own at the start of the buffer (a tied
         embedding, so that both of its copies shard identically over DP). ``shard_grads`` (needs
         ``distributed``): keep only this rank's gradient shards (ZeRO-2). ``units`` (ZeRO-3, forward order):
         groups of parameters gathered together; each is its own buckets, and the parameters live sharded.
-        ``compressor``: --grad-compression (all-reduce path only)."""
-        self.pg, self.overlap, self.compressor = pg, overlap, compressor
-        self.kind = pg.grad_kind  # DP, or DP x CP with context parallelism: gradients reduced and sharded over it
+        ``compressor``: --grad-compression (all-reduce path only). ``kind``: the group reduced (and sharded)
+        over, default ``pg.grad_kind``; routed experts' buffers use expert-DP (``Group.EDP``), and their
+        sums are still divided by the gradient group's size, because together the expert-DP replicas saw
+        every token of the stage once. ``chunk``: the model chunk the parameters belong to."""
+        self.pg, self.overlap, self.compressor, self.chunk = pg, overlap, compressor, chunk
+        # DP, or DP x CP with context parallelism: gradients reduced and sharded over it
+        self.kind = kind or pg.grad_kind
         self.dp = pg.size(self.kind)
+        self.scale = 1.0 / pg.grad_size  # each rank's gradients are sums over its own tokens
         self.distributed = distributed and self.dp > 1
         self.shard_grads = (shard_grads or units is not None) and self.distributed
         self.shard_params = units is not None and self.distributed
@@ -215,7 +221,7 @@ class GradBuffer:
             part.copy_(p.grad.reshape(-1))
             param_meta(p).spec.finalize_grad(part.view(p.grad.shape), self.pg)
             p.grad = None
-        flat.mul_(1.0 / self.dp)
+        flat.mul_(self.scale)
         for b in self.buckets:  # overlap: one bucket in flight while the next one's gradients are computed
             self._drain(b)
         out = torch.empty(bucket.numel // self.dp, dtype=flat.dtype, device=flat.device)
@@ -239,10 +245,15 @@ class GradBuffer:
         bucket.pending = []
 
     def _start(self, bucket: Bucket) -> None:
-        if bucket.work is not None or self.dp == 1:
+        if bucket.work is not None:
             return
         data = self.grad_data[bucket.start:bucket.end]
-        data.mul_(1.0 / self.dp)
+        if self.dp == 1:  # nothing to reduce; an expert buffer still averages over the gradient group
+            if self.scale != 1.0:
+                data.mul_(self.scale)
+                bucket.work = _Done()
+            return
+        data.mul_(self.scale)
         if self.hierarchical:
             self._start_hierarchical(bucket, data)
         elif self.distributed:

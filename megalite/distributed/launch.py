@@ -63,7 +63,8 @@ def init_distributed(cfg: MegaliteConfig, board: FailureBoard | None = None) -> 
     elif world == 1:
         device.set_device(local_rank)
     layout = RankLayout(world, p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-                        p.context_parallel_size, p.layout_order, local_world)
+                        p.context_parallel_size, p.layout_order, local_world, ep=p.expert_model_parallel_size,
+                        etp=p.expert_tensor_parallel_size)
     pg = ProcessGroups.build(layout, rank, p.distributed_timeout_minutes, hierarchical_dp=p.hierarchical_dp_reduce)
     announce_layout(pg, p.print_layout)  # rank 0: --print-layout table, TP-across-nodes warnings
     return pg

@@ -82,7 +82,7 @@ class GPTModel(nn.Module):
             self.embedding = Embedding(cfg, pg, vocab_size, self.padded_vocab, sequence_parallel, tracker,
                                        dtype, device)
         self.layers = nn.ModuleDict({
-            str(i): TransformerLayer(cfg, pg, tracker, sequence_parallel, dtype, device, cp_comm_type)
+            str(i): TransformerLayer(cfg, pg, tracker, sequence_parallel, dtype, device, cp_comm_type, i)
             for i in layer_numbers
         })
         if post_process:

@@ -18,6 +18,7 @@ from megalite.config.model import ModelConfig
 from megalite.context_parallel import context_parallel_attention
 from megalite.model.norm import Norm
 from megalite.model.rope import apply_rope
+from megalite.moe.layer import MoELayer
 from megalite.parallel.groups import ProcessGroups
 from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megalite.tensor_parallel.param_meta import amend_param
@@ -119,10 +120,10 @@ class MLP(nn.Module):
     """fc1 (column-parallel) -> GeLU or SwiGLU -> fc2 (row-parallel)."""
 
     def __init__(self, cfg: ModelConfig, pg: ProcessGroups, sequence_parallel: bool, dtype: torch.dtype,
-                 device: torch.device | None) -> None:
+                 device: torch.device | None, ffn_hidden_size: int | None = None) -> None:
         super().__init__()
         self.swiglu = cfg.swiglu
-        ffn = cfg.ffn_hidden_size
+        ffn = ffn_hidden_size or cfg.ffn_hidden_size
         # SwiGLU's fc1 is [gate; up] stacked; each rank keeps its slice of both halves.
         self.fc1 = ColumnParallelLinear(cfg.hidden_size, 2 * ffn if cfg.swiglu else ffn, pg,
                                         bias=cfg.add_bias_linear, spec=ShardSpec(dim=0, chunks=2 if cfg.swiglu else 1),
@@ -143,7 +144,7 @@ class MLP(nn.Module):
 class TransformerLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, pg: ProcessGroups, tracker: RNGTracker, sequence_parallel: bool = False,
                  dtype: torch.dtype = torch.float32, device: torch.device | None = None,
-                 cp_comm_type: str = "p2p") -> None:
+                 cp_comm_type: str = "p2p", layer_number: int = 0) -> None:
         super().__init__()
         self.cfg, self.tracker, self.sequence_parallel = cfg, tracker, sequence_parallel
         norm = dict(kind=cfg.normalization, eps=cfg.norm_epsilon, sequence_parallel=sequence_parallel,
@@ -151,7 +152,12 @@ class TransformerLayer(nn.Module):
         self.input_norm = Norm(cfg.hidden_size, **norm)
         self.attention = Attention(cfg, pg, tracker, sequence_parallel, dtype, device, cp_comm_type)
         self.pre_mlp_norm = Norm(cfg.hidden_size, **norm)
-        self.mlp = MLP(cfg, pg, sequence_parallel, dtype, device)
+        if cfg.is_moe and cfg.moe_layers()[layer_number]:
+            shared = cfg.moe_shared_expert_intermediate_size
+            self.mlp = MoELayer(cfg, pg, layer_number, sequence_parallel, dtype, device,
+                                MLP(cfg, pg, sequence_parallel, dtype, device, shared) if shared else None)
+        else:
+            self.mlp = MLP(cfg, pg, sequence_parallel, dtype, device)
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         return hidden_dropout(x, self.cfg.hidden_dropout if self.training else 0.0, self.tracker,

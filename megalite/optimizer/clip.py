@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from megalite.parallel.groups import Group, ProcessGroups
-from megalite.tensor_parallel.param_meta import param_meta
+from megalite.tensor_parallel.param_meta import param_meta, shard_coords
 
 
 def counted_ranges(param: nn.Parameter, pg: ProcessGroups, lo: int, hi: int) -> list[tuple[int, int]]:
@@ -21,7 +21,7 @@ def counted_ranges(param: nn.Parameter, pg: ProcessGroups, lo: int, hi: int) -> 
     if meta.tied_embedding and not pg.is_first_stage:
         return []
     out = []
-    for s, e in meta.spec.counted_ranges(tuple(param.shape), pg.tp_rank, pg.tp_size):
+    for s, e in meta.spec.counted_ranges(tuple(param.shape), *shard_coords(meta, pg)):
         s, e = max(s, lo), min(e, hi)
         if s < e:
             out.append((s - lo, e - lo))

@@ -36,6 +36,11 @@ class Group(StrEnum):
     MP = "mp"  # model parallel: tp x pp (found-inf and grad-norm reductions)
     CP = "cp"  # context parallel
     DP_CP = "dp_cp"  # data x context parallel
+    TP_CP = "tp_cp"  # tensor x context parallel: the ranks holding parts of the same sequences
+    EP = "ep"  # expert parallel: ranks holding different experts of a layer (tokens dispatched among them)
+    ETP = "etp"  # expert tensor parallel: ranks splitting the same experts' hidden size
+    EMP = "emp"  # expert model parallel: expert-TP x EP, the ranks one token's experts may live on
+    EDP = "edp"  # expert data parallel: ranks holding the same expert shard (expert gradients reduced over it)
     EMBD = "embd"  # first and last pipeline stage: tied embedding gradients
     DP_INTRA = "dp_intra"  # this rank's DP group, the ranks on its node (--hierarchical-dp-reduce)
     DP_INTER = "dp_inter"  # this rank's DP group, one rank per node
@@ -45,7 +50,33 @@ class Group(StrEnum):
 # Group kinds and the layout axes each varies over.
 GROUP_AXES = {Group.TP: "tp", Group.DP: "dp", Group.PP: "pp", Group.MP: "tp-pp", Group.CP: "cp",
               Group.DP_CP: "cp-dp"}
+# The expert layout's kinds (RankLayout.expert_groups) and, for layouts without expert parallelism (EP 1,
+# expert-TP = TP), the plain kind each equals.
+EXPERT_AXES = {Group.EP: "ep", Group.ETP: "etp", Group.EMP: "etp-ep", Group.EDP: "edp"}
+EXPERT_ALIASES = {Group.EP: None, Group.ETP: Group.TP, Group.EMP: Group.TP, Group.EDP: Group.DP_CP}
 NCCL_SEMANTICS_ENV = "MEGALITE_NCCL_SEMANTICS"
+
+
+def _derived_groups(layout: RankLayout) -> dict[str, list[list[int]]]:
+    """Every group of the kinds beyond GROUP_AXES that ``layout`` needs communicators for: TP x CP (when
+    both are > 1) and the expert layout (when it differs from the dense one)."""
+    kinds: dict[str, list[list[int]]] = {}
+    if layout.tp > 1 and layout.cp > 1:
+        kinds[Group.TP_CP] = layout.groups("tp-cp")
+    if layout.ep > 1 or layout.etp != layout.tp:
+        kinds.update({k: layout.expert_groups(axes) for k, axes in EXPERT_AXES.items()})
+    return kinds
+
+
+def _alias_missing(pg: "ProcessGroups") -> None:
+    """Fill the kinds ``_derived_groups`` left out with the plain group each equals in this layout."""
+    if Group.TP_CP not in pg.ranks:
+        same = Group.CP if pg.size(Group.TP) == 1 else Group.TP
+        pg.ranks[Group.TP_CP], pg.groups[Group.TP_CP] = pg.ranks[same], pg.groups[same]
+    for kind, same in EXPERT_ALIASES.items():
+        if kind not in pg.ranks:
+            pg.ranks[kind] = pg.ranks[same] if same else [pg.rank]
+            pg.groups[kind] = pg.groups[same] if same else None
 
 
 @dataclass
@@ -69,7 +100,7 @@ class ProcessGroups:
         """A one-rank layout with no communication (tests, tools, the single-process run)."""
         layout = RankLayout(1)
         pg = cls(layout, 0)
-        for kind in [*GROUP_AXES, Group.EMBD, Group.WORLD]:
+        for kind in [*GROUP_AXES, Group.EMBD, Group.WORLD, Group.TP_CP, *EXPERT_AXES]:
             pg.ranks[kind], pg.groups[kind] = [0], None
         return pg
 
@@ -85,7 +116,10 @@ class ProcessGroups:
         for ranks in layout.embedding_groups():  # middle pipeline stages belong to none
             if rank in ranks:
                 pg.ranks[Group.EMBD], pg.groups[Group.EMBD] = ranks, None
+        for kind, groups in _derived_groups(layout).items():
+            pg.ranks[kind], pg.groups[kind] = next(g for g in groups if rank in g), None
         pg.ranks[Group.WORLD], pg.groups[Group.WORLD] = list(range(layout.world_size)), None
+        _alias_missing(pg)
         return pg
 
     @classmethod
@@ -105,12 +139,14 @@ class ProcessGroups:
         kinds[Group.EMBD] = layout.embedding_groups()
         if hierarchical_dp:  # pure arithmetic first: an uneven split raises on every rank before any new_group
             kinds[Group.DP_INTRA], kinds[Group.DP_INTER] = layout.dp_node_groups()
+        kinds.update(_derived_groups(layout))
         for kind, all_groups in kinds.items():  # same order on every rank: new_group is collective
             for ranks in all_groups:
                 group = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
                 if rank in ranks:
                     pg.ranks[kind], pg.groups[kind] = ranks, group
         pg.ranks[Group.WORLD], pg.groups[Group.WORLD] = list(range(layout.world_size)), dist.group.WORLD
+        _alias_missing(pg)
         if os.environ.get(NCCL_SEMANTICS_ENV, "0") == "1":
             from megalite.parallel.nccl_emulation import NcclEmulation
 
@@ -132,6 +168,10 @@ class ProcessGroups:
     pp_rank = property(lambda self: self.index(Group.PP), doc="This rank's pipeline stage.")
     cp_size = property(lambda self: self.size(Group.CP), doc="Ranks that split each sequence.")
     cp_rank = property(lambda self: self.index(Group.CP), doc="This rank's position in its context-parallel group.")
+    ep_size = property(lambda self: self.size(Group.EP), doc="Ranks that split each MoE layer's experts.")
+    ep_rank = property(lambda self: self.index(Group.EP), doc="This rank's position in its expert-parallel group.")
+    etp_size = property(lambda self: self.size(Group.ETP), doc="Ranks that split each expert's hidden size.")
+    etp_rank = property(lambda self: self.index(Group.ETP), doc="This rank's position in its expert-TP group.")
 
     @property
     def grad_kind(self) -> Group:
@@ -238,6 +278,18 @@ class ProcessGroups:
             return
         self._count(kind, label, inp)
         self._run(kind, dist.all_to_all_single, out, inp.contiguous())
+
+    def all_to_all_v(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                     kind: str, label: str = "all_to_all") -> None:
+        """All-to-all with uneven parts along dim 0: rows [sum(in_splits[:i]), +in_splits[i]) of ``inp`` go to
+        the group's rank i; ``out`` receives out_splits[j] rows from rank j (MoE token dispatch). Counts the
+        bytes of ``inp``."""
+        if self.size(kind) == 1:
+            out.copy_(inp)
+            return
+        self._count(kind, label, inp)
+        self._run(kind, dist.all_to_all_single, out, inp.contiguous(), output_split_sizes=list(out_splits),
+                  input_split_sizes=list(in_splits))
 
     def broadcast(self, tensor: torch.Tensor, kind: str, src_index: int = 0) -> torch.Tensor:
         if self.size(kind) > 1:

@@ -21,6 +21,8 @@ class RankLayout:
     cp: int = 1
     order: str = "tp-cp-dp-pp"
     local_world_size: int | None = None  # ranks per node; None = all on one node
+    ep: int = 1  # expert parallel: the ranks of a stage cut again as expert-TP x EP x expert-DP
+    etp: int | None = None  # expert tensor parallel; None: tp
     dp: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -29,6 +31,12 @@ class RankLayout:
             raise ValueError(f"world size {self.world_size} is not divisible by tp {self.tp} x pp {self.pp} "
                              f"x cp {self.cp}")
         object.__setattr__(self, "dp", self.world_size // denom)
+        if self.etp is None:
+            object.__setattr__(self, "etp", self.tp)
+        stage = self.world_size // self.pp
+        if self.ep * self.etp <= 0 or stage % (self.ep * self.etp):
+            raise ValueError(f"expert parallel {self.ep} x expert tensor parallel {self.etp} does not divide the "
+                             f"{stage} ranks of a pipeline stage")
         axes = self.order.split("-")
         if sorted(axes) != sorted(AXES):
             raise ValueError(f"rank order '{self.order}' must be a permutation of {'-'.join(AXES)}")
@@ -72,6 +80,27 @@ class RankLayout:
 
     def group_of(self, rank: int, axes: str) -> list[int]:
         return next(g for g in self.groups(axes) if rank in g)
+
+    # ---- experts ---------------------------------------------------------------------------------
+    def expert_coords(self, rank: int) -> dict[str, int]:
+        """``rank``'s expert-TP, EP and expert-DP index: its position among its stage's ranks (ascending),
+        split with expert-TP fastest, then EP, then expert-DP (Megatron's expert layout)."""
+        stage = self.coords(rank)["pp"]
+        i = self.stage_ranks(stage).index(rank)
+        return {"etp": i % self.etp, "ep": (i // self.etp) % self.ep, "edp": i // (self.etp * self.ep)}
+
+    def stage_ranks(self, stage: int) -> list[int]:
+        return sorted(r for r in range(self.world_size) if self.coords(r)["pp"] == stage)
+
+    def expert_groups(self, axes: str) -> list[list[int]]:
+        """All groups of the expert layout varying over ``axes`` (of "etp", "ep", "edp"), within a stage."""
+        varying = axes.split("-")
+        out: dict[tuple, list[int]] = {}
+        for r in range(self.world_size):
+            c = self.expert_coords(r)
+            key = (self.coords(r)["pp"], *(v for a, v in sorted(c.items()) if a not in varying))
+            out.setdefault(key, []).append(r)
+        return sorted(out.values())
 
     def embedding_groups(self) -> list[list[int]]:
         """First and last pipeline stage of every pipeline (one rank when pp == 1)."""

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from megalite.parallel.groups import ProcessGroups
-from megalite.tensor_parallel.param_meta import param_meta
+from megalite.tensor_parallel.param_meta import local_shard, param_meta
 
 
 def param_seed(seed: int, name: str) -> int:
@@ -45,4 +45,4 @@ def initialize_parameters(model: nn.Module, pg: ProcessGroups, seed: int, std: f
     for name, param in model.named_parameters():
         meta = param_meta(param)
         full = full_init(meta.copy_of or name, meta.full_shape, meta.init, seed, std, num_layers)
-        param.copy_(meta.spec.shard(full, pg.tp_rank, pg.tp_size))
+        param.copy_(local_shard(meta, full, pg))

@@ -13,7 +13,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import torch
 from torch import nn
+
+from megalite.parallel.groups import ProcessGroups
 
 from megalite.tensor_parallel.sharding import REPLICATED, ShardSpec
 
@@ -32,6 +35,9 @@ class ParamMeta:
     # The input word embedding or the output layer's weight (any copy of them): --decoupled-lr's parameters
     # (Megatron's is_embedding_or_output_parameter; the learned position embedding is not one).
     embedding_or_output: bool = False
+    # A routed experts' weight: dim 0 of full_shape counts the experts, split over expert-parallel ranks in
+    # contiguous blocks, and ``spec`` cuts each expert over the expert-tensor-parallel ranks (not TP).
+    expert: bool = False
 
 
 def declare_param(param: nn.Parameter, spec: ShardSpec, full_shape: tuple[int, ...], init: str) -> None:
@@ -42,6 +48,19 @@ def declare_param(param: nn.Parameter, spec: ShardSpec, full_shape: tuple[int, .
 def amend_param(param: nn.Parameter, **changes) -> None:
     """Change some fields of ``param``'s metadata (the model knows about ties and fused layouts)."""
     setattr(param, ATTRIBUTE, dataclasses.replace(param_meta(param), **changes))
+
+
+def shard_coords(meta: ParamMeta, pg: ProcessGroups) -> tuple[int, int]:
+    """(rank, size) of the group ``meta.spec`` cuts over: expert-TP for expert weights, else TP."""
+    return (pg.etp_rank, pg.etp_size) if meta.expert else (pg.tp_rank, pg.tp_size)
+
+
+def local_shard(meta: ParamMeta, full: torch.Tensor, pg: ProcessGroups) -> torch.Tensor:
+    """This rank's part of the full tensor: its experts' rows (expert weights), then its spec's shard."""
+    if meta.expert:
+        n = full.shape[0] // pg.ep_size
+        full = full[pg.ep_rank * n:(pg.ep_rank + 1) * n]
+    return meta.spec.shard(full, *shard_coords(meta, pg))
 
 
 def param_meta(param: nn.Parameter) -> ParamMeta:

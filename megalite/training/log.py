@@ -24,7 +24,7 @@ def format_iteration_line(iteration: int, train_iters: int, consumed: int, elaps
                           global_batch: int, loss: float, loss_scale: float, grad_norm: float | None,
                           skipped: int, nan: int, tokens_per_s: float | None = None,
                           tflops: float | None = None, mfu: float | None = None,
-                          memory: dict[str, float] | None = None) -> str:
+                          memory: dict[str, float] | None = None, moe: dict | None = None) -> str:
     now = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
     parts = [
         f" [{now}] iteration {iteration:8d}/{train_iters:8d}",
@@ -43,6 +43,12 @@ def format_iteration_line(iteration: int, train_iters: int, consumed: int, elaps
         f"lm loss: {loss:.6E}",
         f"loss scale: {loss_scale:.1f}",
     ]
+    if moe:  # means over the MoE layers of this logging window
+        parts.append(f"load balancing loss: {moe['load_balancing_loss']:.6E}")
+        if moe["z_loss"]:
+            parts.append(f"z loss: {moe['z_loss']:.6E}")
+        parts += [f"expert imbalance (max/mean): {moe['imbalance']:.3f}",
+                  f"dropped tokens: {100.0 * moe['dropped_fraction']:.2f}%"]
     if grad_norm is not None:
         parts.append(f"grad norm: {grad_norm:.6f}")
     if memory:
@@ -58,13 +64,26 @@ def format_validation_line(iteration: int, loss: float, label: str = "validation
     return f" {label} loss at iteration {iteration} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} |"
 
 
+def moe_scalars(moe: dict | None) -> dict[str, float]:
+    """TensorBoard / W&B names of the MoE metrics: the means over layers and each layer's own."""
+    if not moe:
+        return {}
+    keys = ("load_balancing_loss", "z_loss", "imbalance", "dropped_fraction")
+    out = {f"moe/{k}": moe[k] for k in keys}
+    for n, row in moe["layers"].items():
+        out.update({f"moe/layer_{n}/{k}": row[k] for k in keys})
+    return out
+
+
 class LogWindow:
     """The iterations since the last log line. Their wall time per iteration gives the throughput and MFU
     of the line logged every --log-interval iterations and at the last one, with the timers' breakdown."""
 
     def __init__(self, cfg: MegaliteConfig, pg: ProcessGroups, vocab_size: int, timers: Timers,
-                 writers: MetricWriters, say: Callable[[str], None]) -> None:
+                 writers: MetricWriters, say: Callable[[str], None], moe: Callable[[], dict] | None = None) -> None:
+        """``moe``: returns (and clears) the MoE layers' metrics of the window (every rank calls it)."""
         self.cfg, self.pg, self.timers, self.writers, self.say = cfg, pg, timers, writers, say
+        self.moe = moe
         m = cfg.model
         self.tokens_per_iter = cfg.training.global_batch_size * m.seq_length
         self.flops_per_iter = training_flops(m, vocab_size, m.seq_length, self.tokens_per_iter)
@@ -92,11 +111,12 @@ class LogWindow:
         mfu = tflops / self.peak if self.peak else None
         timer_line, timer_vals = self.timers.report(self.pg, self.iters, elapsed) if self.timers.level else ("", {})
         memory = device.memory_stats() if self.cfg.logging.log_memory else {}
+        moe = self.moe() if self.moe is not None else None
         self.say(format_iteration_line(step, t.train_iters, state.consumed_samples, elapsed * 1e3, lr,
                                        t.global_batch_size, out.loss, out.loss_scale, out.grad_norm,
                                        state.skipped_iterations, state.nan_iterations,
                                        *((self.tokens_per_iter / elapsed, tflops, mfu)
-                                         if self.cfg.logging.log_throughput else (None, None, None)), memory))
+                                         if self.cfg.logging.log_throughput else (None, None, None)), memory, moe))
         if timer_line:
             self.say(timer_line)
             self._warn(timer_vals)
@@ -104,7 +124,7 @@ class LogWindow:
                               "loss-scale": out.loss_scale, "tokens-per-second": self.tokens_per_iter / elapsed,
                               "tflops-per-device": tflops, "mfu": mfu,
                               **{f"memory/{k}": v for k, v in memory.items()},
-                              **{f"time/{k}": v for k, v in timer_vals.items()}}, step)
+                              **{f"time/{k}": v for k, v in timer_vals.items()}, **moe_scalars(moe)}, step)
 
     def _warn(self, timer_vals: dict[str, float]) -> None:
         if timer_vals["communication_share"] > COMM_WARN_SHARE:

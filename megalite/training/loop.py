@@ -19,6 +19,7 @@ from megalite.tensor_parallel.random import RNGTracker, model_parallel_seed
 from megalite.training.batches import RunData, build_run_data
 from megalite.training.collection import ManualGC
 from megalite.training.exit_conditions import ExitConditions
+from megalite.moe.balance import window_metrics
 from megalite.training.log import LogWindow, format_validation_line
 from megalite.training.profiling import StepProfiler
 from megalite.training.resume import TrainState, maybe_load, save
@@ -143,7 +144,9 @@ def pretrain(cfg: MegaliteConfig, pg: ProcessGroups, data: RunData | None = None
     profiler = StepProfiler(lg.profile, lg.profile_step_start, lg.profile_step_end, lg.profile_dir, pg.rank,
                             lg.profile_ranks)
     exits = ExitConditions(t.exit_signal_handler, t.exit_duration_in_mins, pg)
-    window = LogWindow(cfg, pg, run.vocab_size, timers, writers, run.say)
+    moe = (lambda: window_metrics(run.chunks, pg, cfg.model.num_layers, cfg.model.num_experts)) \
+        if cfg.model.is_moe else None
+    window = LogWindow(cfg, pg, run.vocab_size, timers, writers, run.say, moe)
     try:
         run.gc.start()
         while run.state.iteration < t.train_iters:

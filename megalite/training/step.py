@@ -22,31 +22,38 @@ from megalite.distributed.finalize import finalize_grads, tied_embedding_params
 from megalite.distributed.grad_buffer import GradBuffer
 from megalite.distributed.param_shard import ParamGatherer, param_units
 from megalite.model.steps import hidden_shape, lm_forward_step
+from megalite.moe.balance import set_aux_loss_scale, update_expert_bias
 from megalite.optimizer.optimizer import MegaliteOptimizer
 from megalite.parallel.groups import Group, ProcessGroups
 from megalite.pipeline.executor import PipelineRecord
 from megalite.pipeline.schedules import forward_backward
 from megalite.training.batches import global_batch
+from megalite.tensor_parallel.param_meta import param_meta
 from megalite.training.timers import Timers
 
 
 def build_buffers(chunks: list[nn.Module], cfg: MegaliteConfig, pg: ProcessGroups) -> list[GradBuffer]:
-    """One contiguous gradient buffer per model chunk (a tied embedding in a bucket of its own); with
+    """One contiguous gradient buffer per model chunk (a tied embedding in a bucket of its own), in chunk
+    order; then, for chunks with routed experts, one buffer of their weights reduced over expert-DP. With
     sharded parameters, one bucket per layer and a ParamGatherer on the chunk."""
     dd = cfg.ddp
     grad_dtype = torch.bfloat16 if dd.grad_reduce_in_bf16 else torch.float32
-    buffers = []
-    for c in chunks:
-        buf = GradBuffer(list(c.parameters()), pg, grad_dtype=grad_dtype, bucket_size=dd.ddp_bucket_size,
-                         distributed=dd.shards_optimizer, overlap=dd.overlap_grad_reduce,
-                         separate=tied_embedding_params([c]), shard_grads=dd.shards_grads,
+    common = dict(grad_dtype=grad_dtype, bucket_size=dd.ddp_bucket_size, distributed=dd.shards_optimizer,
+                  overlap=dd.overlap_grad_reduce, shard_grads=dd.shards_grads)
+    buffers, experts = [], []
+    for i, c in enumerate(chunks):
+        dense = [p for p in c.parameters() if not param_meta(p).expert]
+        buf = GradBuffer(dense, pg, separate=tied_embedding_params([c]),
                          units=param_units(c) if dd.shards_params else None,
                          compressor=make_compressor(dd.grad_compression, pg, dd.powersgd_rank,
-                                                    dd.grad_compression_warmup_steps))
+                                                    dd.grad_compression_warmup_steps), chunk=i, **common)
         if buf.shard_params:
             ParamGatherer(c, buf, pg, keep=dd.fsdp_keep_params_across_microbatches)
         buffers.append(buf)
-    return buffers
+        routed = [p for p in c.parameters() if param_meta(p).expert]
+        if routed:
+            experts.append(GradBuffer(routed, pg, kind=Group.EDP, chunk=i, **common))
+    return buffers + experts
 
 
 def run_microbatches(chunks: list[nn.Module], microbatches: list[dict], pg: ProcessGroups, **kwargs
@@ -90,9 +97,13 @@ def train_step(chunks: list[nn.Module], buffers: list[GradBuffer], optimizer: Me
         b.last_microbatch = False
 
     def last_backward(chunk: int) -> None:  # this chunk's buckets may start reducing during its backward
-        buffers[chunk].last_microbatch = True
+        for b in buffers:
+            if b.chunk == chunk:
+                b.last_microbatch = True
 
     loss_scale = optimizer.loss_scale
+    m = len(microbatches)
+    set_aux_loss_scale(chunks, loss_scale / m * pg.cp_size)  # the MoE terms' gradients, scaled as the loss
     optimizer.wait_param_gather()  # the last step's updated parameters (overlapped until here)
     losses = run_microbatches(chunks, microbatches, pg, schedule=cfg.parallel.pipeline_schedule, record=record,
                               loss_scale=loss_scale, last_backward=last_backward)
@@ -105,6 +116,7 @@ def train_step(chunks: list[nn.Module], buffers: list[GradBuffer], optimizer: Me
         device.empty_cache()
     with timers.phase("optimizer"):
         result = optimizer.step(lr, cfg.optimizer.clip_grad, decoupled_lr)
+    update_expert_bias(chunks, pg)
     if cfg.training.empty_unused_memory_level >= 2:
         device.empty_cache()
     return StepOutput(reported_loss(losses, pg), result.grad_norm, result.skipped, loss_scale, record)

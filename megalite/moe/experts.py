@@ -1,0 +1,69 @@
+"""The routed experts of one MoE layer on this rank: E/ep experts, each hidden size split over expert-TP.
+
+Weights are stacked per expert as Hugging Face's Mixtral/Qwen-MoE store them: fc1 [E, 2F, h] ([gate; up]
+with SwiGLU, else [E, F, h]) and fc2 [E, h, F]; this rank holds its experts' rows of dim 0 and its
+expert-TP slice of F. The local experts run one after the other (the reference) or in one grouped GEMM
+(--moe-grouped-gemm, torch._grouped_mm where this build has it).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megalite.config.model import ModelConfig
+from megalite.parallel.groups import Group, ProcessGroups
+from megalite.tensor_parallel.param_meta import amend_param, declare_param
+from megalite.tensor_parallel.sharding import ShardSpec
+
+
+def grouped_mm_available() -> bool:
+    return hasattr(torch, "_grouped_mm")
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous (grouped_mm's backward needs it)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:
+        return g.contiguous()
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int], grouped: bool) -> torch.Tensor:
+    """Rows of ``x`` [n, in], consecutive blocks of ``counts`` rows, each times its expert's ``weight[e]``
+    [out, in] transposed: [n, out]."""
+    if grouped and grouped_mm_available() and x.shape[0] > 0:
+        offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+        return _ContiguousGrad.apply(torch._grouped_mm(x, weight.transpose(1, 2), offs=offs))
+    parts = x.split(counts)
+    return torch.cat([p @ weight[e].t() for e, p in enumerate(parts)]) if parts else x.new_zeros((0, weight.shape[1]))
+
+
+class Experts(nn.Module):
+    def __init__(self, cfg: ModelConfig, pg: ProcessGroups, dtype: torch.dtype, device: torch.device | None) -> None:
+        super().__init__()
+        E, h, ffn = cfg.num_experts, cfg.hidden_size, cfg.expert_ffn_hidden_size
+        etp, local = pg.size(Group.ETP), cfg.num_experts // pg.size(Group.EP)
+        self.swiglu, self.grouped = cfg.swiglu, cfg.moe_grouped_gemm
+        rows = 2 * ffn if cfg.swiglu else ffn
+        self.fc1_weight = nn.Parameter(torch.empty((local, rows // etp, h), dtype=dtype, device=device))
+        declare_param(self.fc1_weight, ShardSpec(dim=1, chunks=2 if cfg.swiglu else 1), (E, rows, h), "normal")
+        self.fc2_weight = nn.Parameter(torch.empty((local, h, ffn // etp), dtype=dtype, device=device))
+        declare_param(self.fc2_weight, ShardSpec(dim=2), (E, h, ffn), "output")
+        for p in (self.fc1_weight, self.fc2_weight):
+            amend_param(p, expert=True)
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """``x`` [n, h] sorted by local expert, ``counts`` rows each: [n, h] (partial sums over expert-TP)."""
+        h = grouped_linear(x, self.fc1_weight, counts, self.grouped)
+        if self.swiglu:
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h)
+        return grouped_linear(h, self.fc2_weight, counts, self.grouped)
