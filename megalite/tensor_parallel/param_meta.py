@@ -17,7 +17,6 @@ import torch
 from torch import nn
 
 from megalite.parallel.groups import ProcessGroups
-
 from megalite.tensor_parallel.sharding import REPLICATED, ShardSpec
 
 ATTRIBUTE = "megalite_meta"  # the one attribute a parameter carries its ParamMeta under

@@ -12,6 +12,7 @@ from megalite.config.arguments import MegaliteConfig
 from megalite.distributed.grad_buffer import GradBuffer
 from megalite.distributed.param_shard import full_params
 from megalite.model.build import build_model
+from megalite.moe.balance import window_metrics
 from megalite.optimizer.lr_schedule import LRSchedule, schedule_from_config
 from megalite.optimizer.optimizer import MegaliteOptimizer
 from megalite.parallel.groups import ProcessGroups
@@ -19,7 +20,6 @@ from megalite.tensor_parallel.random import RNGTracker, model_parallel_seed
 from megalite.training.batches import RunData, build_run_data
 from megalite.training.collection import ManualGC
 from megalite.training.exit_conditions import ExitConditions
-from megalite.moe.balance import window_metrics
 from megalite.training.log import LogWindow, format_validation_line
 from megalite.training.profiling import StepProfiler
 from megalite.training.resume import TrainState, maybe_load, save

@@ -27,8 +27,8 @@ from megalite.optimizer.optimizer import MegaliteOptimizer
 from megalite.parallel.groups import Group, ProcessGroups
 from megalite.pipeline.executor import PipelineRecord
 from megalite.pipeline.schedules import forward_backward
-from megalite.training.batches import global_batch
 from megalite.tensor_parallel.param_meta import param_meta
+from megalite.training.batches import global_batch
 from megalite.training.timers import Timers
 
 
