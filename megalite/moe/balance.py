@@ -35,7 +35,9 @@ def update_expert_bias(chunks: list[nn.Module], pg: ProcessGroups) -> None:
     """--moe-router-enable-expert-bias: bias += rate * sign(mean count - count), from the step's global
     counts (then cleared). Runs after every optimizer step, skipped or not (the counts are the router's)."""
     layers = moe_layers(chunks)
-    if not layers:
+    if not layers or not layers[0].cfg.moe_router_enable_expert_bias:
+        for m in layers:
+            m.stats.step_counts.zero_()
         return
     counts = _stage_sum(torch.stack([m.stats.step_counts for m in layers]), pg)
     for m, c in zip(layers, counts):

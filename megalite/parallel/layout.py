@@ -176,6 +176,9 @@ class RankLayout:
         kinds = [("tp", self.groups("tp")), ("cp", self.groups("cp")), ("dp", self.groups("dp")),
                  ("pp", self.groups("pp")), ("model-parallel (tp x pp)", self.groups("tp-pp")),
                  ("embedding (first + last stage)", self.embedding_groups() if self.pp > 1 else [[0]])]
+        if self.ep > 1 or self.etp != self.tp:
+            kinds += [(f"expert-{name}", self.expert_groups(axes)) for name, axes in
+                      (("parallel", "ep"), ("tensor-parallel", "etp"), ("data-parallel", "edp"))]
         if hierarchical_dp:
             intra, inter = self.dp_node_groups()
             kinds += [("dp intra-node", intra), ("dp inter-node", inter)]
