@@ -92,7 +92,8 @@ class AllToAllDispatcher(Dispatcher):
         token, prob, _, counts = self._assignments(routing)
         if self.pad_factor is not None:
             token, prob, counts = self._padded(token, prob, counts, T)
-        rows = torch.cat([x, x.new_zeros((1, x.shape[1]))]).index_select(0, token)
+        source = torch.cat([x, x.new_zeros((1, x.shape[1]))]) if self.pad_factor is not None else x  # + a zero row
+        rows = source.index_select(0, token)
         per_rank = counts.view(self.ep, self.local)
         recv = torch.empty_like(per_rank)  # [source EP rank, local expert]
         pg.all_to_all(recv, per_rank.contiguous(), Group.EP, label="moe_counts")
