@@ -36,7 +36,8 @@ from megalite.checkpointing.metadata import config_dict, model_config
 from megalite.config.model import ModelConfig
 
 GPT2_GELUS = {"gelu": 0.0, "gelu_new": 1e-3, "gelu_pytorch_tanh": 1e-3, "gelu_fast": 1e-3}
-SUPPORTED = "GPT2LMHeadModel (model_type gpt2) or LlamaForCausalLM (model_type llama)"
+SUPPORTED = ("GPT2LMHeadModel (model_type gpt2), LlamaForCausalLM (llama), MixtralForCausalLM (mixtral) or "
+             "Qwen2MoeForCausalLM (qwen2_moe)")
 
 
 class HFConversionError(ValueError):
@@ -71,7 +72,12 @@ def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, grou
 
 
 def architecture(cfg: ModelConfig) -> str:
-    """'gpt2' or 'llama' for a megalite model config, or an error listing what does not fit."""
+    """'gpt2' or 'llama' for a megalite model config ('mixtral' or 'qwen2_moe' for an MoE model, see
+    hf_moe.py), or an error listing what does not fit."""
+    if cfg.is_moe:
+        from megalite.checkpointing.hf_moe import moe_architecture
+
+        return moe_architecture(cfg)
     groups = cfg.num_query_groups or cfg.num_attention_heads
     gpt2 = {"--position-embedding-type learned_absolute": cfg.position_embedding_type == "learned_absolute",
             "--normalization LayerNorm": cfg.normalization == "LayerNorm",
@@ -100,11 +106,16 @@ def _rope_theta(value: float) -> int | float:
 
 
 def to_hf_config(config: dict[str, Any], eod: int | None = None):
-    """transformers config (GPT2Config or LlamaConfig) of a megalite model config dict."""
+    """transformers config (GPT2Config, LlamaConfig, MixtralConfig or Qwen2MoeConfig) of a megalite model
+    config dict."""
     from transformers import GPT2Config, LlamaConfig
+
+    from megalite.checkpointing.hf_moe import MOE_TYPES, to_hf_moe_config
 
     cfg, vocab = model_config(config)
     arch = architecture(cfg)
+    if arch in MOE_TYPES:
+        return to_hf_moe_config(cfg, vocab, eod)
     tied = cfg.tied_embeddings
     if arch == "gpt2":
         return GPT2Config(vocab_size=vocab, n_positions=cfg.max_position_embeddings, n_embd=cfg.hidden_size,
@@ -130,7 +141,7 @@ def to_hf_config(config: dict[str, Any], eod: int | None = None):
 
 def hf_architecture(hf_config, where: str) -> str:
     model_type = getattr(hf_config, "model_type", None)
-    if model_type in ("gpt2", "llama"):
+    if model_type in ("gpt2", "llama", "mixtral", "qwen2_moe"):
         return model_type
     archs = getattr(hf_config, "architectures", None)
     raise HFConversionError(f"{where}: unsupported architecture (model_type {model_type!r}, architectures "
@@ -139,12 +150,16 @@ def hf_architecture(hf_config, where: str) -> str:
 
 def from_hf_config(hf_config, where: str = "config.json", qkv_bias_only: bool = False,
                    apply_layernorm_1p: bool = False) -> dict[str, Any]:
-    """megalite model config dict (incl. vocab_size) of a GPT-2 or Llama transformers config.
+    """megalite model config dict (incl. vocab_size) of a GPT-2, Llama, Mixtral or Qwen2-MoE transformers config.
 
     ``qkv_bias_only``: a Llama with attention_bias whose o_proj biases are all zero (see module doc).
     ``apply_layernorm_1p``: the checkpoint is to store zero-centred norm weights (HF's weight - 1)."""
     c = hf_config
     arch = hf_architecture(c, where)
+    if arch in ("mixtral", "qwen2_moe"):
+        from megalite.checkpointing.hf_moe import from_hf_moe_config
+
+        return from_hf_moe_config(c, where, apply_layernorm_1p)
     if arch == "gpt2":
         act = c.activation_function
         if act not in GPT2_GELUS:
@@ -257,12 +272,18 @@ def _gpt2_layer(cfg: ModelConfig, i: int) -> list[TensorRule]:
 
 
 def _llama_layer(cfg: ModelConfig, i: int) -> list[TensorRule]:
+    """A Llama layer; in an MoE model (Mixtral, Qwen2-MoE) its MoE layers' MLPs come from hf_moe.py."""
     m, h = f"layers.{i}.", f"model.layers.{i}."
     rules = [_norm_weight(cfg, m + "input_norm.weight", h + "input_layernorm.weight"),
              _norm_weight(cfg, m + "pre_mlp_norm.weight", h + "post_attention_layernorm.weight"),
              *_qkv_rules(cfg, m, h, "llama"),
              TensorRule(m + "attention.proj.weight", (h + "self_attn.o_proj.weight",))]
-    if cfg.add_bias_linear or cfg.add_qkv_bias:  # HF's attention_bias covers o_proj too
+    if cfg.is_moe:  # Qwen2-MoE's qkv_bias has no o_proj bias; MoE models have no other biases
+        from megalite.checkpointing.hf_moe import moe_mlp_rules
+
+        if cfg.moe_layers()[i]:
+            return rules + moe_mlp_rules(cfg, m, h)
+    elif cfg.add_bias_linear or cfg.add_qkv_bias:  # HF's attention_bias covers o_proj too
         rules.append(TensorRule(m + "attention.proj.bias", (h + "self_attn.o_proj.bias",),
                                 zeros_like_rows_of=None if cfg.add_bias_linear else m + "attention.proj.weight"))
     gate_up = lambda t: tuple(x.contiguous() for x in t.chunk(2, dim=0))  # noqa: E731
@@ -276,8 +297,9 @@ def _llama_layer(cfg: ModelConfig, i: int) -> list[TensorRule]:
 
 
 def name_table(cfg: ModelConfig) -> list[TensorRule]:
-    """Every tensor of the model, megalite's name <-> HF's (GPT2LMHeadModel or LlamaForCausalLM). A tied
-    model has no ``lm_head.weight`` entry (HF ties it to the embedding)."""
+    """Every tensor of the model, megalite's name <-> HF's (GPT2LMHeadModel, or the Llama-style
+    LlamaForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM). A tied model has no ``lm_head.weight`` entry
+    (HF ties it to the embedding)."""
     if architecture(cfg) == "gpt2":
         rules = [TensorRule("embedding.word.weight", ("transformer.wte.weight",)),
                  TensorRule("embedding.position.weight", ("transformer.wpe.weight",))]
@@ -335,9 +357,11 @@ def from_hf_state_dict(config: dict[str, Any], sd: Mapping[str, torch.Tensor]) -
 
 
 def model_class(hf_config):
-    from transformers import GPT2LMHeadModel, LlamaForCausalLM
+    import transformers
 
-    return GPT2LMHeadModel if hf_config.model_type == "gpt2" else LlamaForCausalLM
+    names = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM",
+             "qwen2_moe": "Qwen2MoeForCausalLM"}
+    return getattr(transformers, names[hf_config.model_type])
 
 
 def save_hf_model(out_dir: str, hf_config, state_dict: dict[str, torch.Tensor]) -> None:
@@ -363,7 +387,7 @@ def save_hf_model(out_dir: str, hf_config, state_dict: dict[str, torch.Tensor]) 
 
 
 def read_hf_config(folder: str):
-    """The transformers config of a local GPT-2 or Llama folder (nothing downloaded)."""
+    """The transformers config of a local GPT-2, Llama, Mixtral or Qwen2-MoE folder (nothing downloaded)."""
     from transformers import AutoConfig
 
     cfg_path = os.path.join(folder, "config.json")
