@@ -3,6 +3,7 @@
   a dense layer from mlp_only_layers) imported with from_hf_state_dict give HF's logits (fp32, <= 1e-4)
   in one process and at TP2 x EP2 x PP2 with sequence parallelism on 8 ranks;
 - megalite -> HF -> megalite returns bitwise identical tensors, HF -> megalite -> HF identical state dicts;
+- convert_checkpoint.py from-hf (TP2 x PP2 checkpoint) then to-hf gives the original folder's tensors back;
 - the routers' semantics map (norm_topk_prob), the aux-loss coefficient maps both ways, and what megalite
   cannot express is refused naming the HF key or the megalite flag.
 Models are built from configs; nothing is downloaded."""
@@ -13,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megalite.checkpointing.full_reader import FullCheckpoint
 from megalite.checkpointing.hf import (
     HFConversionError,
     architecture,
@@ -21,6 +23,7 @@ from megalite.checkpointing.hf import (
     to_hf_config,
     to_hf_state_dict,
 )
+from megalite.checkpointing.hf_moe import moe_tp_errors
 from megalite.checkpointing.metadata import model_config
 from megalite.checkpointing.stored import checkpoint_key
 from megalite.model.gpt import GPTModel
@@ -29,9 +32,11 @@ from megalite.parallel.layout import RankLayout
 from megalite.pipeline.partition import chunk_layers
 from megalite.tensor_parallel.param_meta import local_shard, param_meta
 from megalite.tensor_parallel.random import RNGTracker
+from tests.cli_utils import load_tool
 from tests.harness import run_ranks
 
 VOCAB, SEQ = 128, 16
+convert = load_tool("convert_checkpoint").main
 TOKENS = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(5))
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=SEQ, num_experts_per_tok=2, rms_norm_eps=1e-5, tie_word_embeddings=False,
@@ -234,3 +239,49 @@ def test_megalite_moe_without_hf_equivalent_is_refused_by_flag(models, change, f
     config = {**models["qwen2_moe"][2], **change}
     with pytest.raises(HFConversionError, match=f"missing: [^;]*{flag}"):
         to_hf_config(config)
+
+
+def test_expert_sizes_must_split_over_the_checkpoints_tp():
+    cfg = model_config(from_hf_config(qwen_config(moe_intermediate_size=18, shared_expert_intermediate_size=22)))[0]
+    errors = moe_tp_errors(cfg, 4)
+    assert len(errors) == 2 and "--moe-ffn-hidden-size 18" in errors[0] and "(22)" in errors[1]
+    assert moe_tp_errors(cfg, 2) == []
+
+
+# ---- the command line -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
+def test_convert_commands_from_hf_tp2_pp2_then_to_hf(models, name, tmp_path):
+    """from-hf writes a TP2 x PP2 checkpoint whose full tensors are the conversion's; to-hf gives the same
+    transformers model back (bitwise), which transformers loads and runs to the same logits."""
+    import transformers
+
+    model, want, _, full = models[name]
+    src, ckpt, out = (str(tmp_path / n) for n in ("hf", "ckpt", "back"))
+    model.save_pretrained(src)
+    assert convert(["from-hf", "--load", src, "--save", ckpt, "--tensor-model-parallel-size", "2",
+                    "--pipeline-model-parallel-size", "2"]) == 0
+    saved = FullCheckpoint(ckpt)
+    assert saved.layout["tp"] == 2 and saved.layout["pp"] == 2
+    assert set(saved.keys()) == set(full) and all(torch.equal(saved.param(k), v) for k, v in full.items())
+    assert convert(["to-hf", "--load", ckpt, "--save", out]) == 0
+    back = getattr(transformers, model.config.architectures[0]).from_pretrained(out, local_files_only=True).eval()
+    assert type(back) is type(model)
+    sd = model.state_dict()
+    assert all(torch.equal(back.state_dict()[k], v) for k, v in sd.items()) and set(back.state_dict()) == set(sd)
+    with torch.no_grad():
+        assert_close(back(TOKENS).logits, want, f"{name} after from-hf / to-hf")
+
+
+def test_convert_to_hf_refuses_an_moe_without_equivalent_before_writing(tmp_path, capsys):
+    from megalite.checkpointing.writer import write_checkpoint
+
+    model = hf_model("qwen2_moe")
+    config = from_hf_config(model.config)
+    full = {k: v for k, v in from_hf_state_dict(config, model.state_dict()).items()
+            if not k.endswith("shared_expert_gate")}
+    config["moe_shared_expert_gate"] = False  # a shared expert without Qwen2-MoE's gate
+    write_checkpoint(str(tmp_path / "ckpt"), config, full.__getitem__, tp=1, pp=1)
+    assert convert(["to-hf", "--load", str(tmp_path / "ckpt"), "--save", str(tmp_path / "out")]) == 2
+    assert "(missing: --moe-shared-expert-gate)" in capsys.readouterr().err and not (tmp_path / "out").exists()

@@ -4,12 +4,12 @@
     python tools/convert_checkpoint.py reshard --load ckpt --save ckpt_tp4 \\
         --tensor-model-parallel-size 4 --pipeline-model-parallel-size 1
 
-    # -> a transformers folder (config.json + model.safetensors [+ tokenizer]): GPT2LMHeadModel or
-    #    LlamaForCausalLM, whichever the model is
+    # -> a transformers folder (config.json + model.safetensors [+ tokenizer]): GPT2LMHeadModel,
+    #    LlamaForCausalLM, MixtralForCausalLM or Qwen2MoeForCausalLM, whichever the model is
     python tools/convert_checkpoint.py to-hf --load ckpt --save hf_out \\
         [--tokenizer-type GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt]
 
-    # a local transformers folder (GPT-2 or Llama family) -> a megalite checkpoint to continue pretraining
+    # a local transformers folder (GPT-2, Llama, Mixtral, Qwen2-MoE) -> a megalite checkpoint to continue pretraining
     python tools/convert_checkpoint.py from-hf --load hf_folder --save ckpt \\
         --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shlex
 import shutil
 import sys
 from collections.abc import Iterator
@@ -45,6 +46,7 @@ from megalite.checkpointing.hf import (  # noqa: E402
     to_hf_config,
     to_hf_state_dict,
 )
+from megalite.checkpointing.hf_moe import moe_tp_errors  # noqa: E402
 from megalite.checkpointing.metadata import model_config  # noqa: E402
 from megalite.checkpointing.offline import reshard  # noqa: E402
 from megalite.checkpointing.paths import TRACKER, iter_dirname, swap_into_place  # noqa: E402
@@ -60,18 +62,21 @@ FLAG_FIELDS = ["num_layers", "hidden_size", "ffn_hidden_size", "num_attention_he
                "num_query_groups", "kv_channels", "max_position_embeddings", "position_embedding_type",
                "rotary_base", "normalization", "norm_epsilon", "swiglu", "untie_embeddings_and_output_weights",
                "disable_bias_linear", "add_qkv_bias", "apply_layernorm_1p"]
+MOE_FLAG_FIELDS = ["num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_layer_freq",
+                   "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_router_pre_softmax",
+                   "moe_aux_loss_coeff"]
 
 
 def model_flags(config: dict) -> str:
     """The pretrain_gpt.py model flags that describe a checkpoint's model."""
     out = []
-    for k in FLAG_FIELDS:
+    for k in FLAG_FIELDS + (MOE_FLAG_FIELDS if config.get("num_experts") else []):
         v = config.get(k)
         flag = "--" + k.replace("_", "-")
         if isinstance(v, bool):
             out += [flag] if v else []
         elif v is not None and not (k == "num_query_groups" and not config.get("group_query_attention")):
-            out += [flag, str(v)]
+            out += [flag, shlex.quote(str(v))]
     return " ".join(out)
 
 
@@ -172,7 +177,7 @@ def _tokenizer_source(a: argparse.Namespace, ckpt: FullCheckpoint) -> dict | Non
 def cmd_to_hf(a: argparse.Namespace) -> None:
     ckpt = _open_checkpoint(a.load, a.iteration)
     cfg, _ = model_config(ckpt.config)
-    arch = architecture(cfg)  # fail before reading any tensor
+    architecture(cfg)  # fail before reading any tensor
     _check_tokenizer_flags(a)
     _refuse_existing(a.save, a.overwrite)
     with _staged_output(a.save) as staged:
@@ -187,8 +192,9 @@ def cmd_to_hf(a: argparse.Namespace) -> None:
                     raise
                 print(f"warning: tokenizer not exported ({type(e).__name__}: {e})", file=sys.stderr)
         dtype = DTYPES[a.dtype] if a.dtype else None
-        save_hf_model(staged, to_hf_config(ckpt.config, eod), to_hf_state_dict(ckpt.config, ckpt.param, dtype))
-    print(f"wrote {a.save}: {'GPT2LMHeadModel' if arch == 'gpt2' else 'LlamaForCausalLM'} from iteration "
+        hf_config = to_hf_config(ckpt.config, eod)
+        save_hf_model(staged, hf_config, to_hf_state_dict(ckpt.config, ckpt.param, dtype))
+    print(f"wrote {a.save}: {hf_config.architectures[0]} from iteration "
           f"{ckpt.iteration} of {a.load} (saved at TP={ckpt.layout['tp']} PP={ckpt.layout['pp']})"
           + (", with tokenizer" if os.path.isfile(os.path.join(a.save, "tokenizer_config.json")) else ""))
 
@@ -201,8 +207,9 @@ def cmd_from_hf(a: argparse.Namespace) -> None:
     hf_config = read_hf_config(a.load)
     config = from_hf_config(hf_config, where, qkv_bias_only=True,  # every config check before the weights
                             apply_layernorm_1p=a.apply_layernorm_1p)
-    errors = layout_errors(model_config(config)[0], a.tensor_model_parallel_size, a.pipeline_model_parallel_size,
-                           a.num_layers_per_virtual_pipeline_stage)
+    cfg = model_config(config)[0]
+    errors = layout_errors(cfg, a.tensor_model_parallel_size, a.pipeline_model_parallel_size,
+                           a.num_layers_per_virtual_pipeline_stage) + moe_tp_errors(cfg, a.tensor_model_parallel_size)
     if errors:
         raise ValueError(f"{where}: this model cannot be cut into TP={a.tensor_model_parallel_size} "
                          f"PP={a.pipeline_model_parallel_size}:\n  " + "\n  ".join(errors))
@@ -221,6 +228,7 @@ def cmd_from_hf(a: argparse.Namespace) -> None:
     print(f"wrote {path} (TP={a.tensor_model_parallel_size} PP={a.pipeline_model_parallel_size}, "
           f"vocab {config['vocab_size']}). Continue pretraining with:\n  --load {a.save} --finetune "
           f"{model_flags(config)}"
+          + (" --sequence-parallel" if config.get("num_experts") and a.tensor_model_parallel_size > 1 else "")
           + (f" --tokenizer-type HuggingFaceTokenizer --tokenizer-model {os.path.join(a.save, TOKENIZER_DIR)}"
              if tok else ""))
 
@@ -244,7 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
     layout(r)
     r.set_defaults(func=cmd_reshard)
 
-    t = sub.add_parser("to-hf", help="export to a transformers folder (GPT2LMHeadModel or LlamaForCausalLM)")
+    t = sub.add_parser("to-hf", help="export to a transformers folder (GPT2LMHeadModel, LlamaForCausalLM, "
+                       "MixtralForCausalLM or Qwen2MoeForCausalLM)")
     t.add_argument("--load", required=True, help="checkpoint directory")
     t.add_argument("--save", required=True, help="output transformers folder")
     t.add_argument("--iteration", type=int, default=None)
@@ -257,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--tokenizer-model", default=None)
     t.set_defaults(func=cmd_to_hf)
 
-    f = sub.add_parser("from-hf", help="import a local transformers folder (GPT-2 or Llama family)")
+    f = sub.add_parser("from-hf", help="import a local transformers folder (GPT-2, Llama, Mixtral or Qwen2-MoE)")
     f.add_argument("--load", required=True, help="transformers folder (config.json + weights)")
     f.add_argument("--save", required=True, help="output checkpoint directory")
     f.add_argument("--dtype", choices=list(DTYPES), default=None, help="cast weights (default: as stored)")

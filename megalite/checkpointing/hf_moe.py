@@ -190,3 +190,19 @@ def moe_mlp_rules(cfg: ModelConfig, m: str, h: str) -> list[TensorRule]:
                   TensorRule(m + "mlp.shared_expert.fc2.weight", (s + "down_proj.weight",)),
                   TensorRule(m + "mlp.shared_expert_gate", (h + "mlp.shared_expert_gate.weight",))]
     return rules
+
+
+def moe_tp_errors(cfg: ModelConfig, tp: int) -> list[str]:
+    """What writing an MoE model's checkpoint at TP size ``tp`` needs: its experts are cut over expert-TP,
+    which is TP in the checkpoint's files, and so is the shared expert."""
+    if not cfg.is_moe or tp <= 0:
+        return []
+    errors = []
+    if cfg.expert_ffn_hidden_size % tp:
+        errors.append(f"--tensor-model-parallel-size ({tp}) must divide the expert hidden size "
+                      f"(--moe-ffn-hidden-size {cfg.expert_ffn_hidden_size})")
+    shared = cfg.moe_shared_expert_intermediate_size
+    if shared and shared % tp:
+        errors.append(f"--tensor-model-parallel-size ({tp}) must divide --moe-shared-expert-intermediate-size "
+                      f"({shared})")
+    return errors
