@@ -285,3 +285,34 @@ def test_convert_to_hf_refuses_an_moe_without_equivalent_before_writing(tmp_path
     write_checkpoint(str(tmp_path / "ckpt"), config, full.__getitem__, tp=1, pp=1)
     assert convert(["to-hf", "--load", str(tmp_path / "ckpt"), "--save", str(tmp_path / "out")]) == 2
     assert "(missing: --moe-shared-expert-gate)" in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
+# ---- megalite -> HF: a model born in megalite ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name, flags", [
+    ("mixtral", dict(kv_channels=16, untie_embeddings_and_output_weights=False)),
+    ("qwen2_moe", dict(kv_channels=16, moe_layer_freq="[1,1,0,1]", moe_router_pre_softmax=False,
+                       moe_aux_loss_coeff=0.01)),
+])
+def test_megalite_model_exports_to_the_same_logits(models, name, flags, tmp_path):
+    """Head size != hidden / heads, tied embeddings, the default router on Qwen2-MoE (norm_topk_prob true):
+    HF's model from to_hf_config + to_hf_state_dict, saved and loaded by transformers, computes megalite's
+    logits."""
+    import transformers
+
+    from megalite.checkpointing.hf import save_hf_model
+
+    config = {**models[name][2], **flags}
+    cfg, vocab = model_config(config)
+    pg = ProcessGroups.single()
+    model = perturbed(GPTModel(cfg, pg, vocab, RNGTracker()))
+    with torch.no_grad():
+        want = model(TOKENS)
+    params = dict(model.named_parameters())
+    hf_config = to_hf_config(config)
+    save_hf_model(str(tmp_path), hf_config, to_hf_state_dict(config, lambda k: params[k].detach()))
+    hf = getattr(transformers, hf_config.architectures[0]).from_pretrained(str(tmp_path), local_files_only=True)
+    assert hf.config.head_dim == 16 and hf.config.tie_word_embeddings == cfg.tied_embeddings
+    with torch.no_grad():
+        assert_close(hf.eval()(TOKENS).logits, want, f"megalite {name} exported")
