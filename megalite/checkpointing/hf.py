@@ -7,6 +7,8 @@ Two families, chosen from the model config:
   values.
 - Llama style (RoPE rotate-half, RMSNorm, SwiGLU, optional GQA) <-> ``LlamaForCausalLM`` with separate
   q/k/v projections and gate/up projections.
+- Llama style with MoE layers <-> ``MixtralForCausalLM`` or ``Qwen2MoeForCausalLM``: hf_moe.py holds their
+  configs and MoE tensors; everything else is the Llama mapping.
 
 megalite's fused QKV weight is Megatron's per-group interleave (docs/design.md §3.3): for each of the
 ``groups`` KV groups, its ``heads / groups`` query heads, then its key head, then its value head,
