@@ -41,7 +41,10 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int], gro
         offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
         return _ContiguousGrad.apply(torch._grouped_mm(x, weight.transpose(1, 2), offs=offs))
     parts = x.split(counts)
-    return torch.cat([p @ weight[e].t() for e, p in enumerate(parts)]) if parts else x.new_zeros((0, weight.shape[1]))
+    # unbind, not weight[e]: indexing's backward would write a zero gradient of the whole stack per expert
+    per_expert = weight.unbind(0)
+    return torch.cat([p @ per_expert[e].t() for e, p in enumerate(parts)]) if parts \
+        else x.new_zeros((0, weight.shape[1]))
 
 
 class Experts(nn.Module):
