@@ -192,6 +192,132 @@ def test_stage_activation_peak_matches_measured():
             assert predicted == pytest.approx(measured, rel=TOLERANCE), (name, stage, predicted, measured)
 
 
+# ---- mixture of experts ---------------------------------------------------------------------------
+MOE = dict(num_experts=4, moe_router_topk=2, moe_aux_loss_coeff=0.01, disable_bias_linear=True, swiglu=True)
+MOE_LAYER = dict(LLAMA, seq_length=64, **MOE)
+# (name, model fields, tp, ep, etp, bf16): one MoE layer's saved bytes on 2 ranks (the mean of the ranks
+# where the rows a rank's experts receive depend on the routing)
+MOE_LAYER_ROWS = [
+    ("MoE TP1 alltoall", dict(MOE_LAYER, moe_token_dispatcher_type="alltoall"), 1, 1, 1, True),
+    ("MoE TP1 allgather, shared expert + gate", dict(MOE_LAYER, moe_shared_expert_intermediate_size=128,
+                                                     moe_shared_expert_gate=True), 1, 1, 1, True),
+    ("MoE TP1 GeLU, z-loss, LayerNorm, fp32", dict(GPT, seq_length=64, **dict(MOE, swiglu=False), hidden_dropout=0.0,
+                                                  attention_dropout=0.0, moe_z_loss_coeff=1e-3), 1, 1, 1, False),
+    ("MoE TP1 sigmoid + expert bias", dict(MOE_LAYER, moe_router_score_function="sigmoid",
+                                           moe_router_enable_expert_bias=True), 1, 1, 1, True),
+    ("MoE EP2 alltoall", dict(MOE_LAYER, moe_token_dispatcher_type="alltoall"), 1, 2, 1, True),
+    ("MoE EP2 allgather", MOE_LAYER, 1, 2, 1, True),
+    ("MoE TP2 SP expert-TP 2 alltoall", dict(MOE_LAYER, moe_token_dispatcher_type="alltoall"), 2, 1, 2, True),
+    ("MoE TP2 SP EP2 expert-TP 1 allgather", MOE_LAYER, 2, 2, 1, True),
+]
+MOE_LAYER_TOLERANCE = 0.01
+
+
+def _moe_layer_worker(rank: int, world: int) -> dict:
+    import torch
+
+    from megalite.config.model import ModelConfig
+    from megalite.parallel.groups import ProcessGroups
+    from megalite.parallel.layout import RankLayout
+    from tests.plan_measure import layer_activation_bytes
+
+    out = {}
+    for name, model, tp, ep, etp, bf16 in MOE_LAYER_ROWS:
+        if tp * ep * etp == 1 and rank > 0:
+            continue
+        cfg = ModelConfig(num_layers=1, attention_backend="unfused", **model)
+        pg = ProcessGroups.single() if tp * ep * etp == 1 else \
+            ProcessGroups.build(RankLayout(world, tp, ep=ep, etp=etp), rank)
+        out[name] = layer_activation_bytes(cfg, pg, MICRO_BATCH, VOCAB, sequence_parallel=tp > 1,
+                                           dtype=torch.bfloat16 if bf16 else torch.float32)
+    return out
+
+
+def test_moe_layer_activation_bytes_match_measured():
+    """An MoE layer's saved bytes (router, dispatch, experts' rows, shared expert) within 1%: exact for
+    the default router, within 0.2% for the sigmoid router and the z-loss, whose small tensors are
+    counted roughly."""
+    results = run_ranks(_moe_layer_worker, 2)
+    for name, model, tp, ep, etp, bf16 in MOE_LAYER_ROWS:
+        ranks = [r[name] for r in results if name in r]
+        measured = sum(ranks) / len(ranks)
+        cfg = planner_cfg(model, tp * ep * etp, num_layers=1, attention_backend="unfused", bf16=bf16,
+                          tensor_model_parallel_size=tp, sequence_parallel=tp > 1, micro_batch_size=MICRO_BATCH,
+                          expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+        predicted = chunk_activation_bytes(RunShape.of(cfg, tp * ep * etp, vocab_of(cfg)))
+        assert predicted == pytest.approx(measured, rel=MOE_LAYER_TOLERANCE), (name, predicted, measured)
+
+
+# (name, flat flags) on 4 ranks: every rank's weights + gradients + optimizer state after one real step, and the
+# bytes it handed to the token-dispatch collectives.
+MOE_STATE_ROWS = [
+    ("MoE EP1 x DP4, bf16", dict()),
+    ("MoE EP2 x expert-DP 2, distributed optimizer, bf16", dict(expert_model_parallel_size=2,
+                                                               use_distributed_optimizer=True,
+                                                               moe_token_dispatcher_type="alltoall")),
+    ("MoE TP2 x EP2, SP, alltoall, bf16", dict(tensor_model_parallel_size=2, sequence_parallel=True,
+                                               expert_model_parallel_size=2, moe_token_dispatcher_type="alltoall")),
+    ("MoE TP2 x EP2, SP, expert-TP 1, allgather, shared expert, expert bias, distributed optimizer, fp32",
+     dict(tensor_model_parallel_size=2, sequence_parallel=True, expert_model_parallel_size=2,
+          expert_tensor_parallel_size=1, use_distributed_optimizer=True, bf16=False,
+          moe_shared_expert_intermediate_size=64, moe_shared_expert_gate=True, moe_router_score_function="sigmoid",
+          moe_router_enable_expert_bias=True)),
+]
+MOE_STATE_MODEL = dict(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32, max_position_embeddings=32,
+                       ffn_hidden_size=128, hidden_dropout=0.0, attention_dropout=0.0, moe_layer_freq="([0]+[1]*3)",
+                       bf16=True, **MOE)
+
+
+def _moe_state_worker(rank: int, world: int) -> dict:
+    from bench.bench_data_parallel import storage_by_kind
+    from megalite.config import validate
+    from megalite.parallel.groups import ProcessGroups
+    from megalite.parallel.layout import RankLayout
+    from megalite.training.loop import pretrain
+
+    out = {}
+    for name, flat in MOE_STATE_ROWS:
+        cfg = MegaliteConfig.from_flat({**_state_flags({**MOE_STATE_MODEL, **flat}), "mock_data": True,
+                                        "vocab_size": VOCAB})
+        validate(cfg, world)
+        p = cfg.parallel
+        layout = RankLayout(world, p.tensor_model_parallel_size, ep=p.expert_model_parallel_size,
+                            etp=p.expert_tensor_parallel_size)
+        pg = ProcessGroups.build(layout, rank)
+        mem = storage_by_kind(pretrain(cfg, pg, log=lambda s: None))
+        state = mem["params"] + mem["grads"] + mem["main params"] + mem["adam moments"]
+        comm = {key: v for key, v in pg.comm_bytes.items() if key[1].startswith("moe_")}
+        out[name] = (mem["numel"], state, comm)
+    return out
+
+
+def test_moe_state_and_dispatch_bytes_match_measured():
+    """Per rank, exactly: the parameters (dense over TP, E/ep experts each cut over expert-TP, the fp32
+    expert bias), and their weights + gradients + optimizer state (experts sharded over expert-DP by the
+    distributed optimizer). The bytes handed to each token-dispatch collective per step: exactly per rank
+    where they do not depend on the routing (counts, allgather), and on average over the ranks for the
+    rows an all-to-all sends back (a rank's received rows vary; over a group they sum to the sent ones)."""
+    from megalite.planning.timing import moe_step_comm_bytes
+
+    results = run_ranks(_moe_state_worker, 4, timeout=600)
+    for name, flat in MOE_STATE_ROWS:
+        cfg = planner_cfg(MOE_STATE_MODEL, 4, **_state_flags({**MOE_STATE_MODEL, **flat}))
+        sh = RunShape.of(cfg, 4, vocab_of(cfg))
+        mem = stage_memory(sh, 0)
+        state = sum(v for k, v in mem.terms.items() if k.endswith(("weights", "gradients", "optimizer state")))
+        for numel, measured, _ in (r[name] for r in results):
+            assert (mem.params, state) == (numel, measured), (name, mem.params, numel, state, measured)
+        predicted = moe_step_comm_bytes(sh)
+        assert predicted or (sh.ep, sh.etp) == (1, 1), name
+        measured_keys = set().union(*(r[name][2] for r in results))
+        assert measured_keys == set(predicted), (name, measured_keys, set(predicted))
+        for key, value in predicted.items():
+            mean = sum(r[name][2][key] for r in results) / len(results)
+            assert mean == value, (name, key, mean, value)
+            if key[1] != "moe_all_to_all":
+                assert all(r[name][2][key] == value for r in results), (name, key)
+
+
 @pytest.mark.parametrize("p,v,m,kind", [(2, 1, 4, "1f1b"), (4, 1, 8, "1f1b"), (4, 1, 2, "1f1b"), (2, 2, 4, "1f1b"),
                                         (4, 2, 8, "1f1b"), (4, 3, 8, "1f1b"), (4, 1, 8, "gpipe"), (4, 2, 4, "gpipe")])
 def test_in_flight_matches_schedule_tables(p, v, m, kind):

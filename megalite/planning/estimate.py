@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from megalite.config.arguments import MegaliteConfig
 from megalite.planning.hardware import ClusterConfig
 from megalite.planning.layout import Layout
-from megalite.planning.memory import MemoryReport, peak_memory, stage_params
+from megalite.planning.memory import MemoryReport, active_params, peak_memory, total_params
 from megalite.planning.shape import RunShape
 from megalite.planning.timing import TimeReport, crosses_nodes, step_time
 
@@ -37,8 +36,12 @@ class Plan:
 
     @property
     def total_params(self) -> int:
-        one = dataclasses.replace(self.shape, tp=1, pp=1, v=1)
-        return stage_params(one, 0)
+        return total_params(self.shape)
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token goes through (MoE: k of the routed experts); all of them when dense."""
+        return active_params(self.shape)
 
 
 def estimate(cfg: MegaliteConfig, cluster: ClusterConfig, vocab: int) -> Plan:
@@ -53,28 +56,43 @@ def _where(sh: RunShape, cl: ClusterConfig, axis: str, size: int) -> str:
     return " (network)" if crosses_nodes(sh, cl, axis, size) else " (NVLink)"
 
 
+def _moe_model(plan: Plan) -> str:
+    m = plan.shape.cfg.model
+    if not plan.shape.is_moe:
+        return ""
+    return (f" ({plan.active_params / 1e9:.2f} B active per token: {m.num_experts} experts, top-"
+            f"{m.moe_router_topk}, {sum(plan.shape.moe)} MoE layers)")
+
+
+def _experts(sh: RunShape, cl: ClusterConfig) -> str:
+    if not sh.is_moe:
+        return ""
+    return (f"; experts: EP {sh.ep}{_where(sh, cl, 'ep', sh.ep)} x expert-TP {sh.etp}{_where(sh, cl, 'etp', sh.etp)}"
+            f" x expert-DP {sh.edp}{_where(sh, cl, 'edp', sh.edp)}, {sh.cfg.model.moe_token_dispatcher_type} dispatch")
+
+
 def format_report(plan: Plan) -> str:
     sh, cl, mem, tm = plan.shape, plan.cluster, plan.memory, plan.time
     spec = cl.spec()
     gpu_mem = cl.memory_bytes() / GB
     lines = [
-        f"model: {plan.total_params / 1e9:.2f} B parameters, {sh.cfg.model.num_layers} layers, h={sh.h}, "
+        f"model: {plan.total_params / 1e9:.2f} B parameters{_moe_model(plan)}, {sh.cfg.model.num_layers} layers, "
+        f"h={sh.h}, "
         f"s={sh.s}, vocab {sh.vocab} (padded {sh.padded_vocab}), {sh.dtype}",
         f"cluster: {cl.num_nodes} node(s) x {cl.gpus_per_node} {spec.name} = {cl.world_size} GPUs, "
         f"{gpu_mem:.0f} GB, {cl.peak_flops(sh.dtype) / 1e12:.0f} TFLOP/s dense {sh.dtype} peak x "
         f"{cl.compute_efficiency:.2f} efficiency",
         f"layout: TP {sh.tp}{_where(sh, cl, 'tp', sh.tp)} x CP {sh.cp}{_where(sh, cl, 'cp', sh.cp)} x "
         f"DP {sh.dp}{_where(sh, cl, 'dp', sh.dp)} x PP {sh.pp}{_where(sh, cl, 'pp', sh.pp)}"
-        f"{f', {sh.v} virtual stages per rank' if sh.v > 1 else ''}; micro-batch {sh.b}, {sh.m} micro-batches "
-        f"per step; SP {'on' if sh.sp else 'off'}; recompute {sh.recompute or 'none'}; sharding over DP "
-        f"{sh.cfg.ddp.sharding}",
+        f"{f', {sh.v} virtual stages per rank' if sh.v > 1 else ''}{_experts(sh, cl)}; micro-batch {sh.b}, "
+        f"{sh.m} micro-batches per step; SP {'on' if sh.sp else 'off'}; recompute {sh.recompute or 'none'}; "
+        f"sharding over DP {sh.cfg.ddp.sharding}",
         f"  flags: {plan.layout.flags()}",
         "",
         f"memory per rank (pipeline rank {mem.stage}, the fullest; {mem.params / 1e9:.3f} B parameters):",
     ]
     for name, value in mem.terms.items():
-        if value or "not yet" not in name:
-            lines.append(f"  {name:<24} {fmt_bytes(value)}")
+        lines.append(f"  {name:<24} {fmt_bytes(value)}")
     verdict = "fits" if plan.fits else "DOES NOT FIT"
     lines += [f"  {'total':<24} {fmt_bytes(mem.total)} of {gpu_mem:.0f} GB: {verdict}", "",
               "step time (estimated):"]

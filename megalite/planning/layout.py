@@ -34,13 +34,16 @@ class Layout:
     sequence_parallel: bool = False
     recompute: str | None = None  # None, "selective", "full"
     sharding: str = "no_shard"  # --data-parallel-sharding-strategy: no_shard, optim, optim_grads, optim_grads_params
+    ep: int = 1  # --expert-model-parallel-size
+    etp: int | None = None  # --expert-tensor-parallel-size (None: TP)
 
     @classmethod
     def from_config(cls, cfg: MegaliteConfig) -> "Layout":
         p = cfg.parallel
         return cls(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size,
                    p.num_layers_per_virtual_pipeline_stage, cfg.training.micro_batch_size, p.sequence_parallel,
-                   cfg.model.recompute_granularity, cfg.ddp.sharding)
+                   cfg.model.recompute_granularity, cfg.ddp.sharding, p.expert_model_parallel_size,
+                   p.expert_tensor_parallel_size)
 
     def apply(self, cfg: MegaliteConfig) -> MegaliteConfig:
         """A copy of ``cfg`` with this layout's flags."""
@@ -49,6 +52,7 @@ class Layout:
         p.tensor_model_parallel_size, p.pipeline_model_parallel_size = self.tp, self.pp
         p.context_parallel_size, p.num_layers_per_virtual_pipeline_stage = self.cp, self.vp_layers
         p.sequence_parallel = self.sequence_parallel
+        p.expert_model_parallel_size, p.expert_tensor_parallel_size = self.ep, self.etp
         out.training.micro_batch_size = self.micro_batch
         out.model.recompute_granularity = self.recompute
         if self.recompute != "full":
@@ -72,6 +76,10 @@ class Layout:
         out.append(f"--micro-batch-size {self.micro_batch}")
         if self.sequence_parallel:
             out.append("--sequence-parallel")
+        if self.ep > 1:
+            out.append(f"--expert-model-parallel-size {self.ep}")
+        if self.etp is not None and self.etp != self.tp:
+            out.append(f"--expert-tensor-parallel-size {self.etp}")
         if self.recompute:
             out.append(f"--recompute-granularity {self.recompute}")
         if self.sharding == "optim":

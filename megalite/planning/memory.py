@@ -3,33 +3,47 @@
 Activation bytes are what megalite's eager layer keeps, tensor by tensor (tests/test_planning.py holds
 them to the bytes autograd saves on CPU within 5%): Korthikanti et al.'s per-layer terms plus what the
 eager code keeps besides (2 more bytes per token and channel outside the GEMMs, the repeated K/V and the
-causal mask of the unfused attention, RoPE's rotated copies). Terms for features that have not landed
-(MoE experts) return 0 and say so in the report. ZeRO-2/3 (--data-parallel-sharding-strategy) divide
+causal mask of the unfused attention, RoPE's rotated copies); MoE layers their router, dispatch and
+experts' rows in place of the MLP (``planning/moe.py``). ZeRO-2/3 (--data-parallel-sharding-strategy) divide
 gradients / weights by the DP x CP ranks and add what a step holds in full meanwhile (bench/README.md,
 "Sharding strategies").
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
+from megalite.planning.moe import (
+    active_mlp_params,
+    dispatch_buffer_bytes,
+    expert_params,
+    frozen_params,
+    moe_dense_params,
+    moe_mlp_activation_bytes,
+)
 from megalite.planning.shape import RunShape
 
 UNFUSED_BACKENDS = ("unfused", "local")  # the explicit softmax(QK^T)V; others are flash attention on a GPU
 
 
 # ---- parameters ------------------------------------------------------------------------------------
-def layer_params(sh: RunShape) -> int:
-    """One transformer layer's parameters on one TP rank (norms and row-parallel biases replicated)."""
+def layer_params(sh: RunShape, moe: bool = False) -> int:
+    """One transformer layer's parameters on one TP rank (norms and row-parallel biases replicated) that
+    the dense gradient buffer holds; an MoE layer's router, shared expert and gate in place of the MLP
+    (its routed experts: ``planning/moe.py:expert_params``)."""
     m, t, h = sh.cfg.model, sh.tp, sh.h
     a, g, d, f = m.num_attention_heads, m.num_query_groups, m.kv_channels, m.ffn_hidden_size
     bias = m.add_bias_linear
     qkv_rows = (a // t + 2 * max(g // t, 1)) * d
-    fc1_rows = (2 * f if m.swiglu else f) // t
     n = qkv_rows * h + (qkv_rows if bias or m.add_qkv_bias else 0)
     n += (a * d // t) * h + (h if bias else 0)
-    n += fc1_rows * h + (fc1_rows if bias else 0)
-    n += (f // t) * h + (h if bias else 0)
+    if moe:
+        n += moe_dense_params(sh)
+    else:
+        fc1_rows = (2 * f if m.swiglu else f) // t
+        n += fc1_rows * h + (fc1_rows if bias else 0)
+        n += (f // t) * h + (h if bias else 0)
     return n + 2 * norm_params(sh)
 
 
@@ -50,9 +64,16 @@ def output_params(sh: RunShape) -> int:
     return norm_params(sh) + (sh.padded_vocab // sh.tp * sh.h if own else 0)
 
 
-def stage_params(sh: RunShape, stage: int) -> int:
-    """Parameters on pipeline rank ``stage`` (its v chunks)."""
-    n = sh.layers_per_stage * layer_params(sh)
+def _stage_layer_params(sh: RunShape, stage: int) -> int:
+    """The dense-buffer parameters of the stage's transformer layers."""
+    n_moe = sh.moe_layers_in(stage)
+    return (sh.layers_per_stage - n_moe) * layer_params(sh) + (n_moe * layer_params(sh, moe=True) if n_moe else 0)
+
+
+def stage_dense_params(sh: RunShape, stage: int) -> int:
+    """Trainable parameters of pipeline rank ``stage`` (its v chunks) outside the routed experts: what the
+    dense gradient buffers hold, reduced and sharded over DP x CP."""
+    n = _stage_layer_params(sh, stage)
     if stage == 0:
         n += embedding_params(sh)
     if stage == sh.pp - 1:
@@ -60,25 +81,58 @@ def stage_params(sh: RunShape, stage: int) -> int:
     return n
 
 
+def stage_expert_params(sh: RunShape, stage: int) -> int:
+    """Routed-expert parameters of pipeline rank ``stage``: reduced and sharded over expert-DP."""
+    return sh.moe_layers_in(stage) * expert_params(sh) if sh.is_moe else 0
+
+
+def stage_frozen_params(sh: RunShape, stage: int) -> int:
+    """fp32 parameters without gradient (the MoE expert bias)."""
+    return sh.moe_layers_in(stage) * frozen_params(sh) if sh.is_moe else 0
+
+
+def stage_params(sh: RunShape, stage: int) -> int:
+    """All parameters on pipeline rank ``stage`` (its v chunks)."""
+    return stage_dense_params(sh, stage) + stage_expert_params(sh, stage) + stage_frozen_params(sh, stage)
+
+
+def active_params(sh: RunShape) -> int:
+    """The whole model's parameters one token goes through (unsplit; dense models: all of them)."""
+    one = dataclasses.replace(sh, tp=1, pp=1, v=1, ep=1, etp=1)
+    n = stage_params(one, 0)
+    if not sh.is_moe:
+        return n
+    per_layer = expert_params(one) + frozen_params(one) + moe_dense_params(one) - active_mlp_params(one)
+    return n - sum(sh.moe) * per_layer
+
+
+def total_params(sh: RunShape) -> int:
+    return stage_params(dataclasses.replace(sh, tp=1, pp=1, v=1, ep=1, etp=1), 0)
+
+
 # ---- weights, gradients, optimizer state (docs/design.md §3.6) ---------------------------------------
 def _shards(sh: RunShape) -> int:
     return sh.dp * sh.cp
 
 
-def _bucket_numel(sh: RunShape, n: int) -> int:
+def _bucket_numel(sh: RunShape, n: int, dp: int | None = None) -> int:
     dd = sh.cfg.ddp
-    return min(n, dd.ddp_bucket_size or max(40_000_000, 1_000_000 * sh.dp))
+    return min(n, dd.ddp_bucket_size or max(40_000_000, 1_000_000 * (sh.dp if dp is None else dp)))
 
 
-def weight_bytes(sh: RunShape, n: int) -> float:
+def _largest_layer(sh: RunShape) -> int:
+    return max(layer_params(sh, moe) for moe in {False, sh.is_moe})
+
+
+def weight_bytes(sh: RunShape, n: int, stage: int = 0) -> float:
     """The weights; with optim_grads_params their shard, plus the full weights gathered at once: the
     chunk's own unit (embedding, final norm, output layer) and two layers (the one computing, the one
     prefetched), or all of them with --fsdp-keep-params-across-microbatches."""
     dd = sh.cfg.ddp
     if not dd.shards_params or _shards(sh) == 1:
         return n * sh.param_bytes
-    gathered = n if dd.fsdp_keep_params_across_microbatches else \
-        min(n, n - sh.layers_per_stage * layer_params(sh) + 2 * layer_params(sh))
+    layers = _stage_layer_params(sh, stage)
+    gathered = n if dd.fsdp_keep_params_across_microbatches else min(n, n - layers + 2 * _largest_layer(sh))
     return (n / _shards(sh) + gathered) * sh.param_bytes
 
 
@@ -89,27 +143,39 @@ def grad_bytes(sh: RunShape, n: int) -> float:
     dd = sh.cfg.ddp
     if not dd.shards_grads or _shards(sh) == 1:
         return n * sh.grad_bytes
-    bucket = layer_params(sh) if dd.shards_params else _bucket_numel(sh, n)
+    bucket = _largest_layer(sh) if dd.shards_params else _bucket_numel(sh, n)
     return n * sh.grad_bytes / _shards(sh) + bucket * (sh.grad_bytes + sh.param_bytes)
 
 
-def optimizer_bytes(sh: RunShape, n: int) -> float:
+def optimizer_bytes(sh: RunShape, n: int, shards: int | None = None) -> float:
     """fp32 main params (aliased to the weight in fp32 runs) and two Adam moments, sharded over the
-    DP x CP ranks by every sharding strategy, on the host with --optimizer-cpu-offload."""
+    DP x CP ranks (``shards``: expert-DP for routed experts) by every sharding strategy, on the host with
+    --optimizer-cpu-offload."""
     if sh.cfg.ddp.optimizer_cpu_offload:
         return 0.0
     per = (4 if sh.param_bytes == 2 else 0) + 8
-    shards = _shards(sh) if sh.cfg.ddp.shards_optimizer else 1
+    shards = (_shards(sh) if shards is None else shards) if sh.cfg.ddp.shards_optimizer else 1
     return n * per / shards
 
 
-def moe_bytes(sh: RunShape) -> float:
-    """Expert weights and their state: not yet (MoE has not landed)."""
-    return 0.0
+def expert_grad_bytes(sh: RunShape, n: int) -> float:
+    """The routed experts' gradient buffer, over expert-DP: whole, or with optim_grads / optim_grads_params
+    its shard plus one bucket in full (their weights are never sharded: ZeRO-3 gathers dense units only)."""
+    if not sh.cfg.ddp.shards_grads or sh.edp == 1:
+        return n * sh.grad_bytes
+    return n * sh.grad_bytes / sh.edp + _bucket_numel(sh, n, sh.edp) * (sh.grad_bytes + sh.param_bytes)
+
+
+def expert_state_terms(sh: RunShape, stage: int) -> dict[str, float]:
+    """The report's expert lines: the E/ep experts' weights (each cut over expert-TP), gradients and
+    optimizer state (sharded over expert-DP by the distributed optimizer and ZeRO)."""
+    n = stage_expert_params(sh, stage)
+    return {"expert weights": n * sh.param_bytes, "expert gradients": expert_grad_bytes(sh, n),
+            "expert optimizer state": optimizer_bytes(sh, n, sh.edp)}
 
 
 # ---- activations (docs/design.md §3.5) ----------------------------------------------------------------
-def layer_outside_core_bytes(sh: RunShape) -> float:
+def layer_outside_core_bytes(sh: RunShape, moe: bool = False) -> float:
     """Per micro-batch: what one layer keeps outside the core attention (selective recomputation's
     total), in elements of the activation dtype per token unless said otherwise.
 
@@ -118,18 +184,19 @@ def layer_outside_core_bytes(sh: RunShape) -> float:
     element size), and with RMSNorm the eager decomposition's 6 bytes per channel per norm. Split by
     TP: the fused QKV output ((a + 2g)d), a new copy of q when heads share a K/V group or RoPE rotates
     it, the rotated k with RoPE, the projection's input (ad), the MLP's fc1 output and activation (2f;
-    SwiGLU 4f). RoPE's cos/sin tables (4 of s x rotated channels) do not depend on the batch."""
+    SwiGLU 4f). RoPE's cos/sin tables (4 of s x rotated channels) do not depend on the batch. An MoE
+    layer has its router, dispatch and experts' bytes in place of the MLP's (planning/moe.py)."""
     m, h, t, e = sh.cfg.model, sh.h, sh.tp, sh.act_bytes
     a, g, d, f = m.num_attention_heads, m.num_query_groups, m.kv_channels, m.ffn_hidden_size
     rope = m.position_embedding_type == "rope"
     qkv = (a + 2 * g) * d + (a * d if rope or a != g else 0) + (g * d if rope else 0)
-    sharded = (qkv + a * d + (4 * f if m.swiglu else 2 * f)) * e
+    sharded = (qkv + a * d + (0 if moe else 4 * f if m.swiglu else 2 * f)) * e
     replicated = (4 + (2 if m.hidden_dropout > 0 else 0)) * h * e + 4 * e
     if m.normalization == "RMSNorm":
         replicated += 12 * h
     per_token = (replicated + sharded) / t if sh.sp else replicated + sharded / t
     tables = 4 * (sh.s // sh.cp) * int(d * m.rotary_percent) * e if rope else 0
-    return per_token * sh.local_tokens + tables
+    return per_token * sh.local_tokens + tables + (moe_mlp_activation_bytes(sh) if moe else 0.0)
 
 
 def core_attention_bytes(sh: RunShape) -> float:
@@ -151,8 +218,14 @@ def core_attention_bytes(sh: RunShape) -> float:
     return a * d * tokens / t * e + 4 * a * tokens / t
 
 
-def full_layer_bytes(sh: RunShape) -> float:
-    return layer_outside_core_bytes(sh) + core_attention_bytes(sh)
+def full_layer_bytes(sh: RunShape, moe: bool = False) -> float:
+    return layer_outside_core_bytes(sh, moe) + core_attention_bytes(sh)
+
+
+def stage_layer_bytes(sh: RunShape, stage: int) -> float:
+    """All of a pipeline rank's layers, one micro-batch each, without recomputation."""
+    n_moe = sh.moe_layers_in(stage)
+    return (sh.layers_per_stage - n_moe) * full_layer_bytes(sh) + (n_moe * full_layer_bytes(sh, True) if n_moe else 0)
 
 
 def layer_input_bytes(sh: RunShape) -> float:
@@ -160,25 +233,48 @@ def layer_input_bytes(sh: RunShape) -> float:
     return sh.local_tokens * sh.h * sh.act_bytes / (sh.tp if sh.sp else 1)
 
 
-def chunk_activation_bytes(sh: RunShape) -> float:
-    """One model chunk (layers_per_chunk layers) of one micro-batch, as kept between its forward and
-    backward, by recomputation granularity."""
-    m, n = sh.cfg.model, sh.layers_per_chunk
-    if sh.recompute == "selective":
-        return n * layer_outside_core_bytes(sh)
+def _kept_moe_layers(sh: RunShape, stage: int, chunk: int | None) -> float:
+    """MoE layers of a chunk whose activations are kept (not recomputed); chunk None: the mean over the
+    rank's chunks."""
+    n_moe = sh.moe_layers_in(stage, chunk) / (sh.v if chunk is None else 1)
     if sh.recompute != "full":
-        return n * full_layer_bytes(sh)
+        return n_moe
+    n, k = sh.layers_per_chunk, min(sh.cfg.model.recompute_num_layers, sh.layers_per_chunk)
+    return n_moe * (n - k) / n if sh.cfg.model.recompute_method == "block" else 0.0
+
+
+def chunk_activation_bytes(sh: RunShape, stage: int = 0, chunk: int | None = None) -> float:
+    """One model chunk (layers_per_chunk layers) of one micro-batch, as kept between its forward and
+    backward, by recomputation granularity (chunk None: the mean over the rank's chunks, which differ
+    only in how many MoE layers they hold)."""
+    m, n = sh.cfg.model, sh.layers_per_chunk
+    # an MoE layer keeps what a dense one does, its MLP's bytes replaced by the MoE layer's
+    moe = _kept_moe_layers(sh, stage, chunk) * (full_layer_bytes(sh, True) - full_layer_bytes(sh)) \
+        if sh.is_moe else 0.0
+    if sh.recompute == "selective":
+        return n * layer_outside_core_bytes(sh) + moe
+    if sh.recompute != "full":
+        return n * full_layer_bytes(sh) + moe
     k = min(m.recompute_num_layers, n)
     if m.recompute_method == "block":  # the first k layers recomputed, the rest kept
-        return k * layer_input_bytes(sh) + (n - k) * full_layer_bytes(sh)
+        return k * layer_input_bytes(sh) + (n - k) * full_layer_bytes(sh) + moe
     return -(-n // k) * layer_input_bytes(sh)  # uniform: one input per group of k layers
+
+
+def moe_activation_bytes(sh: RunShape, stage: int) -> float:
+    """The MoE layers' part of the stage's peak activations (router, dispatch, experts' rows): the
+    report's "MoE activations" line (included in activation_bytes)."""
+    if not sh.is_moe:
+        return 0.0
+    return in_flight_chunks(sh, stage) * _kept_moe_layers(sh, stage, None) * moe_mlp_activation_bytes(sh)
 
 
 def recompute_working_bytes(sh: RunShape) -> float:
     """Full recomputation rebuilds one group's activations at a time during backward."""
     if sh.recompute != "full":
         return 0.0
-    return min(sh.cfg.model.recompute_num_layers, sh.layers_per_chunk) * full_layer_bytes(sh)
+    layer = max(full_layer_bytes(sh, moe) for moe in {False, sh.is_moe})
+    return min(sh.cfg.model.recompute_num_layers, sh.layers_per_chunk) * layer
 
 
 def in_flight_chunks(sh: RunShape, stage: int) -> float:
@@ -228,7 +324,7 @@ def activation_bytes(sh: RunShape, stage: int) -> float:
     loss's backward frees its logits before any layer is recomputed)."""
     chunks = in_flight_chunks(sh, stage)
     first_chunk = -(-chunks // sh.v)
-    return (chunks * chunk_activation_bytes(sh) + first_chunk * embedding_activation_bytes(sh, stage)
+    return (chunks * chunk_activation_bytes(sh, stage) + first_chunk * embedding_activation_bytes(sh, stage)
             + max(losses_in_flight(sh) * logits_bytes(sh, stage), recompute_working_bytes(sh)))
 
 
@@ -258,11 +354,16 @@ class MemoryReport:
 
 
 def stage_memory(sh: RunShape, stage: int) -> MemoryReport:
-    n = stage_params(sh, stage)
-    terms = {"weights": weight_bytes(sh, n), "gradients": grad_bytes(sh, n),
-             "optimizer state": optimizer_bytes(sh, n), "activations": activation_bytes(sh, stage),
-             "communication buffers": comm_buffer_bytes(sh), "MoE experts (not yet)": moe_bytes(sh)}
-    return MemoryReport(stage, n, terms)
+    n = stage_dense_params(sh, stage)
+    terms = {"weights": weight_bytes(sh, n, stage) + 4 * stage_frozen_params(sh, stage),
+             "gradients": grad_bytes(sh, n), "optimizer state": optimizer_bytes(sh, n)}
+    if sh.is_moe:
+        terms.update(expert_state_terms(sh, stage))
+    act, moe_act = activation_bytes(sh, stage), moe_activation_bytes(sh, stage)
+    terms.update({"activations": act - moe_act, "communication buffers": comm_buffer_bytes(sh)})
+    if sh.is_moe:
+        terms.update({"MoE activations": moe_act, "MoE dispatch buffers": dispatch_buffer_bytes(sh)})
+    return MemoryReport(stage, stage_params(sh, stage), terms)
 
 
 def peak_memory(sh: RunShape) -> MemoryReport:

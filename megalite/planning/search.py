@@ -24,7 +24,8 @@ def candidates(cfg: MegaliteConfig, cluster: ClusterConfig, context_parallel: bo
     """Layouts whose sizes divide the world and the layers: TP and TP x CP inside a node; the
     distributed optimizer whenever there is more than one DP x CP rank (it needs less memory and, with
     16-bit weights, moves fewer bytes; ``search`` tries ZeRO-2, then ZeRO-3, where it does not fit); SP
-    whenever TP > 1 (same bytes, 1/TP of the activations)."""
+    whenever TP > 1 (same bytes, 1/TP of the activations). MoE models: every EP that divides the experts
+    and, with expert-TP = TP or 1, the stage's ranks."""
     m, world, gpn = cfg.model, cluster.world_size, cluster.gpus_per_node
     gbs = cfg.training.global_batch_size or cfg.training.micro_batch_size
     for tp in divisors(gpn):
@@ -39,7 +40,23 @@ def candidates(cfg: MegaliteConfig, cluster: ClusterConfig, context_parallel: bo
                         continue
                     for vp in vps:
                         for rc in RECOMPUTE:
-                            yield Layout(tp, pp, cp, vp, mbs, tp > 1, rc, "optim" if dp * cp > 1 else "no_shard")
+                            for ep, etp in expert_layouts(cfg, tp * cp * dp, tp):
+                                yield Layout(tp, pp, cp, vp, mbs, tp > 1, rc, "optim" if dp * cp > 1 else "no_shard",
+                                             ep, etp)
+
+
+def expert_layouts(cfg: MegaliteConfig, stage_ranks: int, tp: int) -> list[tuple[int, int | None]]:
+    """(EP, expert-TP) pairs for a stage of ``stage_ranks`` ranks: EP divides the experts, expert-TP is TP
+    (None) or 1, and EP x expert-TP divides the stage's ranks; (1, None) for a dense model."""
+    E = cfg.model.num_experts
+    if not cfg.model.is_moe:
+        return [(1, None)]
+    out: list[tuple[int, int | None]] = []
+    for etp in dict.fromkeys([tp, 1]):
+        for ep in divisors(stage_ranks // etp) if stage_ranks % etp == 0 else []:
+            if E % ep == 0:
+                out.append((ep, None if etp == tp else etp))
+    return out
 
 
 @dataclass
@@ -101,13 +118,15 @@ def best_variants(result: SearchResult) -> list[Plan]:
     seen: dict[tuple, Plan] = {}
     for plan in result.plans:
         lay = plan.layout
-        seen.setdefault((lay.tp, lay.pp, lay.cp, lay.vp_layers, lay.micro_batch), plan)
+        seen.setdefault((lay.tp, lay.pp, lay.cp, lay.vp_layers, lay.micro_batch, lay.ep, lay.etp), plan)
     return list(seen.values())
 
 
 def label(plan: Plan) -> str:
-    lay, v = plan.layout, plan.shape.v
-    return (f"TP{lay.tp} PP{lay.pp}" + (f" VP{v}" if v > 1 else "") + (f" CP{lay.cp}" if lay.cp > 1 else "")
+    lay, sh = plan.layout, plan.shape
+    v = sh.v
+    experts = (f" EP{sh.ep}" + (f" ETP{sh.etp}" if sh.etp != sh.tp else "")) if sh.is_moe else ""
+    return (f"TP{lay.tp} PP{lay.pp}" + (f" VP{v}" if v > 1 else "") + (f" CP{lay.cp}" if lay.cp > 1 else "") + experts
             + f" mbs{lay.micro_batch} {lay.recompute or 'no'}-rc")
 
 

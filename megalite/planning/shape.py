@@ -31,6 +31,9 @@ class RunShape:
     recompute: str | None
     param_bytes: int  # bytes per weight element (bf16/fp16: 2, fp32: 4)
     grad_bytes: int  # bytes per gradient element in the gradient buffer
+    ep: int = 1  # expert parallel: a stage's ranks cut as expert-TP x EP x expert-DP
+    etp: int = 1  # expert tensor parallel
+    moe: tuple[bool, ...] = ()  # whether each of the model's layers is an MoE layer (empty: dense)
 
     @classmethod
     def of(cls, cfg: MegaliteConfig, world: int, vocab: int) -> "RunShape":
@@ -42,9 +45,35 @@ class RunShape:
         gbs = t.global_batch_size or t.micro_batch_size * dp
         m = max(gbs // (t.micro_batch_size * dp), 1)
         low = pr.bf16 or pr.fp16
+        moe = tuple(cfg.model.moe_layers()) if cfg.model.is_moe else ()
         return cls(cfg, world, vocab, tp, pp, cp, dp, v, m, t.micro_batch_size, cfg.model.seq_length,
                    cfg.model.hidden_size, p.sequence_parallel and tp > 1, cfg.model.recompute_granularity,
-                   2 if low else 4, 2 if cfg.ddp.grad_reduce_in_bf16 else 4)
+                   2 if low else 4, 2 if cfg.ddp.grad_reduce_in_bf16 else 4,
+                   p.expert_model_parallel_size if moe else 1, (p.expert_tensor_parallel_size or tp) if moe else 1,
+                   moe)
+
+    @property
+    def edp(self) -> int:
+        """Expert data parallel: the stage's ranks (TP x CP x DP) over expert-TP x EP."""
+        return max(self.tp * self.cp * self.dp // (self.ep * self.etp), 1)
+
+    @property
+    def is_moe(self) -> bool:
+        return any(self.moe)
+
+    def chunk_layers(self, stage: int, chunk: int) -> list[int]:
+        """Global layer numbers of (pipeline rank, model chunk): virtual stage chunk·p + rank
+        (pipeline/partition.py's rule)."""
+        per = self.layers_per_chunk
+        start = (chunk * self.pp + stage) * per
+        return list(range(start, start + per))
+
+    def moe_layers_in(self, stage: int, chunk: int | None = None) -> int:
+        """MoE layers on a pipeline rank (one chunk of it, or all its chunks)."""
+        if not self.moe:
+            return 0
+        chunks = range(self.v) if chunk is None else [chunk]
+        return sum(self.moe[i] for c in chunks for i in self.chunk_layers(stage, c))
 
     @property
     def layers_per_stage(self) -> int:

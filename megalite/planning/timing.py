@@ -14,7 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megalite.planning.hardware import ClusterConfig
-from megalite.planning.memory import full_layer_bytes, stage_params
+from megalite.planning.memory import stage_dense_params, stage_expert_params, stage_layer_bytes
+from megalite.planning.moe import dispatch_comm_bytes
 from megalite.planning.shape import RunShape
 from megalite.training.flops import training_flops
 
@@ -41,7 +42,7 @@ def memory_bound_s(sh: RunShape, cl: ClusterConfig) -> float:
     the loss): every activation a layer keeps is written in forward and read in backward, and its
     gradient written and read (4x the layer's activation bytes); the cross-entropy makes 5 passes (read
     and write) over the fp32 logits, on the last stage (spread over the stages here)."""
-    per_mb = 4 * sh.layers_per_stage * full_layer_bytes(sh)
+    per_mb = 4 * stage_layer_bytes(sh, 0)
     ce = 10 * sh.local_tokens * sh.padded_vocab / sh.tp * 4 / sh.pp
     return sh.m * (per_mb + ce) / cl.hbm_bytes_per_s()
 
@@ -53,7 +54,14 @@ def bubble_s(sh: RunShape, cl: ClusterConfig) -> float:
 
 
 # ---- which link a group uses -----------------------------------------------------------------------------
+EXPERT_STRIDES = {"etp": lambda sh: 1, "emp": lambda sh: 1, "ep": lambda sh: sh.etp, "edp": lambda sh: sh.etp * sh.ep}
+
+
 def axis_stride(sh: RunShape, axis: str) -> int:
+    """Distance between consecutive ranks of a group of ``axis``. A stage's ranks are consecutive (MoE
+    needs the default rank order) and cut expert-TP fastest, then EP, then expert-DP."""
+    if axis in EXPERT_STRIDES:
+        return EXPERT_STRIDES[axis](sh)
     sizes = {"tp": sh.tp, "cp": sh.cp, "dp": sh.dp, "pp": sh.pp}
     stride = 1
     for a in sh.cfg.parallel.layout_order.split("-"):
@@ -80,13 +88,16 @@ def link(sh: RunShape, cl: ClusterConfig, axis: str, size: int) -> float:
 # ---- communication terms --------------------------------------------------------------------------------
 def tp_comm_s(sh: RunShape, cl: ClusterConfig) -> float:
     """Two all-reduces of b·s·h forward and two backward per layer and micro-batch (with SP an all-gather
-    and a reduce-scatter each, the same bytes); full recomputation repeats the forward's two."""
+    and a reduce-scatter each, the same bytes); full recomputation repeats the forward's two. An MoE
+    layer's routed experts need none (each rank routes its own tokens): only its attention's and its
+    shared expert's."""
     t = sh.tp
     if t == 1:
         return 0.0
     per = 2 * (t - 1) / t * sh.local_tokens * sh.h * sh.act_bytes
-    count = 6 if sh.recompute == "full" else 4
-    return count * per * sh.layers_per_stage * sh.m / link(sh, cl, "tp", t)
+    n_moe = sh.moe_layers_in(0)
+    forward = 2 * (sh.layers_per_stage - n_moe) + n_moe * (2 if sh.cfg.model.moe_shared_expert_intermediate_size else 1)
+    return forward * (3 if sh.recompute == "full" else 2) * per * sh.m / link(sh, cl, "tp", t)
 
 
 def cp_comm_s(sh: RunShape, cl: ClusterConfig) -> float:
@@ -120,22 +131,13 @@ def pp_comm_s(sh: RunShape, cl: ClusterConfig) -> float:
     return 2 * sh.v * sh.m * msg / link(sh, cl, "pp", sh.pp)
 
 
-def dp_comm_s(sh: RunShape, cl: ClusterConfig) -> float:
-    """The gradient buffer once per step over the DP x CP ranks: an all-reduce, or with the distributed
-    optimizer a reduce-scatter of gradients and an all-gather of weights (ZeRO-2: the reduce-scatter per
-    micro-batch; ZeRO-3: also two weight all-gathers per micro-batch, docs/parallelism.md); hierarchical reduction sends
-    1/k of it across nodes (k of the group's ranks per node). Exposed: all of it, or with
-    --overlap-grad-reduce the last bucket, plus the all-gather unless --overlap-param-gather."""
-    d = sh.dp * sh.cp
-    if d == 1:
-        return 0.0
-    dd, n = sh.cfg.ddp, stage_params(sh, 0)
-    axis = "dp"
-    inter = crosses_nodes(sh, cl, axis, sh.dp) or (sh.cp > 1 and crosses_nodes(sh, cl, "cp", sh.cp))
-    k = ranks_per_node_in_group(sh, cl, axis, sh.dp) if sh.cfg.parallel.hierarchical_dp_reduce else 1
+def _grad_sync_s(sh: RunShape, cl: ClusterConfig, n: int, d: int, inter: bool, k: int, shards_params: bool
+                 ) -> float:
+    """One gradient buffer of ``n`` elements synchronised over ``d`` ranks (see dp_comm_s)."""
+    dd = sh.cfg.ddp
     bw = cl.link_bytes_per_s(inter)
     frac = (d - 1) / d
-    if dd.shards_params:  # ZeRO-3: per micro-batch a reduce-scatter and two weight gathers (or one per step)
+    if shards_params:  # ZeRO-3: per micro-batch a reduce-scatter and two weight gathers (or one per step)
         gathers = 1 if dd.fsdp_keep_params_across_microbatches else 2 * sh.m
         reduce, gather = sh.m * frac * n * sh.grad_bytes, gathers * frac * n * sh.param_bytes
     elif dd.shards_grads:  # ZeRO-2: a reduce-scatter per micro-batch, one weight gather per step
@@ -147,11 +149,36 @@ def dp_comm_s(sh: RunShape, cl: ClusterConfig) -> float:
     if inter and k > 1:
         reduce, gather = reduce / k, gather / k
     if dd.overlap_grad_reduce:
-        bucket = dd.ddp_bucket_size or max(40_000_000, 1_000_000 * sh.dp)
+        bucket = dd.ddp_bucket_size or max(40_000_000, 1_000_000 * d)
         reduce *= min(1.0, bucket / max(n, 1))
     if dd.overlap_param_gather:
         gather = 0.0
     return (reduce + gather) / bw
+
+
+def dp_comm_s(sh: RunShape, cl: ClusterConfig) -> float:
+    """The gradient buffer once per step over the DP x CP ranks: an all-reduce, or with the distributed
+    optimizer a reduce-scatter of gradients and an all-gather of weights (ZeRO-2: the reduce-scatter per
+    micro-batch; ZeRO-3: also two weight all-gathers per micro-batch, docs/parallelism.md); hierarchical reduction sends
+    1/k of it across nodes (k of the group's ranks per node). Exposed: all of it, or with
+    --overlap-grad-reduce the last bucket, plus the all-gather unless --overlap-param-gather. Routed
+    experts have their own buffer: expert_dp_comm_s."""
+    d = sh.dp * sh.cp
+    if d == 1:
+        return 0.0
+    axis = "dp"
+    inter = crosses_nodes(sh, cl, axis, sh.dp) or (sh.cp > 1 and crosses_nodes(sh, cl, "cp", sh.cp))
+    k = ranks_per_node_in_group(sh, cl, axis, sh.dp) if sh.cfg.parallel.hierarchical_dp_reduce else 1
+    return _grad_sync_s(sh, cl, stage_dense_params(sh, 0), d, inter, k, sh.cfg.ddp.shards_params)
+
+
+def expert_dp_comm_s(sh: RunShape, cl: ClusterConfig) -> float:
+    """The routed experts' gradient buffer over expert-DP, as the dense one over DP (their weights are
+    never sharded by ZeRO-3)."""
+    if sh.edp == 1 or not sh.is_moe:
+        return 0.0
+    n = max(stage_expert_params(sh, r) for r in {0, sh.pp - 1})
+    return _grad_sync_s(sh, cl, n, sh.edp, crosses_nodes(sh, cl, "edp", sh.edp), 1, False)
 
 
 def embedding_comm_s(sh: RunShape, cl: ClusterConfig) -> float:
@@ -162,9 +189,46 @@ def embedding_comm_s(sh: RunShape, cl: ClusterConfig) -> float:
     return n * sh.grad_bytes / link(sh, cl, "pp", sh.pp)  # a 2-rank ring all-reduce: 2(2 - 1)/2 = 1 buffer
 
 
-def moe_comm_s(sh: RunShape, cl: ClusterConfig) -> float:
-    """The expert-parallel all-to-alls: not yet (MoE has not landed)."""
-    return 0.0
+def moe_step_comm_bytes(sh: RunShape, stage: int = 0) -> dict[tuple[str, str], float]:
+    """Bytes one rank of pipeline rank ``stage`` hands to each token-dispatch collective per step (keyed as
+    ProcessGroups.comm_bytes): per MoE layer and micro-batch the forward's (twice with full
+    recomputation) and the backward's."""
+    if not sh.is_moe:
+        return {}
+    times = sh.m * sh.moe_layers_in(stage)
+    again = 2 if sh.recompute == "full" else 1
+    return {key: times * (fwd * again + bwd) for key, (fwd, bwd) in dispatch_comm_bytes(sh).items()}
+
+
+def all_to_all_s(sh: RunShape, cl: ClusterConfig, axis: str, size: int, nbytes: float) -> float:
+    """All-to-alls in which each rank hands ``nbytes`` (its own part included): (size - 1)/size of them
+    leave it, to the group's ranks on other nodes over the network and to those on its node over NVLink,
+    at once."""
+    if size == 1 or nbytes == 0:
+        return 0.0
+    local = ranks_per_node_in_group(sh, cl, axis, size)
+    intra, inter = nbytes * (local - 1) / size, nbytes * (size - local) / size
+    return max(intra / cl.link_bytes_per_s(False), inter / cl.link_bytes_per_s(True) if inter else 0.0)
+
+
+def ep_comm_s(sh: RunShape, cl: ClusterConfig) -> float:
+    """Token dispatch over EP (alltoall: k·T rows each way per MoE layer and micro-batch, forward and
+    backward); with the allgather dispatcher the ring all-gathers and reduce-scatters over expert-TP x EP."""
+    out = 0.0
+    for (kind, _), nbytes in moe_step_comm_bytes(sh).items():
+        if kind == "ep":
+            out += all_to_all_s(sh, cl, "ep", sh.ep, nbytes)
+        elif kind == "emp":
+            n = sh.ep * sh.etp
+            out += (n - 1) / n * nbytes / link(sh, cl, "emp", n)
+    return out
+
+
+def etp_comm_s(sh: RunShape, cl: ClusterConfig) -> float:
+    """alltoall over expert-TP: every expert-TP rank gets the rows (etp x k·T handed each way), the
+    partial sums come back."""
+    nbytes = sum(v for (kind, _), v in moe_step_comm_bytes(sh).items() if kind == "etp")
+    return all_to_all_s(sh, cl, "etp", sh.etp, nbytes)
 
 
 @dataclass
@@ -187,6 +251,9 @@ def step_time(sh: RunShape, cl: ClusterConfig) -> TimeReport:
     terms = {"compute": compute_s(sh, cl), "memory-bound work": memory_bound_s(sh, cl),
              "pipeline bubble": bubble_s(sh, cl), "TP comm": tp_comm_s(sh, cl),
              "CP comm": cp_comm_s(sh, cl), "PP comm": pp_comm_s(sh, cl), "DP comm": dp_comm_s(sh, cl),
-             "embedding comm": embedding_comm_s(sh, cl), "MoE all-to-all (not yet)": moe_comm_s(sh, cl)}
+             "embedding comm": embedding_comm_s(sh, cl)}
+    if sh.is_moe:
+        terms.update({"MoE dispatch (EP)": ep_comm_s(sh, cl), "MoE expert-TP comm": etp_comm_s(sh, cl),
+                      "expert DP comm": expert_dp_comm_s(sh, cl)})
     return TimeReport(terms, step_flops(sh, False), step_flops(sh, True), sh.world)
 

@@ -3,6 +3,8 @@
 Counted per token, forward: 2 FLOPs per multiply-add of every GEMM (QKV, attention output, MLP, logits)
 plus the two attention matmuls (QK^T and PV, 2*2*s*h_attn, counted over the full causal square as
 Megatron does). Training = 3x forward (backward costs two forwards); full recomputation adds one more.
+Mixture of experts counts the active parameters: an MoE layer's MLP is its router (h x E), the k routed
+experts a token goes through (expert hidden size) and the shared expert and its gate if any.
 """
 
 from __future__ import annotations
@@ -10,15 +12,32 @@ from __future__ import annotations
 from megalite.config.model import ModelConfig
 
 
+def mlp_macs(cfg: ModelConfig, ffn: int) -> int:
+    """Multiply-adds per token of one MLP of hidden size ``ffn`` (SwiGLU: gate, up and down)."""
+    return cfg.hidden_size * ffn * (3 if cfg.swiglu else 2)
+
+
+def moe_mlp_macs(cfg: ModelConfig) -> int:
+    """Multiply-adds per token of an MoE layer's MLP: router, k routed experts, shared expert and gate."""
+    h = cfg.hidden_size
+    n = h * cfg.num_experts + cfg.moe_router_topk * mlp_macs(cfg, cfg.expert_ffn_hidden_size)
+    shared = cfg.moe_shared_expert_intermediate_size
+    if shared:
+        n += mlp_macs(cfg, shared) + (h if cfg.moe_shared_expert_gate else 0)
+    return n
+
+
 def flops_per_token(cfg: ModelConfig, vocab_size: int, seq_length: int) -> float:
     h, d = cfg.hidden_size, cfg.kv_channels
     nq, nkv = cfg.num_attention_heads, cfg.num_query_groups
     qkv = h * (nq + 2 * nkv) * d
     proj = nq * d * h
-    mlp = h * cfg.ffn_hidden_size * (3 if cfg.swiglu else 2)
     attn = 2 * seq_length * nq * d
-    per_layer = 2 * (qkv + proj + mlp + attn)
-    return cfg.num_layers * per_layer + 2 * h * vocab_size
+    dense, moe = mlp_macs(cfg, cfg.ffn_hidden_size), moe_mlp_macs(cfg) if cfg.is_moe else 0
+    total = 0.0
+    for is_moe in cfg.moe_layers():
+        total += 2 * (qkv + proj + (moe if is_moe else dense) + attn)
+    return total + 2 * h * vocab_size
 
 
 def training_flops(cfg: ModelConfig, vocab_size: int, seq_length: int, tokens: int, recompute: bool = False
