@@ -22,7 +22,7 @@ from megalite.planning.cli import cluster_from_values, split_argv, vocab_of
 from megalite.planning.estimate import estimate
 from megalite.planning.layout import layout_rule_errors
 from megalite.planning.memory import activation_bytes, chunk_activation_bytes, in_flight_chunks, stage_memory
-from megalite.planning.published import PUBLISHED, cluster_flags, run_flags
+from megalite.planning.published import PUBLISHED, PUBLISHED_MOE, cluster_flags, run_flags
 from megalite.planning.search import rank_of, search
 from megalite.planning.shape import RunShape
 from tests.cli_utils import ROOT
@@ -316,6 +316,101 @@ def test_moe_state_and_dispatch_bytes_match_measured():
             assert mean == value, (name, key, mean, value)
             if key[1] != "moe_all_to_all":
                 assert all(r[name][2][key] == value for r in results), (name, key)
+
+
+def test_moe_flops_count_the_active_parameters():
+    """training/flops.py against a hand count: h 64, 4 heads of 16, s 32, vocab 1000, SwiGLU; layer 0 dense
+    (ffn 128), layers 1-3 MoE (4 experts of 96, top-2, a shared expert of 32 with its gate)."""
+    from megalite.config.model import ModelConfig
+    from megalite.training.flops import flops_per_token, training_flops
+
+    cfg = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32, ffn_hidden_size=128,
+                      swiglu=True, disable_bias_linear=True, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=96,
+                      moe_layer_freq="([0]+[1]*3)", moe_shared_expert_intermediate_size=32, moe_shared_expert_gate=True)
+    qkv, proj, attn = 64 * 192, 64 * 64, 2 * 32 * 64  # multiply-adds per token
+    dense_mlp = 3 * 64 * 128
+    moe_mlp = 64 * 4 + 2 * (3 * 64 * 96) + 3 * 64 * 32 + 64  # router, 2 experts, shared expert, gate
+    per_token = 2 * (qkv + proj + attn + dense_mlp) + 3 * 2 * (qkv + proj + attn + moe_mlp) + 2 * 64 * 1000
+    assert (dense_mlp, moe_mlp, per_token) == (24576, 43328, 600960)
+    assert flops_per_token(cfg, 1000, 32) == per_token
+    assert training_flops(cfg, 1000, 32, 10) == 3 * per_token * 10
+    dense = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32, ffn_hidden_size=128,
+                        swiglu=True)
+    assert flops_per_token(dense, 1000, 32) == 4 * 2 * (qkv + proj + attn + dense_mlp) + 2 * 64 * 1000
+
+
+@pytest.mark.parametrize("run", PUBLISHED_MOE, ids=[r.name for r in PUBLISHED_MOE])
+def test_published_moe_parameter_counts(run):
+    """The planner's total and active parameters of released MoE models, to the published 0.1 B."""
+    cfg = parse_args([*run.flags, "--seq-length", "4096", "--max-position-embeddings", "4096",
+                      "--micro-batch-size", "1"])
+    plan = estimate(cfg, cluster_from_values({}), vocab_of(cfg))
+    assert round(plan.total_params / 1e9, 1) == run.total_b, plan.total_params
+    assert round(plan.active_params / 1e9, 1) == run.active_b, plan.active_params
+
+
+MIXTRAL = [*PUBLISHED_MOE[0].flags, "--seq-length", "4096", "--max-position-embeddings", "4096", "--bf16",
+           "--micro-batch-size", "1", "--global-batch-size", "256", "--moe-token-dispatcher-type", "alltoall"]
+
+
+def test_plan_tool_reports_the_moe_terms():
+    proc = _run("tools/plan.py", [*MIXTRAL, "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                  "--pipeline-model-parallel-size", "4", "--expert-model-parallel-size", "4",
+                                  "--use-distributed-optimizer", "--recompute-granularity", "selective",
+                                  "--num-nodes", "8", "--gpus-per-node", "8"])
+    assert proc.returncode == 0, proc.stderr
+    for text in ("46.70 B parameters (12.88 B active per token: 8 experts, top-2, 32 MoE layers)",
+                 "experts: EP 4 (NVLink) x expert-TP 2 (NVLink) x expert-DP 2 (network), alltoall dispatch",
+                 "expert weights", "expert gradients", "expert optimizer state", "MoE activations",
+                 "MoE dispatch buffers", "MoE dispatch (EP)", "MoE expert-TP comm", "expert DP comm",
+                 "--expert-model-parallel-size 4"):
+        assert text in proc.stdout, (text, proc.stdout)
+
+
+def test_moe_terms_follow_the_expert_layout():
+    """EP divides the experts' bytes, expert-DP their optimizer state; the dispatch leaves the node
+    only when EP x expert-TP spans nodes; the search tries EP and proposes only what pretrain accepts."""
+    from megalite.config import validate
+    from megalite.planning.hardware import ClusterConfig
+    from megalite.planning.timing import ep_comm_s
+
+    def plan(ep: int, nodes: int = 1, extra: tuple = ()):
+        cfg = parse_args([*MIXTRAL, "--num-layers", "4", "--expert-model-parallel-size", str(ep),
+                          "--use-distributed-optimizer", *extra])
+        cluster = ClusterConfig(num_nodes=nodes, gpus_per_node=8)
+        fill_derived_defaults(cfg, cluster.world_size)
+        return estimate(cfg, cluster, vocab_of(cfg))
+
+    one, two, eight = plan(1), plan(2), plan(8)
+    for name in ("expert weights", "expert gradients"):
+        assert one.memory.terms[name] == pytest.approx(2 * two.memory.terms[name])
+        assert one.memory.terms[name] == pytest.approx(8 * eight.memory.terms[name])
+    assert eight.memory.terms["expert optimizer state"] == pytest.approx(eight.memory.terms["expert weights"] * 6)
+    assert one.memory.terms["expert optimizer state"] == pytest.approx(one.memory.terms["expert weights"] * 6 / 8)
+    assert ep_comm_s(one.shape, one.cluster) == 0 < ep_comm_s(two.shape, two.cluster)
+    # EP 8 on one node's ranks, or EP 8 x expert-TP 2 over two nodes' (the same rows per rank each way)
+    inside = plan(8, nodes=2, extra=("--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                     "--expert-tensor-parallel-size", "1"))
+    across = plan(8, nodes=2, extra=("--tensor-model-parallel-size", "2", "--sequence-parallel"))
+    assert ep_comm_s(inside.shape, inside.cluster) < ep_comm_s(across.shape, across.cluster)
+
+    cfg = parse_args([*MIXTRAL, "--num-layers", "4", "--global-batch-size", "16", "--mock-data"])
+    cluster = ClusterConfig(num_nodes=1, gpus_per_node=8)
+    result = search(cfg, cluster, vocab_of(cfg), context_parallel=False)
+    assert {p.layout.ep for p in result.plans} >= {1, 2, 4, 8}
+    assert {p.layout.etp for p in result.plans if p.layout.tp > 1} == {None, 1}
+    for p in result.plans[:20]:
+        validate(p.layout.apply(cfg), cluster.world_size, cluster.gpus_per_node)
+
+
+def test_dry_run_plans_the_moe_flags():
+    args = ["--dry-run", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--mock-data",
+            "--vocab-size", "1000", "--bf16", "--num-experts", "4", "--disable-bias-linear",
+            "--expert-model-parallel-size", "2"]
+    proc = _run("pretrain_gpt.py", args, env={"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"})
+    assert proc.returncode == 0, proc.stderr
+    assert "experts: EP 2 (NVLink) x expert-TP 1 x expert-DP 2 (NVLink)" in proc.stdout, proc.stdout
+    assert "MoE dispatch buffers" in proc.stdout and "expert optimizer state" in proc.stdout, proc.stdout
 
 
 @pytest.mark.parametrize("p,v,m,kind", [(2, 1, 4, "1f1b"), (4, 1, 8, "1f1b"), (4, 1, 2, "1f1b"), (2, 2, 4, "1f1b"),

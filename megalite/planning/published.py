@@ -100,3 +100,36 @@ def run_flags(run: PublishedRun) -> list[str]:
 
 def cluster_flags(run: PublishedRun) -> list[str]:
     return ["--num-nodes", str(run.gpus // 8), "--gpus-per-node", "8", "--gpu", run.gpu]
+
+
+@dataclass(frozen=True)
+class PublishedMoE:
+    """A mixture-of-experts model's published parameter counts (total and active per token), the sanity
+    row of the planner's MoE parameter count; the architecture is the model's released configuration."""
+
+    source: str
+    name: str
+    flags: tuple[str, ...]  # pretrain_gpt.py model flags
+    total_b: float  # billions, as published
+    active_b: float
+
+
+_MIXTRAL = ("Mixtral of experts, Mistral AI announcement (December 2023): 46.7B total, 12.9B per token; "
+            "architecture: the released Mixtral-8x7B configuration")
+_QWEN_MOE = ("Qwen1.5-MoE-A2.7B model card: 14.3B total, 2.7B activated; architecture: its released "
+             "configuration")
+_LLAMA_STYLE = ("--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+                "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--make-vocab-size-divisible-by",
+                "128")
+
+PUBLISHED_MOE: list[PublishedMoE] = [
+    PublishedMoE(_MIXTRAL, "Mixtral-8x7B", (
+        "--num-layers", "32", "--hidden-size", "4096", "--num-attention-heads", "32", "--group-query-attention",
+        "--num-query-groups", "8", "--ffn-hidden-size", "14336", "--num-experts", "8", "--moe-router-topk", "2",
+        "--vocab-size", "31999", *_LLAMA_STYLE), 46.7, 12.9),
+    PublishedMoE(_QWEN_MOE, "Qwen1.5-MoE-A2.7B", (
+        "--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16", "--add-qkv-bias",
+        "--moe-ffn-hidden-size", "1408", "--num-experts", "60", "--moe-router-topk", "4",
+        "--moe-shared-expert-intermediate-size", "5632", "--moe-shared-expert-gate", "--vocab-size", "151935",
+        *_LLAMA_STYLE), 14.3, 2.7),
+]
