@@ -46,8 +46,11 @@ class Layout:
                    p.expert_tensor_parallel_size)
 
     def apply(self, cfg: MegaliteConfig) -> MegaliteConfig:
-        """A copy of ``cfg`` with this layout's flags."""
-        out = copy.deepcopy(cfg)
+        """A copy of ``cfg`` with this layout's flags (the sections it changes copied, the others shared:
+        the search builds one per candidate)."""
+        out = copy.copy(cfg)
+        for section in ("model", "parallel", "training", "ddp"):
+            setattr(out, section, copy.copy(getattr(cfg, section)))
         p = out.parallel
         p.tensor_model_parallel_size, p.pipeline_model_parallel_size = self.tp, self.pp
         p.context_parallel_size, p.num_layers_per_virtual_pipeline_stage = self.cp, self.vp_layers

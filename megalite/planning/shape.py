@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from megalite.config.arguments import MegaliteConfig
 
@@ -68,12 +69,18 @@ class RunShape:
         start = (chunk * self.pp + stage) * per
         return list(range(start, start + per))
 
+    @cached_property
+    def _moe_per_chunk(self) -> dict[tuple[int, int], int]:
+        return {(r, c): sum(self.moe[i] for i in self.chunk_layers(r, c)) for r in range(self.pp)
+                for c in range(self.v)}
+
     def moe_layers_in(self, stage: int, chunk: int | None = None) -> int:
         """MoE layers on a pipeline rank (one chunk of it, or all its chunks)."""
         if not self.moe:
             return 0
-        chunks = range(self.v) if chunk is None else [chunk]
-        return sum(self.moe[i] for c in chunks for i in self.chunk_layers(stage, c))
+        if chunk is not None:
+            return self._moe_per_chunk[(stage, chunk)]
+        return sum(self._moe_per_chunk[(stage, c)] for c in range(self.v))
 
     @property
     def layers_per_stage(self) -> int:
