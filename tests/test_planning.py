@@ -318,6 +318,30 @@ def test_moe_state_and_dispatch_bytes_match_measured():
                 assert all(r[name][2][key] == value for r in results), (name, key)
 
 
+@pytest.mark.parametrize("ep,etp,tp,pad", [(2, 1, 1, False), (4, 1, 1, False), (2, 2, 2, False), (2, 1, 2, False),
+                                            (4, 1, 1, True)])
+def test_moe_dispatch_bytes_agree_with_the_bench_formulas(ep, etp, tp, pad):
+    """The planner's per-rank dispatch bytes x the world = bench/moe_formulas.py's world totals (which
+    bench/bench_moe.py holds to real runs); allgather per rank."""
+    from bench.moe_formulas import allgather_bytes, alltoall_bytes
+    from megalite.planning.moe import dispatch_comm_bytes, routed_tokens, sent_rows
+
+    world = 8
+    for kind in ("alltoall", "allgather"):
+        extra = dict(moe_expert_capacity_factor=1.5, moe_pad_expert_input_to_capacity=True) if pad else {}
+        cfg = planner_cfg(MOE_LAYER, world, num_layers=2, bf16=True, micro_batch_size=2, global_batch_size=16,
+                          tensor_model_parallel_size=tp, sequence_parallel=tp > 1, expert_model_parallel_size=ep,
+                          expert_tensor_parallel_size=etp, moe_token_dispatcher_type=kind, **extra)
+        sh = RunShape.of(cfg, world, VOCAB)
+        T, h, k = routed_tokens(sh), sh.h, sh.cfg.model.moe_router_topk
+        planner = {key: fwd + bwd for key, (fwd, bwd) in dispatch_comm_bytes(sh).items()}
+        if kind == "alltoall":
+            bench = alltoall_bytes(T, h, k, 4, ep, etp, world, 2, int(sent_rows(sh)) if pad else None)
+            assert {key: v * world for key, v in planner.items()} == dict(bench), kind
+        else:
+            assert planner == dict(allgather_bytes(T, h, k, ep, etp, 2)), kind
+
+
 def test_moe_flops_count_the_active_parameters():
     """training/flops.py against a hand count: h 64, 4 heads of 16, s 32, vocab 1000, SwiGLU; layer 0 dense
     (ffn 128), layers 1-3 MoE (4 experts of 96, top-2, a shared expert of 32 with its gate)."""
