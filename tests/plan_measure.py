@@ -1,6 +1,7 @@
 """Measure, on CPU, what the planner's memory terms predict: the bytes autograd saves per transformer layer
 (parameter storages excluded, views of them included in that exclusion) and the bytes of parameters,
-gradients and optimizer state a rank holds. Used by tests/test_planning.py."""
+gradients and optimizer state a rank holds, and the bytes it hands to MoE token dispatch. Used by
+tests/test_planning.py and tests/test_planning_moe.py."""
 
 from __future__ import annotations
 
@@ -16,3 +17,9 @@ def layer_activation_bytes(cfg: ModelConfig, pg: ProcessGroups, micro_batch: int
     """Saved bytes of one transformer layer: a 2-layer model's layers minus a 1-layer model's."""
     return int(bytes_per_layer(cfg, pg, micro_batch, vocab, sequence_parallel=sequence_parallel, dtype=dtype,
                                exclude_weights=True))
+
+
+def dispatch_comm_bytes(pg: ProcessGroups) -> dict[tuple[str, str], int]:
+    """Bytes this rank handed to MoE token-dispatch collectives so far, keyed (group kind, label) as
+    ProcessGroups.comm_bytes counts them (labels moe_*; what planning/moe.py:dispatch_comm_bytes predicts)."""
+    return {key: v for key, v in pg.comm_bytes.items() if key[1].startswith("moe_")}

@@ -101,6 +101,7 @@ def _moe_state_worker(rank: int, world: int) -> dict:
     from megalite.parallel.groups import ProcessGroups
     from megalite.parallel.layout import RankLayout
     from megalite.training.loop import pretrain
+    from tests.plan_measure import dispatch_comm_bytes
 
     out = {}
     for name, flat in MOE_STATE_ROWS:
@@ -113,8 +114,7 @@ def _moe_state_worker(rank: int, world: int) -> dict:
         pg = ProcessGroups.build(layout, rank)
         mem = storage_by_kind(pretrain(cfg, pg, log=lambda s: None))
         state = mem["params"] + mem["grads"] + mem["main params"] + mem["adam moments"]
-        comm = {key: v for key, v in pg.comm_bytes.items() if key[1].startswith("moe_")}
-        out[name] = (mem["numel"], state, comm)
+        out[name] = (mem["numel"], state, dispatch_comm_bytes(pg))
     return out
 
 
