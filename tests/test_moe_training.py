@@ -5,7 +5,7 @@ iteration as one process, at 1e-5 relative.
 Model A (the MoE defaults: softmax top-2, aux loss, a loop over experts), 10 iterations, against one
 single-process run: EP 4 with full recompute; EP 2 x TP 2 (sequence parallel, expert-TP 2, alltoall); EP
 2 x PP 2 (alltoall), also under MEGALITE_NCCL_SEMANTICS=1 (its pipeline messages under NCCL's rules); the
-allgather dispatcher at EP 2 x TP 2 with expert-TP 1; CP 2 x EP 2 with the distributed optimizer (expert
+allgather dispatcher at EP 2 x TP 2 with expert-TP 1 and ZeRO-2; CP 2 x EP 2 with the distributed optimizer (expert
 state sharded over expert-DP 2). Model B (a gated shared expert, sigmoid scores with expert bias,
 seq_aux_loss and z-loss, layer 0 dense by --moe-layer-freq), 5 iterations, against its own single-process
 run: EP 2 x TP 2 with grouped GEMMs. The variants are merged into few 4-rank runs to keep the file short.
@@ -41,9 +41,11 @@ CASES_A = {
     "ep2_pp2": (4, ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", *A2A], {}),
     "ep2_pp2_nccl_semantics": (4, ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
                                    *A2A], {"MEGALITE_NCCL_SEMANTICS": "1"}),
-    "allgather_tp2_etp1": (4, ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
-                               "--sequence-parallel", "--expert-tensor-parallel-size", "1",
-                               "--moe-token-dispatcher-type", "allgather"], {}),
+    # with ZeRO-2: expert gradients reduce-scattered over expert-DP 2 every micro-batch
+    "allgather_tp2_etp1_zero2": (4, ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
+                                     "--sequence-parallel", "--expert-tensor-parallel-size", "1",
+                                     "--moe-token-dispatcher-type", "allgather", "--data-parallel-sharding-strategy",
+                                     "optim_grads"], {}),
     # DP 2 x CP 2: dense state sharded over 4 ranks, the experts' over expert-DP 2
     "cp2_ep2_dp2_distributed_optimizer": (4, ["--context-parallel-size", "2", "--expert-model-parallel-size", "2",
                                               "--use-distributed-optimizer", *A2A], {}),
