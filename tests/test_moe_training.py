@@ -3,12 +3,13 @@
 iteration as one process, at 1e-5 relative.
 
 Model A (the MoE defaults: softmax top-2, aux loss, a loop over experts), 10 iterations, against one
-single-process run: EP 4 with full recompute; EP 2 x TP 2 (sequence parallel, expert-TP 2, alltoall); EP
-2 x PP 2 (alltoall), also under MEGALITE_NCCL_SEMANTICS=1 (its pipeline messages under NCCL's rules); the
-allgather dispatcher at EP 2 x TP 2 with expert-TP 1 and ZeRO-2; CP 2 x EP 2 with the distributed optimizer (expert
-state sharded over expert-DP 2). Model B (a gated shared expert, sigmoid scores with expert bias,
-seq_aux_loss and z-loss, layer 0 dense by --moe-layer-freq), 5 iterations, against its own single-process
-run: EP 2 x TP 2 with grouped GEMMs. The variants are merged into few 4-rank runs to keep the file short.
+single-process run: EP 2 (the default allgather dispatcher); EP 4 with full recompute; EP 2 x TP 2
+(sequence parallel, expert-TP 2, alltoall); EP 2 x PP 2 (alltoall), also under MEGALITE_NCCL_SEMANTICS=1
+(its pipeline messages under NCCL's rules); the allgather dispatcher at EP 2 x TP 2 with expert-TP 1 and
+ZeRO-2; CP 2 x EP 2 with the distributed optimizer (expert state sharded over expert-DP 2). Model B (a
+gated shared expert, sigmoid scores with expert bias, seq_aux_loss and z-loss, layer 0 dense by
+--moe-layer-freq), 5 iterations, against its own single-process run: EP 2 x TP 2 with grouped GEMMs.
+The variants are merged into few 4-rank runs to keep the file short.
 
 Beyond exactness: --grad-compression int8 (dense gradients compressed, expert gradients reduced exactly)
 stays within 1e-3 of fp32; bf16 and fp16 at EP 2 train (the loss falls by a tenth in 5 steps at lr 1e-2).
@@ -34,6 +35,7 @@ ITERS_A, ITERS_B = 10, 5
 
 # name: (ranks, flags, environment)
 CASES_A = {
+    "ep2_allgather": (2, ["--expert-model-parallel-size", "2"], {}),  # the default dispatcher
     "ep4_recompute": (4, ["--expert-model-parallel-size", "4", *A2A, "--recompute-granularity", "full",
                           "--recompute-method", "uniform", "--recompute-num-layers", "1"], {}),
     "ep2_tp2_sp": (4, ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
