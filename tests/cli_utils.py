@@ -36,6 +36,20 @@ def losses(proc: subprocess.CompletedProcess) -> dict[int, tuple[float, float]]:
     return found
 
 
+MOE_LOG = re.compile(r"iteration\s+(\d+)/.*?\| lm loss: ([0-9.E+-]+) \|.*?\| load balancing loss: ([0-9.E+-]+) \|"
+                     r"(?: z loss: ([0-9.E+-]+) \|)?(?:.*?grad norm: ([0-9.]+))?")
+
+
+def moe_losses(proc: subprocess.CompletedProcess) -> dict[int, dict[str, float | None]]:
+    """{iteration: {"lm", "lb" (load balancing loss), "z" (z loss or None), "grad_norm" (None on a skipped
+    step)}} from an MoE run's log lines; fails loudly if the run failed."""
+    assert proc.returncode == 0, f"run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    found = {int(m[1]): {"lm": float(m[2]), "lb": float(m[3]), "z": float(m[4]) if m[4] else None,
+                         "grad_norm": float(m[5]) if m[5] else None} for m in MOE_LOG.finditer(proc.stdout)}
+    assert found, f"no MoE log lines in:\n{proc.stdout[-2000:]}"
+    return found
+
+
 def load_tool(name: str):
     """Import tools/NAME.py (the tools are scripts, not a package) as a module."""
     spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")

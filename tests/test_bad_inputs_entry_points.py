@@ -52,6 +52,7 @@ TINY = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16
         "--micro-batch-size 2 --global-batch-size 2 --eval-iters 0 --train-iters 1")
 DATA = f"{TINY} --split 1,0,0 --data-path {{data}}"
 NULL = "--tokenizer-type NullTokenizer --vocab-size 128"
+MOE = "--num-experts 4 --disable-bias-linear"
 BPE = "--tokenizer-type GPT2BPETokenizer"
 SWAPPED = "did you swap --vocab-file and --merge-file?"
 NO_CKPT = "no latest_checkpointed_iteration.txt there"
@@ -87,6 +88,18 @@ CASES = [
          "--num-layers 4", "--load {ck}: the checkpoint's model differs", "--num-layers: checkpoint 2, flags 4"),
     case("pretrain-save-another-run", "pretrain", f"{TINY} --mock-data --vocab-size 128 --save {{ck_copy}}",
          "--save {ck_copy} already holds a checkpoint", "--overwrite-checkpoint"),
+    # ---- pretrain_gpt.py: mixture of experts ----------------------------------------------------------------
+    case("pretrain-moe-bias", "pretrain", f"{TINY} --mock-data {NULL} --num-experts 4",
+         "--num-experts needs --disable-bias-linear"),
+    case("pretrain-moe-layer-freq", "pretrain", f"{TINY} --mock-data {NULL} {MOE} --moe-layer-freq [1,x]",
+         "--moe-layer-freq '[1,x]' is neither an integer nor a list"),
+    case("pretrain-moe-ep-over-world", "pretrain", f"{TINY} --mock-data {NULL} {MOE} --expert-model-parallel-size 2",
+         "--expert-model-parallel-size (2) x --expert-tensor-parallel-size (1) must divide the ranks of a pipeline "
+         "stage (1 = TP 1 x CP 1 x DP 1)"),
+    case("pretrain-moe-dispatcher", "pretrain", f"{TINY} --mock-data {NULL} {MOE} --moe-token-dispatcher-type a2a",
+         "--moe-token-dispatcher-type", "'a2a'"),
+    case("pretrain-moe-fsdp", "pretrain", f"{TINY} --mock-data {NULL} {MOE} --use-megatron-fsdp",
+         "--num-experts is not supported with --data-parallel-sharding-strategy optim_grads_params"),
     # ---- tools/preprocess_data.py --------------------------------------------------------------------------
     case("preprocess-input-missing", "preprocess", f"--input {{d}}/nope.jsonl --output-prefix {{new}} {NULL}",
          "--input {d}/nope.jsonl: no such file"),

@@ -145,7 +145,8 @@ class AllGatherDispatcher(Dispatcher):
 def make_dispatcher(kind: str, num_experts: int, pg: ProcessGroups, topk: int = 1, pad_factor: float | None = None
                     ) -> Dispatcher:
     """``pad_factor``: --moe-expert-capacity-factor with --moe-pad-expert-input-to-capacity (alltoall pads
-    each expert's rows from each rank to the capacity; allgather's shapes are fixed already)."""
+    each expert's rows from each rank to the capacity; the allgather dispatcher does not pad, and the
+    config refuses the flag with it)."""
     if kind == "alltoall":
         return AllToAllDispatcher(num_experts, pg, topk, pad_factor)
     if kind == "allgather":

@@ -34,10 +34,16 @@ class _ContiguousGrad(torch.autograd.Function):
         return g.contiguous()
 
 
+def _grouped_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """torch._grouped_mm needs row strides (both feature sizes, in bytes) that are multiples of 16."""
+    return all(n * x.element_size() % 16 == 0 for n in (x.shape[1], weight.shape[1]))
+
+
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int], grouped: bool) -> torch.Tensor:
     """Rows of ``x`` [n, in], consecutive blocks of ``counts`` rows, each times its expert's ``weight[e]``
-    [out, in] transposed: [n, out]."""
-    if grouped and grouped_mm_available() and x.shape[0] > 0:
+    [out, in] transposed: [n, out]. Grouped where possible, else (no rows, sizes _grouped_mm refuses) the
+    loop."""
+    if grouped and grouped_mm_available() and x.shape[0] > 0 and _grouped_mm_fits(x, weight):
         offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
         return _ContiguousGrad.apply(torch._grouped_mm(x, weight.transpose(1, 2), offs=offs))
     parts = x.split(counts)
