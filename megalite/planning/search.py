@@ -78,7 +78,8 @@ def search(cfg: MegaliteConfig, cluster: ClusterConfig, vocab: int, context_para
             out.refused[errors[0].split(" (")[0]] += 1
             continue
         plan = estimate(run, cluster, vocab)
-        for zero in ("optim_grads", "optim_grads_params") if layout.sharding == "optim" else ():
+        zeros = ("optim_grads",) if cfg.model.is_moe else ("optim_grads", "optim_grads_params")  # MoE: no ZeRO-3
+        for zero in zeros if layout.sharding == "optim" else ():
             if plan.fits:  # ZeRO-2/3 only where the distributed optimizer alone does not fit: they move more
                 break
             sharded = replace(layout, sharding=zero)
