@@ -154,7 +154,7 @@ def test_moe_dispatch_bytes_agree_with_the_bench_formulas(ep, etp, tp, pad):
     from megalite.planning.moe import dispatch_comm_bytes, routed_tokens, sent_rows
 
     world = 8
-    for kind in ("alltoall", "allgather"):
+    for kind in ("alltoall",) if pad else ("alltoall", "allgather"):  # only alltoall pads
         extra = dict(moe_expert_capacity_factor=1.5, moe_pad_expert_input_to_capacity=True) if pad else {}
         cfg = planner_cfg(MOE_LAYER, world, num_layers=2, bf16=True, micro_batch_size=2, global_batch_size=16,
                           tensor_model_parallel_size=tp, sequence_parallel=tp > 1, expert_model_parallel_size=ep,
