@@ -19,15 +19,19 @@ from megalite.checkpointing.paths import rng_filename
 from megalite.checkpointing.reader import CheckpointError, CheckpointReader
 from megalite.checkpointing.stored import named_params
 from megalite.parallel.groups import ProcessGroups
-from megalite.tensor_parallel.param_meta import param_meta
+from megalite.tensor_parallel.param_meta import local_shard, param_meta, shard_coords
 
 # Model fields that change what the weights mean; the rest (dropout, init, padding) may differ.
 SHAPE_FIELDS = ["num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                 "kv_channels", "position_embedding_type", "rotary_base", "rotary_percent", "normalization",
                 "swiglu", "untie_embeddings_and_output_weights", "disable_bias_linear", "add_qkv_bias",
-                "max_position_embeddings", "vocab_size", "apply_layernorm_1p"]
+                "max_position_embeddings", "vocab_size", "apply_layernorm_1p", "num_experts", "moe_ffn_hidden_size",
+                "moe_layer_freq", "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
+                "moe_router_enable_expert_bias"]
 # Shape fields added after checkpoints without them were written, with the value those checkpoints meant.
-LATER_FIELDS = {"apply_layernorm_1p": False}
+LATER_FIELDS = {"apply_layernorm_1p": False, "num_experts": None, "moe_ffn_hidden_size": None, "moe_layer_freq": "1",
+                "moe_shared_expert_intermediate_size": None, "moe_shared_expert_gate": False,
+                "moe_router_enable_expert_bias": False}
 
 
 class CheckpointMismatch(ValueError):
@@ -64,14 +68,14 @@ def load_checkpoint(load_dir: str, chunks: list[nn.Module], optimizer: Any, pg: 
     reader = CheckpointReader(load_dir)
     check_config(reader.config, model_config, f"--load {load_dir}")
     lay = reader.meta["layout"]
-    same = (lay["tp"], lay["pp"], lay["dp"], lay.get("cp", 1), lay["vp"], lay["world_size"]) == (
-        pg.tp_size, pg.pp_size, pg.dp_size, pg.cp_size, len(chunks), pg.layout.world_size)
-    same_tp = reader.tp == pg.tp_size  # then this rank's shard is on disk as is: read only it
+    same = (lay["tp"], lay["pp"], lay["dp"], lay.get("cp", 1), lay["vp"], lay["world_size"], reader.ep,
+            reader.etp) == (pg.tp_size, pg.pp_size, pg.dp_size, pg.cp_size, len(chunks), pg.layout.world_size,
+                            pg.ep_size, pg.etp_size)
     for _, key, p in named_params(chunks):
-        local = reader.local_param(key, pg.tp_rank) if same_tp else None
+        _check_kind(reader, key, p)
+        local = _saved_as_is(reader, key, p, pg, reader.local_param)
         if local is None or local.shape != p.shape:
-            spec = param_meta(p).spec
-            local = spec.shard(reader.full_param(key, spec), pg.tp_rank, pg.tp_size)
+            local = local_shard(param_meta(p), reader.full_param(key, param_meta(p).spec), pg)
         p.copy_(local.view(p.shape).to(p.dtype))
     if load_optim and optimizer is not None:
         if not reader.has_optimizer():
@@ -93,18 +97,36 @@ def load_checkpoint(load_dir: str, chunks: list[nn.Module], optimizer: Any, pg: 
     return LoadedState(reader.iteration, dict(reader.state), same), rng
 
 
+def _check_kind(reader: CheckpointReader, key: str, p: nn.Parameter) -> None:
+    """A parameter stored as a routed experts' weight must be one in the model, and the other way round."""
+    if reader.has(key) and reader.is_expert(key) != param_meta(p).expert:
+        kind = "a routed experts' weight" if reader.is_expert(key) else "a dense weight"
+        raise CheckpointError(f"checkpoint {reader.dir} stores {key} as {kind}, the model does not")
+
+
+def _saved_as_is(reader: CheckpointReader, key: str, p: nn.Parameter, pg: ProcessGroups, read) -> torch.Tensor | None:
+    """This rank's shard straight from its file (``read(key, tp, ep)``) when the checkpoint was cut as this
+    run cuts ``key`` (same TP, or same expert-TP and EP for an expert weight); else None."""
+    meta = param_meta(p)
+    cut, size = shard_coords(meta, pg)
+    ep = pg.ep_rank if meta.expert else 0
+    if reader.grid(key) != (size, pg.ep_size if meta.expert else 1):
+        return None
+    return read(key, cut, ep)
+
+
 def _load_optimizer(reader: CheckpointReader, chunks: list[nn.Module], optimizer: Any, pg: ProcessGroups) -> None:
     """Each slice this rank's optimizer owns, cut from the saved tensors (read locally when TP is unchanged)."""
     key_of = {id(p): key for _, key, p in named_params(chunks)}
     slices, _ = optimizer.state_tensors()
     values = []
     for s in slices:
-        key, spec = key_of[id(s.param)], param_meta(s.param).spec
+        key, meta = key_of[id(s.param)], param_meta(s.param)
         v = {}
         for f in OPTIM_FIELDS:
-            local = reader.local_optim(key, f, pg.tp_rank) if reader.tp == pg.tp_size else None
+            local = _saved_as_is(reader, key, s.param, pg, lambda k, t, e, f=f: reader.local_optim(k, f, t, e))
             if local is None or local.shape != s.param.shape:
-                local = spec.shard(reader.full_optim(key, f, spec), pg.tp_rank, pg.tp_size)
+                local = local_shard(meta, reader.full_optim(key, f, meta.spec), pg)
             v[f] = local.reshape(-1)[s.lo:s.hi]
         values.append(v)
     optimizer.load_state_tensors(values, reader.optimizer_step())

@@ -18,6 +18,11 @@ def shard_dirname(tp_rank: int, pp_rank: int) -> str:
     return f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
 
 
+def expert_dirname(etp_rank: int, ep_rank: int, pp_rank: int) -> str:
+    """The routed experts' files of expert-TP rank ``etp_rank``, EP rank ``ep_rank`` and PP rank ``pp_rank``."""
+    return f"expert_rank_{etp_rank:02d}_{ep_rank:03d}_{pp_rank:03d}"
+
+
 def optim_filename(dp_rank: int) -> str:
     return f"optim_dp_{dp_rank:03d}.safetensors"
 

@@ -2,7 +2,9 @@
 
 Files are opened lazily with safetensors (no pickle, nothing executed). A parameter's full tensor is
 rebuilt from its TP shards with the parameter's ShardSpec; an optimizer tensor from the flat slices
-the DP ranks owned. A missing or unreadable file raises an error naming it.
+the DP ranks owned. A routed experts' weight (stored in ``expert_rank_*`` folders) is rebuilt the same way
+over expert-TP within each EP rank's block of experts, then the blocks are stacked. A missing or
+unreadable file raises an error naming it.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from safetensors import safe_open
 
 from megalite.checkpointing.checksum import file_checksum
 from megalite.checkpointing.errors import CheckpointError
-from megalite.checkpointing.paths import iter_dirname, optim_filename, read_tracker, shard_dirname
+from megalite.checkpointing.paths import expert_dirname, iter_dirname, optim_filename, read_tracker, shard_dirname
 from megalite.tensor_parallel.sharding import ShardSpec
 
 
@@ -34,14 +36,21 @@ class CheckpointReader:
             raise CheckpointError(f"{meta_path} is corrupt: {e}") from None
         lay = self.meta["layout"]
         self.tp, self.pp, self.dp = lay["tp"], lay["pp"], lay["dp"]
+        self.ep, self.etp = lay.get("ep", 1), lay.get("etp", self.tp)  # none recorded before experts existed
         self.checksums: dict[str, str] = self.meta.get("checksums") or {}  # none in older checkpoints
         self._verified: set[str] = set()
         self._handles: dict[str, Any] = {}
         self._regions: dict[str, dict[str, list]] = {}
         self._stage_of: dict[str, int] = {}
+        self._expert: set[str] = set()
         for pp in range(self.pp):
             for key in self._open(self._model_path(0, pp)).keys():
                 self._stage_of[key] = pp
+            experts = os.path.join(self.dir, expert_dirname(0, 0, pp), "model.safetensors")
+            if os.path.isfile(experts):  # only stages holding MoE layers have expert files
+                for key in self._open(experts).keys():
+                    self._stage_of[key] = pp
+                    self._expert.add(key)
 
     @property
     def config(self) -> dict[str, Any]:
@@ -56,6 +65,23 @@ class CheckpointReader:
 
     def _model_path(self, tp: int, pp: int) -> str:
         return os.path.join(self.dir, shard_dirname(tp, pp), "model.safetensors")
+
+    def has(self, key: str) -> bool:
+        return key in self._stage_of
+
+    def is_expert(self, key: str) -> bool:
+        """Whether ``key`` is a routed experts' weight (stored per expert-TP x EP rank)."""
+        return key in self._expert
+
+    def grid(self, key: str) -> tuple[int, int]:
+        """(ranks its spec cut it over, EP blocks): (expert-TP, EP) for expert weights, else (TP, 1)."""
+        return (self.etp, self.ep) if key in self._expert else (self.tp, 1)
+
+    def _shard_dir(self, key: str, tp: int, ep: int = 0) -> str:
+        """The folder of ``key``'s shard ``tp`` (expert-TP rank for expert weights) of EP block ``ep``."""
+        pp = self.stage_of(key)
+        name = expert_dirname(tp, ep, pp) if key in self._expert else shard_dirname(tp, pp)
+        return os.path.join(self.dir, name)
 
     def verify(self, path: str) -> None:
         """Check a file of this checkpoint against the checksum metadata.json recorded when it was saved
@@ -94,35 +120,41 @@ class CheckpointReader:
             raise CheckpointError(f"checkpoint {self.dir} has no parameter {key}")
         return self._stage_of[key]
 
-    def full_param(self, key: str, spec: ShardSpec) -> torch.Tensor:
-        """The full tensor of parameter ``key``, from the TP shards it was saved in."""
-        pp = self.stage_of(key)
-        return spec.unshard([self._get(self._model_path(tp, pp), key) for tp in range(self.tp)])
+    def _stack(self, key: str, spec: ShardSpec, local) -> torch.Tensor:
+        """Full tensor from ``local(tp, ep)`` shards: unsharded over (expert-)TP, EP blocks stacked on dim 0."""
+        cut, blocks = self.grid(key)
+        parts = [spec.unshard([local(t, e) for t in range(cut)]) for e in range(blocks)]
+        return torch.cat(parts, dim=0) if key in self._expert else parts[0]
 
-    def _optim_files(self, tp: int, pp: int) -> list[str]:
-        files = sorted(glob.glob(os.path.join(self.dir, shard_dirname(tp, pp), "optim_dp_*.safetensors")))
+    def full_param(self, key: str, spec: ShardSpec) -> torch.Tensor:
+        """The full tensor of parameter ``key``, from the (expert-)TP and EP shards it was saved in."""
+        return self._stack(key, spec, lambda t, e: self.local_param(key, t, e))
+
+    def _optim_files(self, folder: str) -> list[str]:
+        files = sorted(glob.glob(os.path.join(folder, "optim_dp_*.safetensors")))
         if not files:
-            raise CheckpointError(f"no optimizer state in {os.path.join(self.dir, shard_dirname(tp, pp))} "
-                                  f"(expected {optim_filename(0)}); load with --no-load-optim to skip it")
+            raise CheckpointError(f"no optimizer state in {folder} (expected {optim_filename(0)}); load with "
+                                  "--no-load-optim to skip it")
         return files
 
     def has_optimizer(self) -> bool:
         return bool(glob.glob(os.path.join(self.dir, shard_dirname(0, 0), "optim_dp_*.safetensors")))
 
     def optimizer_step(self) -> float:
-        meta = json.loads(self._open(self._optim_files(0, 0)[0]).metadata()["meta"])
+        path = self._optim_files(os.path.join(self.dir, shard_dirname(0, 0)))[0]
+        meta = json.loads(self._open(path).metadata()["meta"])
         return meta["step"]
 
-    def local_param(self, key: str, tp: int) -> torch.Tensor:
-        """TP rank ``tp``'s saved shard of parameter ``key``, as written."""
-        return self._get(self._model_path(tp, self.stage_of(key)), key)
+    def local_param(self, key: str, tp: int, ep: int = 0) -> torch.Tensor:
+        """The saved shard ``tp`` of parameter ``key`` (of EP block ``ep`` for an expert weight), as written."""
+        return self._get(os.path.join(self._shard_dir(key, tp, ep), "model.safetensors"), key)
 
-    def local_optim(self, key: str, field: str, tp: int) -> torch.Tensor:
-        """TP rank ``tp``'s tensor of ``field`` (main, exp_avg, exp_avg_sq) of parameter ``key``,
-        reassembled from the flat slices its DP ranks owned."""
-        pp = self.stage_of(key)
+    def local_optim(self, key: str, field: str, tp: int, ep: int = 0) -> torch.Tensor:
+        """Shard ``tp`` (of EP block ``ep``) of ``field`` (main, exp_avg, exp_avg_sq) of parameter ``key``,
+        reassembled from the flat slices its (expert-)DP ranks owned."""
+        folder = self._shard_dir(key, tp, ep)
         local, local_shape = None, None
-        for path in self._optim_files(tp, pp):
+        for path in self._optim_files(folder):
             if path not in self._regions:
                 self._regions[path] = json.loads(self._open(path).metadata()["meta"])["regions"]
             regions = self._regions[path]
@@ -136,9 +168,9 @@ class CheckpointReader:
                 local, local_shape = torch.zeros(numel, dtype=torch.float32), shape
             local[lo:hi] = self._get(path, f"{key}/{field}")
         if local is None:
-            raise CheckpointError(f"optimizer state of {key} missing from {self.dir}/{shard_dirname(tp, pp)}")
+            raise CheckpointError(f"optimizer state of {key} missing from {folder}")
         return local.view(local_shape)
 
     def full_optim(self, key: str, field: str, spec: ShardSpec) -> torch.Tensor:
-        """Full tensor of ``field`` of parameter ``key``: every TP rank's tensor, unsharded."""
-        return spec.unshard([self.local_optim(key, field, tp) for tp in range(self.tp)])
+        """Full tensor of ``field`` of parameter ``key``: every shard's tensor, unsharded (and stacked)."""
+        return self._stack(key, spec, lambda t, e: self.local_optim(key, field, t, e))

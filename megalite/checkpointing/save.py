@@ -14,14 +14,25 @@ from torch import nn
 
 from megalite import device
 from megalite.checkpointing.metadata import OPTIM_FIELDS, layout_meta, save_tensors, write_metadata
-from megalite.checkpointing.paths import TRACKER, commit, optim_filename, rng_filename, shard_dirname, staging_dir
+from megalite.checkpointing.paths import (
+    TRACKER,
+    commit,
+    expert_dirname,
+    optim_filename,
+    rng_filename,
+    shard_dirname,
+    staging_dir,
+)
 from megalite.checkpointing.reader import CheckpointError
 from megalite.checkpointing.stored import named_params
-from megalite.parallel.groups import ProcessGroups
+from megalite.parallel.groups import Group, ProcessGroups
+from megalite.tensor_parallel.param_meta import param_meta
 
 
-def optimizer_tensors(chunks: list[nn.Module], optimizer: Any) -> tuple[dict[str, torch.Tensor], dict]:
-    """fp32 main params and Adam moments of the flat slices this rank owns, with their regions."""
+def optimizer_tensors(chunks: list[nn.Module], optimizer: Any, expert: bool | None = None
+                      ) -> tuple[dict[str, torch.Tensor], dict]:
+    """fp32 main params and Adam moments of the flat slices this rank owns, with their regions (only the
+    routed experts' weights with ``expert`` True, only the others with False)."""
     key_of = {id(p): k for n, k, p in named_params(chunks) if n == k}
     slices, step = optimizer.state_tensors()
     tensors: dict[str, torch.Tensor] = {}
@@ -29,6 +40,8 @@ def optimizer_tensors(chunks: list[nn.Module], optimizer: Any) -> tuple[dict[str
     for s in slices:
         key = key_of.get(id(s.param))
         if key is None:  # the tied copy: its state equals the embedding's, stored by the first stage
+            continue
+        if expert is not None and param_meta(s.param).expert != expert:
             continue
         tensors.update({f"{key}/{field}": s.tensors[field] for field in OPTIM_FIELDS})
         regions[key] = [s.lo, s.hi, list(s.param.shape)]
@@ -108,19 +121,41 @@ def _refuse_non_finite(chunks: list[nn.Module], optimizer: Any, pg: ProcessGroup
                                   "--no-check-for-nan-in-loss-and-grad)")
 
 
+def _shard_files(folder: str, weights: dict[str, torch.Tensor] | None, optim: tuple[dict, dict] | None,
+                 optim_rank: int) -> dict[str, tuple[dict, dict | None]]:
+    """The files of one shard folder this rank writes: its weights and/or its optimizer slices."""
+    files: dict[str, tuple[dict, dict | None]] = {}
+    if weights is not None:
+        files[os.path.join(folder, "model.safetensors")] = (weights, {"format": "megalite-model"})
+    if optim is not None:
+        tensors, meta = optim
+        files[os.path.join(folder, optim_filename(optim_rank))] = (
+            tensors, {"format": "megalite-optim", "meta": json.dumps(meta)})
+    return files
+
+
 def _write_rank_files(staged: str, chunks: list[nn.Module], optimizer: Any, pg: ProcessGroups,
                       rng_states: dict[str, torch.Tensor]) -> dict[str, str]:
-    """This rank's tensor files; returns their checksums by path relative to ``staged``."""
-    shard = shard_dirname(pg.tp_rank, pg.pp_rank)
+    """This rank's tensor files; returns their checksums by path relative to ``staged``.
+
+    Dense weights (and unsharded optimizer state) are identical over DP and CP and are written by DP rank 0
+    into mp_rank_TT_PPP; routed experts' weights are identical over expert-DP and are written by expert-DP
+    rank 0 into expert_rank_TT_EEE_PPP (TT the expert-TP rank), their optimizer slices beside them."""
+    stored = [(k, p) for n, k, p in named_params(chunks) if n == k]
+    dist_opt = optimizer is not None and optimizer.distributed
     files: dict[str, tuple[dict, dict | None]] = {}
-    first = pg.grad_rank == 0  # weights (and unsharded optimizer state) are identical over DP and CP
-    if first:
-        weights = {k: p for n, k, p in named_params(chunks) if n == k}
-        files[os.path.join(shard, "model.safetensors")] = (weights, {"format": "megalite-model"})
-    if optimizer is not None and (optimizer.distributed or first):
-        tensors, meta = optimizer_tensors(chunks, optimizer)
-        name = optim_filename(pg.grad_rank if optimizer.distributed else 0)
-        files[os.path.join(shard, name)] = (tensors, {"format": "megalite-optim", "meta": json.dumps(meta)})
+    for expert in (False, True):
+        mine = {k: p for k, p in stored if param_meta(p).expert == expert}
+        if expert and not mine:
+            continue  # a stage without MoE layers has no expert folder
+        if expert:
+            folder, rank = expert_dirname(pg.etp_rank, pg.ep_rank, pg.pp_rank), pg.index(Group.EDP)
+        else:
+            folder, rank = shard_dirname(pg.tp_rank, pg.pp_rank), pg.grad_rank
+        first = rank == 0  # the replica that writes the weights (and the optimizer state unless sharded)
+        optim = (optimizer_tensors(chunks, optimizer, expert)
+                 if optimizer is not None and (dist_opt or first) else None)
+        files.update(_shard_files(folder, mine if first else None, optim, rank if dist_opt else 0))
     files[rng_filename(pg.rank)] = (rng_states, None)
     return {rel: save_tensors(t, os.path.join(staged, rel), m) for rel, (t, m) in files.items()}
 
@@ -147,7 +182,8 @@ def save_checkpoint(save_dir: str, iteration: int, chunks: list[nn.Module], opti
         lay = pg.layout
         sharded = bool(optimizer is not None and optimizer.distributed)
         layout = layout_meta(world_size=lay.world_size, tp=lay.tp, pp=lay.pp, dp=lay.dp, vp=len(chunks),
-                             order=lay.order, distributed_optimizer=sharded, cp=lay.cp)
+                             order=lay.order, distributed_optimizer=sharded, cp=lay.cp, ep=pg.ep_size,
+                             etp=pg.etp_size)
         checksums = {k: v for _, sums in results for k, v in sums.items()}
         write_metadata(staged, iteration=iteration, layout=layout, config=config, state=state,
                        device=device.device_type(), extra=extra_meta, checksums=checksums)
