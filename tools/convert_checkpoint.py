@@ -1,8 +1,8 @@
 """Offline checkpoint conversion: reshard a megalite checkpoint, export it to Hugging Face, import one.
 
-    # a checkpoint of any layout -> another (TP, PP, VP) layout, optimizer state included
+    # a checkpoint of any layout -> another (TP, PP, VP; EP, expert-TP for MoE) layout, optimizer state included
     python tools/convert_checkpoint.py reshard --load ckpt --save ckpt_tp4 \\
-        --tensor-model-parallel-size 4 --pipeline-model-parallel-size 1
+        --tensor-model-parallel-size 4 --pipeline-model-parallel-size 1 [--expert-model-parallel-size 2]
 
     # -> a transformers folder (config.json + model.safetensors [+ tokenizer]): GPT2LMHeadModel,
     #    LlamaForCausalLM, MixtralForCausalLM or Qwen2MoeForCausalLM, whichever the model is
@@ -152,10 +152,13 @@ def cmd_reshard(a: argparse.Namespace) -> None:
     with _staged_output(a.save) as staged:
         path = reshard(a.load, staged, a.tensor_model_parallel_size, a.pipeline_model_parallel_size,
                        a.num_layers_per_virtual_pipeline_stage, iteration=a.iteration,
-                       with_optimizer=not a.no_optim)
+                       with_optimizer=not a.no_optim, ep=a.expert_model_parallel_size,
+                       etp=a.expert_tensor_parallel_size)
         copy_tokenizer_files(os.path.join(a.load, TOKENIZER_DIR), os.path.join(staged, TOKENIZER_DIR))
     path = os.path.join(a.save, os.path.basename(path))
-    print(f"wrote {path} (TP={a.tensor_model_parallel_size} PP={a.pipeline_model_parallel_size}"
+    experts = (f" EP={a.expert_model_parallel_size}" if a.expert_model_parallel_size > 1 else "") + (
+        f" ETP={a.expert_tensor_parallel_size}" if a.expert_tensor_parallel_size is not None else "")
+    print(f"wrote {path} (TP={a.tensor_model_parallel_size} PP={a.pipeline_model_parallel_size}{experts}"
           + (f" VP layers={a.num_layers_per_virtual_pipeline_stage}" if a.num_layers_per_virtual_pipeline_stage
              else "") + ")")
 
@@ -243,13 +246,17 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--pipeline-model-parallel-size", type=int, default=1)
         sp.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
 
-    r = sub.add_parser("reshard", help="write a checkpoint at another TP/PP/VP layout (optimizer state included)")
+    r = sub.add_parser("reshard", help="write a checkpoint at another TP/PP/VP/EP layout (optimizer state included)")
     r.add_argument("--load", required=True, help="checkpoint directory (holding latest_checkpointed_iteration.txt)")
     r.add_argument("--save", required=True, help="output checkpoint directory (not --load)")
     r.add_argument("--iteration", type=int, default=None, help="iteration to read (default: the tracker's)")
     r.add_argument("--no-optim", action="store_true", help="weights only")
     r.add_argument("--overwrite", action="store_true", help="replace a non-empty --save folder")
     layout(r)
+    r.add_argument("--expert-model-parallel-size", type=int, default=1,
+                   help="MoE models: EP ranks the routed experts are split over")
+    r.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                   help="MoE models: expert-TP ranks each routed expert is cut over (default: TP)")
     r.set_defaults(func=cmd_reshard)
 
     t = sub.add_parser("to-hf", help="export to a transformers folder (GPT2LMHeadModel, LlamaForCausalLM, "

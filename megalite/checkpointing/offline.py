@@ -11,22 +11,24 @@ import os
 
 from megalite.checkpointing.full_reader import FullCheckpoint
 from megalite.checkpointing.metadata import model_config
-from megalite.checkpointing.writer import OptimizerSource, write_checkpoint
+from megalite.checkpointing.writer import OptimizerSource, expert_errors, write_checkpoint
 from megalite.config.validate import layout_errors
 
 
 def reshard(load_dir: str, save_dir: str, tp: int, pp: int, layers_per_virtual_stage: int | None = None, *,
-            iteration: int | None = None, with_optimizer: bool = True) -> str:
-    """Write the checkpoint in ``load_dir`` at another (TP, PP, VP) layout into ``save_dir``: weights,
-    optimizer state (when saved and ``with_optimizer``), iteration, training state and the tokenizer the
-    source was trained with."""
+            iteration: int | None = None, with_optimizer: bool = True, ep: int = 1, etp: int | None = None) -> str:
+    """Write the checkpoint in ``load_dir`` at another (TP, PP, VP, EP, expert-TP) layout into ``save_dir``:
+    weights, optimizer state (when saved and ``with_optimizer``), iteration, training state and the
+    tokenizer the source was trained with. ``etp`` defaults to ``tp``."""
     if os.path.abspath(save_dir) == os.path.abspath(load_dir):
         raise ValueError(f"--save {save_dir} must differ from --load (a reshard never overwrites its source)")
     src = FullCheckpoint(load_dir, iteration)
     cfg, _ = model_config(src.config)
-    errors = layout_errors(cfg, tp, pp, layers_per_virtual_stage)
+    etp = tp if etp is None else etp
+    errors = layout_errors(cfg, tp, pp, layers_per_virtual_stage) + expert_errors(src.config, ep, etp)
     if errors:
-        raise ValueError(f"--load {load_dir} cannot be resharded to TP={tp} PP={pp}:\n  " + "\n  ".join(errors))
+        where = f"TP={tp} PP={pp}" + (f" EP={ep} ETP={etp}" if cfg.is_moe else "")
+        raise ValueError(f"--load {load_dir} cannot be resharded to {where}:\n  " + "\n  ".join(errors))
     optimizer = None
     if with_optimizer and src.has_optimizer():
         optimizer = OptimizerSource(src.optim, src.optimizer_step())
@@ -34,5 +36,5 @@ def reshard(load_dir: str, save_dir: str, tp: int, pp: int, layers_per_virtual_s
     note = {"tool": "convert_checkpoint.py reshard", "source": os.path.abspath(load_dir),
             "source_layout": src.layout}
     return write_checkpoint(save_dir, src.config, src.param, tp=tp, pp=pp,
-                            layers_per_virtual_stage=layers_per_virtual_stage, optimizer=optimizer,
+                            layers_per_virtual_stage=layers_per_virtual_stage, ep=ep, etp=etp, optimizer=optimizer,
                             iteration=src.iteration, state=src.state, note=note, extra=kept)

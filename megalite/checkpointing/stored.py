@@ -38,7 +38,9 @@ def named_params(chunks: list[nn.Module]) -> list[tuple[str, str, nn.Parameter]]
 @dataclass(frozen=True)
 class StoredParam:
     key: str  # layout-free name, e.g. "layers.3.attention.qkv.weight"
-    spec: ShardSpec  # how the full tensor is cut over TP (at this layout's TP size)
+    spec: ShardSpec  # how the full tensor is cut over TP (at this layout's TP size), expert-TP for experts
+    expert: bool = False  # a routed experts' weight: dim 0 counts the experts, split over EP in blocks
+    optimized: bool = True  # has optimizer state (not e.g. the router's expert bias, set by its own rule)
 
 
 def stage_params(config: dict[str, Any], tp: int, pp: int, vp: int = 1) -> list[list[StoredParam]]:
@@ -56,7 +58,8 @@ def stage_params(config: dict[str, Any], tp: int, pp: int, vp: int = 1) -> list[
             chunks.append(GPTModel(cfg, pg, vocab, tracker, device=torch.device("meta"),
                                    layer_numbers=chunk_layers(cfg.num_layers, pp, vp, rank, c),
                                    pre_process=stage == 0, post_process=stage == last))
-        stages.append([StoredParam(k, param_meta(p).spec) for n, k, p in named_params(chunks) if n == k])
+        stages.append([StoredParam(k, param_meta(p).spec, param_meta(p).expert, p.requires_grad)
+                       for n, k, p in named_params(chunks) if n == k])
     return stages
 
 

@@ -5,6 +5,7 @@ read it, and it is committed atomically (staging directory, then rename).
 
 Optimizer state is written as DP rank 0 owning every element ([0, numel) regions), layout dp=1; the
 loader rebuilds tensors from regions, so it loads into any DP size, distributed optimizer or not.
+Routed experts' weights go to expert_rank_TT_EEE_PPP folders cut at (expert-TP, EP) = (etp, ep).
 RNG states are not written: like any load into a new layout, the run seeds them fresh. The layout's
 ``world_size`` is null (the DP size is chosen at launch), which is also what tells the loader that
 there are no RNG states to restore.
@@ -22,7 +23,7 @@ from typing import Any
 import torch
 
 from megalite.checkpointing.metadata import OPTIM_FIELDS, layout_meta, model_config, save_tensors, write_metadata
-from megalite.checkpointing.paths import commit, optim_filename, shard_dirname, staging_dir
+from megalite.checkpointing.paths import commit, expert_dirname, optim_filename, shard_dirname, staging_dir
 from megalite.checkpointing.stored import StoredParam, stage_params
 from megalite.config.validate import layout_errors
 from megalite.pipeline.partition import num_chunks
@@ -38,19 +39,38 @@ class OptimizerSource:
     step: float
 
 
+def expert_errors(config: dict[str, Any], ep: int, etp: int) -> list[str]:
+    """Why the model's routed experts cannot be cut over EP ``ep`` x expert-TP ``etp`` (empty when they can)."""
+    cfg, _ = model_config(config)
+    if ep <= 0 or etp <= 0:
+        return [f"--expert-model-parallel-size ({ep}) and --expert-tensor-parallel-size ({etp}) must be positive"]
+    if not cfg.is_moe:
+        return [] if ep == 1 else ["--expert-model-parallel-size needs a model with --num-experts"]
+    errors = []
+    if cfg.num_experts % ep:
+        errors.append(f"--expert-model-parallel-size ({ep}) must divide --num-experts ({cfg.num_experts})")
+    if cfg.expert_ffn_hidden_size % etp:
+        errors.append(f"--expert-tensor-parallel-size ({etp}) must divide the expert hidden size "
+                      f"(--moe-ffn-hidden-size {cfg.expert_ffn_hidden_size})")
+    return errors
+
+
 def write_checkpoint(save_dir: str, config: dict[str, Any], get_param: Callable[[str], torch.Tensor], *,
-                     tp: int, pp: int, layers_per_virtual_stage: int | None = None,
+                     tp: int, pp: int, layers_per_virtual_stage: int | None = None, ep: int = 1,
+                     etp: int | None = None,
                      optimizer: OptimizerSource | None = None, iteration: int = 0,
                      state: dict[str, Any] | None = None, note: dict[str, Any] | None = None,
                      dtype: torch.dtype | None = None, extra: dict[str, Any] | None = None) -> str:
     """Write a checkpoint of the model ``config`` at layout (tp, pp, vp) from full tensors.
 
     ``get_param(key)`` returns the full tensor of a layout-free key. Stage by stage, every tensor is
-    read once, cut for every TP rank and written, so at most one pipeline stage is held in memory.
+    read once, cut for every TP rank (routed experts: every EP x expert-TP rank, ``etp`` default ``tp``) and
+    written, so at most one pipeline stage is held in memory.
     Nothing is visible in ``save_dir`` until the whole checkpoint is committed. ``extra`` goes into
     metadata.json as is (e.g. the source's ``tokenizer`` entry). Returns its directory."""
     cfg, _ = model_config(config)
-    errors = layout_errors(cfg, tp, pp, layers_per_virtual_stage)
+    etp = tp if etp is None else etp
+    errors = layout_errors(cfg, tp, pp, layers_per_virtual_stage) + expert_errors(config, ep, etp)
     if errors:
         raise ValueError(f"cannot write {save_dir} at TP={tp} PP={pp}:\n  " + "\n  ".join(errors))
     vp = num_chunks(cfg.num_layers, pp, layers_per_virtual_stage)
@@ -62,9 +82,13 @@ def write_checkpoint(save_dir: str, config: dict[str, Any], get_param: Callable[
     checksums: dict[str, str] = {}
     try:
         for pp_rank, stored in enumerate(stages):
-            checksums.update(_write_stage(staged, pp_rank, stored, tp, get_param, optimizer, dtype))
+            dense = [p for p in stored if not p.expert]
+            checksums.update(_write_stage(staged, pp_rank, dense, tp, get_param, optimizer, dtype))
+            experts = [p for p in stored if p.expert]
+            if experts:
+                checksums.update(_write_experts(staged, pp_rank, experts, (etp, ep), get_param, optimizer, dtype))
         layout = layout_meta(world_size=None, tp=tp, pp=pp, dp=1, vp=vp, order="tp-cp-dp-pp",
-                             distributed_optimizer=False)
+                             distributed_optimizer=False, ep=ep, etp=etp)
         write_metadata(staged, iteration=iteration, layout=layout, config=config,
                        state={**{k: 0 for k in STATE_KEYS}, **(state or {}), "iteration": iteration}, device="cpu",
                        extra={**(extra or {}), "written_by": note or {}}, checksums=checksums)
@@ -76,37 +100,63 @@ def write_checkpoint(save_dir: str, config: dict[str, Any], get_param: Callable[
         raise
 
 
-def _write_stage(staged: str, pp_rank: int, stored: Iterable[StoredParam], tp: int,
-                 get_param: Callable[[str], torch.Tensor], optimizer: OptimizerSource | None,
-                 dtype: torch.dtype | None) -> dict[str, str]:
-    """Write one pipeline stage's files for every TP rank; returns their checksums (relative paths)."""
-    stored = list(stored)
+def _cut(full: torch.Tensor, p: StoredParam, r: int, cut: int, e: int, blocks: int) -> torch.Tensor:
+    """Shard (r of ``cut``) of EP block (e of ``blocks``) of a full tensor; blocks = 1 for dense weights."""
+    if p.expert:
+        n = full.shape[0] // blocks
+        full = full[e * n:(e + 1) * n]
+    return p.spec.shard(full, r, cut)
+
+
+def _write_folders(staged: str, folders: dict[tuple[int, int], str], stored: list[StoredParam],
+                   get_param: Callable[[str], torch.Tensor], optimizer: OptimizerSource | None,
+                   dtype: torch.dtype | None) -> dict[str, str]:
+    """Write ``stored``'s shards: ``folders[(r, e)]`` is the folder of shard r of EP block e (the grid's
+    sizes are the largest indices + 1). Returns the checksums of the files written."""
+    cut, blocks = max(r for r, _ in folders) + 1, max(e for _, e in folders) + 1
     sums: dict[str, str] = {}
-    weights: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
+    weights: dict[tuple[int, int], dict[str, torch.Tensor]] = {c: {} for c in folders}
     for p in stored:
         full = get_param(p.key)
         if dtype is not None:
             full = full.to(dtype)
-        for r in range(tp):
-            weights[r][p.key] = p.spec.shard(full, r, tp)
-    for r in range(tp):
-        rel = os.path.join(shard_dirname(r, pp_rank), "model.safetensors")
-        sums[rel] = save_tensors(weights[r], os.path.join(staged, rel), {"format": "megalite-model"})
+        for r, e in folders:
+            weights[(r, e)][p.key] = _cut(full, p, r, cut, e, blocks)
+    for c, folder in folders.items():
+        rel = os.path.join(folder, "model.safetensors")
+        sums[rel] = save_tensors(weights[c], os.path.join(staged, rel), {"format": "megalite-model"})
     del weights
     if optimizer is None:
         return sums
-    tensors: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
-    regions: list[dict[str, list]] = [{} for _ in range(tp)]
-    for p in stored:
+    tensors: dict[tuple[int, int], dict[str, torch.Tensor]] = {c: {} for c in folders}
+    regions: dict[tuple[int, int], dict[str, list]] = {c: {} for c in folders}
+    for p in (p for p in stored if p.optimized):
         for field in OPTIM_FIELDS:
             full = optimizer.get(p.key, field).float()
-            for r in range(tp):
-                local = p.spec.shard(full, r, tp)
-                tensors[r][f"{p.key}/{field}"] = local.reshape(-1)
-                regions[r][p.key] = [0, local.numel(), list(local.shape)]
-    for r in range(tp):
-        meta = {"regions": regions[r], "step": float(optimizer.step)}
-        rel = os.path.join(shard_dirname(r, pp_rank), optim_filename(0))
-        sums[rel] = save_tensors(tensors[r], os.path.join(staged, rel),
+            for r, e in folders:
+                local = _cut(full, p, r, cut, e, blocks)
+                tensors[(r, e)][f"{p.key}/{field}"] = local.reshape(-1)
+                regions[(r, e)][p.key] = [0, local.numel(), list(local.shape)]
+    for c, folder in folders.items():
+        meta = {"regions": regions[c], "step": float(optimizer.step)}
+        rel = os.path.join(folder, optim_filename(0))
+        sums[rel] = save_tensors(tensors[c], os.path.join(staged, rel),
                                  {"format": "megalite-optim", "meta": json.dumps(meta)})
     return sums
+
+
+def _write_stage(staged: str, pp_rank: int, stored: Iterable[StoredParam], tp: int,
+                 get_param: Callable[[str], torch.Tensor], optimizer: OptimizerSource | None,
+                 dtype: torch.dtype | None) -> dict[str, str]:
+    """Write one pipeline stage's dense files for every TP rank; returns their checksums (relative paths)."""
+    folders = {(r, 0): shard_dirname(r, pp_rank) for r in range(tp)}
+    return _write_folders(staged, folders, list(stored), get_param, optimizer, dtype)
+
+
+def _write_experts(staged: str, pp_rank: int, stored: list[StoredParam], grid: tuple[int, int],
+                   get_param: Callable[[str], torch.Tensor], optimizer: OptimizerSource | None,
+                   dtype: torch.dtype | None) -> dict[str, str]:
+    """Write one pipeline stage's routed experts' files for every (expert-TP, EP) rank of ``grid``."""
+    etp, ep = grid
+    folders = {(r, e): expert_dirname(r, e, pp_rank) for e in range(ep) for r in range(etp)}
+    return _write_folders(staged, folders, stored, get_param, optimizer, dtype)
