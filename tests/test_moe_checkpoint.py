@@ -1,0 +1,244 @@
+"""Promises of checkpoints of mixture-of-experts models (docs/checkpoints.md, "Routed experts"):
+- a run saved at EP2 x DP2 (distributed optimizer, aux loss, sigmoid router with expert bias) continues
+  the uninterrupted run's loss curve (1e-5 relative) when resumed at EP4, at EP1 in one process and at
+  TP2 x EP2 with sequence parallelism: every EP rank's experts, their expert-DP-sharded optimizer state and
+  the router's expert bias are saved and restored;
+- an offline reshard to another EP / expert-TP / PP layout holds the same full tensors (weights and
+  optimizer state) and resumes on the same curve;
+- dense checkpoints keep their files (no expert folders), and mismatched MoE flags are refused by name;
+- tasks/main.py and tools/generate.py load an MoE checkpoint and run it (eval mode); at TP=2 the
+  perplexity is the single-process one."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megalite.checkpointing import CheckpointMismatch
+from megalite.checkpointing.full_reader import FullCheckpoint
+from megalite.checkpointing.metadata import OPTIM_FIELDS
+from megalite.checkpointing.offline import reshard
+from megalite.checkpointing.paths import iter_dirname
+from megalite.config import validate
+from megalite.config.arguments import MegaliteConfig
+from megalite.parallel.groups import ProcessGroups
+from megalite.parallel.layout import RankLayout
+from megalite.training.loop import pretrain
+from tests.asserts import assert_rel_close
+from tests.cli_utils import ROOT, load_tool
+from tests.harness import run_ranks
+from tests.tp_utils import LLAMA_GQA, mock_data
+
+VOCAB = 300
+MODEL = {**LLAMA_GQA, "num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "num_query_groups": 2,
+         "seq_length": 32, "max_position_embeddings": 32, "num_experts": 4, "moe_router_topk": 2,
+         "moe_ffn_hidden_size": 16, "moe_aux_loss_coeff": 0.01, "moe_router_score_function": "sigmoid",
+         "moe_router_enable_expert_bias": True, "moe_router_bias_update_rate": 0.01}
+ITERS, SAVED_AT = 6, 3
+QUIET = lambda s: None  # noqa: E731
+
+# name -> (world, tp, ep, etp, extra flags)
+LAYOUTS = {
+    "ep2_dp2_distopt": (4, 1, 2, None, {"use_distributed_optimizer": True}),
+    "ep4": (4, 1, 4, None, {}),
+    "ep1_serial": (1, 1, 1, None, {}),
+    "tp2_ep2_sp": (4, 2, 2, None, {"sequence_parallel": True, "use_distributed_optimizer": True}),
+    "ep2_etp2": (4, 1, 2, 2, {}),  # loads the offline reshard (EP2 x expert-TP 2)
+}
+
+
+def _run(rank: int, name: str, **kw) -> list[float] | None:
+    world, tp, ep, etp, extra = LAYOUTS[name]
+    if rank >= world:
+        return None
+    cfg = MegaliteConfig.from_flat(dict(
+        MODEL, tensor_model_parallel_size=tp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
+        micro_batch_size=1, global_batch_size=4, train_iters=ITERS, lr=3e-3, lr_warmup_iters=1, log_interval=1,
+        eval_iters=0, eval_interval=1000, mock_data=True, vocab_size=VOCAB, seed=1234, **extra, **kw))
+    validate(cfg, world)
+    pg = ProcessGroups.single() if world == 1 else ProcessGroups.build(RankLayout(world, tp, 1, ep=ep, etp=etp), rank)
+    data = mock_data(VOCAB, MODEL["seq_length"], 1234, 40 * 4)
+    return pretrain(cfg, pg, data=data, log=QUIET).losses
+
+
+def _runs(rank: int, world: int, root: str) -> dict:
+    import torch.distributed as dist
+
+    src, offline = os.path.join(root, "src"), os.path.join(root, "offline")
+    out = {"straight": _run(rank, "ep2_dp2_distopt")}
+    _run(rank, "ep2_dp2_distopt", exit_interval=SAVED_AT, save=src)
+    out["resumed"] = _run(rank, "ep2_dp2_distopt", load=src, save=os.path.join(root, "again"))
+    for name in ("ep4", "ep1_serial", "tp2_ep2_sp"):
+        out[name] = _run(rank, name, load=src)
+    if rank == 0:  # offline, as tools/convert_checkpoint.py reshard does
+        reshard(src, offline, tp=1, pp=2, ep=2, etp=2)
+    dist.barrier()
+    out["offline"] = _run(rank, "ep2_etp2", load=offline)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    root = str(tmp_path_factory.mktemp("moe_ckpt"))
+    results = run_ranks(_runs, 4, root, timeout=400)
+    return {"root": root, "ranks": results, "src": os.path.join(root, "src"),
+            "offline": os.path.join(root, "offline")}
+
+
+def test_resume_at_the_saving_layout_is_exact(runs):
+    r = runs["ranks"][0]
+    assert len(r["straight"]) == ITERS and r["resumed"] == r["straight"][SAVED_AT:]
+
+
+@pytest.mark.parametrize("name", ["ep4", "ep1_serial", "tp2_ep2_sp", "offline"])
+def test_resume_at_another_expert_layout_continues_the_curve(runs, name):
+    r = runs["ranks"][0]
+    assert len(r[name]) == ITERS - SAVED_AT
+    assert_rel_close(r[name], r["straight"][SAVED_AT:], 1e-5, f"resumed at {name}")
+
+
+def test_every_ep_ranks_experts_and_their_sharded_optimizer_state_are_stored(runs):
+    it = os.path.join(runs["src"], iter_dirname(SAVED_AT))
+    meta = json.load(open(os.path.join(it, "metadata.json")))
+    assert (meta["layout"]["ep"], meta["layout"]["etp"], meta["layout"]["dp"]) == (2, 1, 4)
+    for ep in range(2):  # expert-DP is 2: one optimizer file per expert-DP rank with the distributed optimizer
+        files = sorted(os.listdir(os.path.join(it, f"expert_rank_00_{ep:03d}_000")))
+        assert files == ["model.safetensors", "optim_dp_000.safetensors", "optim_dp_001.safetensors"], files
+    ckpt = FullCheckpoint(runs["src"])
+    w = ckpt.param("layers.0.mlp.experts.fc1_weight")
+    assert w.shape == (4, 32, 32)  # [E, 2F (SwiGLU), h], all four experts
+    assert all(w[e].abs().sum() > 0 for e in range(4)), "an EP rank's experts were lost"
+    assert ckpt.optim("layers.1.mlp.experts.fc2_weight", "exp_avg").shape == (4, 32, 16)
+    bias = ckpt.param("layers.0.mlp.router.expert_bias")
+    assert bias.abs().sum() > 0, "the expert bias was updated during training and must be saved"
+
+
+def test_offline_reshard_holds_the_same_full_tensors(runs):
+    src, out = FullCheckpoint(runs["src"]), FullCheckpoint(runs["offline"])
+    assert (out.layout["ep"], out.layout["etp"], out.layout["pp"]) == (2, 2, 2)
+    assert sorted(src.keys()) == sorted(out.keys())
+    for key in src.keys():
+        assert torch.equal(src.param(key), out.param(key)), key
+        for f in OPTIM_FIELDS:
+            if not key.endswith("expert_bias"):  # not trained by the optimizer
+                assert torch.equal(src.optim(key, f), out.optim(key, f)), (key, f)
+    it = os.path.join(runs["offline"], iter_dirname(SAVED_AT))
+    assert sorted(d for d in os.listdir(it) if d.startswith("expert_rank")) == sorted(
+        f"expert_rank_{t:02d}_{e:03d}_{p:03d}" for t in range(2) for e in range(2) for p in range(2))
+
+
+def test_reshard_to_an_impossible_expert_layout_is_refused(runs, tmp_path):
+    with pytest.raises(ValueError, match=r"--expert-model-parallel-size \(3\) must divide --num-experts \(4\)"):
+        reshard(runs["src"], str(tmp_path / "bad"), tp=1, pp=1, ep=3)
+    assert not os.path.exists(tmp_path / "bad")
+
+
+def test_loading_with_other_moe_flags_is_refused_by_name(runs):
+    cfg = MegaliteConfig.from_flat(dict(MODEL, num_experts=8, micro_batch_size=1, global_batch_size=4,
+                                        train_iters=ITERS, mock_data=True, vocab_size=VOCAB, load=runs["src"]))
+    with pytest.raises(CheckpointMismatch, match=r"--num-experts: checkpoint 4, flags 8"):
+        pretrain(cfg, ProcessGroups.single(), data=mock_data(VOCAB, 32, 1, 16), log=QUIET)
+
+
+def _tool(script: str, args: list[str], nproc: int = 1) -> subprocess.CompletedProcess:
+    launch = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                  f"--nproc-per-node={nproc}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([*launch, str(ROOT / script), *args], capture_output=True, text=True, timeout=180,
+                          cwd=ROOT, env=env)
+
+
+NULL_TOKENIZER = ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB - 1)]
+
+
+def test_generate_runs_an_moe_checkpoint(runs):
+    proc = _tool("tools/generate.py", ["--load", runs["src"], *NULL_TOKENIZER, "--prompt", "5 17 2 99",
+                                       "--max-new-tokens", "4", "--greedy"])
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "5 17 2 99" in proc.stdout
+
+
+def test_inference_loads_the_experts_and_evaluates_in_eval_mode(runs):
+    from megalite.inference.evaluation import evaluate_perplexity
+    from megalite.inference.loading import load_model, plan
+    from megalite.moe.layer import MoELayer
+
+    pg = ProcessGroups.single()
+    chunks = load_model(plan({"load": runs["src"], "tokenizer_type": "NullTokenizer", "vocab_size": VOCAB - 1}, 1),
+                        pg)
+    layers = [m for m in chunks[0].modules() if isinstance(m, MoELayer)]
+    assert len(layers) == 2 and not any(m.training for m in layers)
+    ckpt = FullCheckpoint(runs["src"])
+    for key in ("layers.1.mlp.experts.fc2_weight", "layers.1.mlp.router.expert_bias"):
+        assert torch.equal(chunks[0].get_parameter(key), ckpt.param(key)), key
+    tokens = [(7 * i) % (VOCAB - 1) for i in range(80)]
+    res = evaluate_perplexity(chunks, pg, tokens, 40, 32, 16, 2, pad=VOCAB - 1)
+    assert 1 < res.ppl < 10 * VOCAB
+    assert all(m.stats.microbatches == 0 for m in layers), "evaluation must not count as training routing"
+
+
+def test_tasks_perplexity_of_an_moe_checkpoint_is_the_same_at_tp2(runs, tmp_path):
+    text = tmp_path / "valid.txt"
+    text.write_text(" ".join(str((7 * i) % (VOCAB - 1)) for i in range(120)))
+    results = {}
+    for nproc, layout in ((1, []), (2, ["--tensor-model-parallel-size", "2"])):
+        out = tmp_path / f"result_{nproc}.json"
+        proc = _tool("tasks/main.py", ["--task", "WIKITEXT103", "--valid-data", str(text), "--load", runs["src"],
+                                       *NULL_TOKENIZER, *layout, "--overlapping-eval", "16",
+                                       "--results-json", str(out)], nproc)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        results[nproc] = json.load(open(out))
+    ppl = [results[n]["token_ppl"] for n in (1, 2)]
+    assert 1 < ppl[0] < 10 * VOCAB
+    assert_rel_close([ppl[1]], [ppl[0]], 1e-5, "TP=2 perplexity")
+
+
+def test_reshard_command_takes_the_expert_flags(runs, tmp_path, capsys):
+    tool = load_tool("convert_checkpoint")
+    out = str(tmp_path / "ep4_tp2")
+    assert tool.main(["reshard", "--load", runs["src"], "--save", out, "--tensor-model-parallel-size", "2",
+                      "--expert-model-parallel-size", "4", "--expert-tensor-parallel-size", "1", "--no-optim"]) == 0
+    assert "EP=4 ETP=1" in capsys.readouterr().out
+    src, got = FullCheckpoint(runs["src"]), FullCheckpoint(out)
+    assert (got.layout["tp"], got.layout["ep"], got.layout["etp"]) == (2, 4, 1) and not got.has_optimizer()
+    for key in src.keys():
+        assert torch.equal(src.param(key), got.param(key)), key
+    bad = ["reshard", "--load", runs["src"], "--save", str(tmp_path / "bad"), "--expert-tensor-parallel-size", "3"]
+    assert tool.main(bad) == 2
+    assert "--expert-tensor-parallel-size (3) must divide the expert hidden size" in capsys.readouterr().err
+
+
+def test_dense_checkpoints_keep_their_files_and_old_ones_still_load(tmp_path):
+    """A dense model writes no expert folder; a checkpoint from before experts (no ep/etp in its layout)
+    reads back and loads as before; EP flags for a dense model are refused."""
+    from megalite.checkpointing.load import load_checkpoint
+    from megalite.checkpointing.metadata import config_dict
+    from megalite.checkpointing.stored import named_params
+    from megalite.checkpointing.writer import write_checkpoint
+    from megalite.config.model import ModelConfig
+    from megalite.tensor_parallel.param_meta import param_meta
+    from tests.tp_utils import build
+
+    dense = {k: v for k, v in MODEL.items() if not k.startswith(("num_experts", "moe_"))}
+    cfg = ModelConfig(**dense)
+    model = build(cfg, ProcessGroups.single(), VOCAB, seed=3)
+    full = {k: param_meta(p).spec.unshard([p.detach()]) for _, k, p in named_params([model])}
+    path = str(tmp_path / "dense")
+    write_checkpoint(path, config_dict(cfg, VOCAB), full.__getitem__, tp=2, pp=1, iteration=1)
+    it = os.path.join(path, iter_dirname(1))
+    assert sorted(os.listdir(it)) == ["metadata.json", "mp_rank_00_000", "mp_rank_01_000"]
+    meta_path = os.path.join(it, "metadata.json")
+    meta = json.load(open(meta_path))
+    del meta["layout"]["ep"], meta["layout"]["etp"]
+    json.dump(meta, open(meta_path, "w"))
+    assert all(torch.equal(FullCheckpoint(path).param(k), v) for k, v in full.items())
+    fresh = build(cfg, ProcessGroups.single(), VOCAB, seed=4)
+    load_checkpoint(path, [fresh], None, ProcessGroups.single(), config_dict(cfg, VOCAB), load_optim=False)
+    assert all(torch.equal(p, model.get_parameter(n)) for n, p in fresh.named_parameters())
+    with pytest.raises(ValueError, match="--expert-model-parallel-size needs a model with --num-experts"):
+        write_checkpoint(str(tmp_path / "d"), config_dict(cfg, VOCAB), full.__getitem__, tp=1, pp=1, ep=2)
