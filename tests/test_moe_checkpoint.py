@@ -30,7 +30,7 @@ from megalite.parallel.groups import ProcessGroups
 from megalite.parallel.layout import RankLayout
 from megalite.training.loop import pretrain
 from tests.asserts import assert_rel_close
-from tests.cli_utils import ROOT, load_tool
+from tests.cli_utils import ROOT, load_tool, losses, run_pretrain
 from tests.harness import run_ranks
 from tests.tp_utils import LLAMA_GQA, mock_data
 
@@ -139,10 +139,18 @@ def test_reshard_to_an_impossible_expert_layout_is_refused(runs, tmp_path):
 
 
 def test_loading_with_other_moe_flags_is_refused_by_name(runs):
-    cfg = MegaliteConfig.from_flat(dict(MODEL, num_experts=8, micro_batch_size=1, global_batch_size=4,
-                                        train_iters=ITERS, mock_data=True, vocab_size=VOCAB, load=runs["src"]))
-    with pytest.raises(CheckpointMismatch, match=r"--num-experts: checkpoint 4, flags 8"):
-        pretrain(cfg, ProcessGroups.single(), data=mock_data(VOCAB, 32, 1, 16), log=QUIET)
+    from megalite.checkpointing.load import check_config
+    from megalite.checkpointing.metadata import config_dict
+    from megalite.config.model import ModelConfig
+
+    saved = FullCheckpoint(runs["src"]).config
+    for flag, value, message in (("num_experts", 8, "--num-experts: checkpoint 4, flags 8"),
+                                 ("moe_router_enable_expert_bias", False,
+                                  "--moe-router-enable-expert-bias: checkpoint True, flags False")):
+        flags = config_dict(ModelConfig(**{**MODEL, flag: value}), VOCAB)
+        with pytest.raises(CheckpointMismatch, match=message):
+            check_config(saved, flags, "--load x")
+    check_config(saved, config_dict(ModelConfig(**{**MODEL, "moe_router_topk": 1}), VOCAB), "--load x")
 
 
 def _tool(script: str, args: list[str], nproc: int = 1) -> subprocess.CompletedProcess:
@@ -154,13 +162,14 @@ def _tool(script: str, args: list[str], nproc: int = 1) -> subprocess.CompletedP
 
 
 NULL_TOKENIZER = ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB - 1)]
+TOKENS = [(7 * i) % (VOCAB - 1) for i in range(120)]
 
 
-def test_generate_runs_an_moe_checkpoint(runs):
-    proc = _tool("tools/generate.py", ["--load", runs["src"], *NULL_TOKENIZER, "--prompt", "5 17 2 99",
-                                       "--max-new-tokens", "4", "--greedy"])
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert "5 17 2 99" in proc.stdout
+def test_generate_runs_an_moe_checkpoint(runs, capsys):
+    argv = ["--load", runs["src"], *NULL_TOKENIZER, "--prompt", "5 17 2 99", "--max-new-tokens", "4", "--greedy"]
+    assert load_tool("generate").main(argv) == 0
+    out = capsys.readouterr().out
+    assert "5 17 2 99" in out
 
 
 def test_inference_loads_the_experts_and_evaluates_in_eval_mode(runs):
@@ -176,26 +185,27 @@ def test_inference_loads_the_experts_and_evaluates_in_eval_mode(runs):
     ckpt = FullCheckpoint(runs["src"])
     for key in ("layers.1.mlp.experts.fc2_weight", "layers.1.mlp.router.expert_bias"):
         assert torch.equal(chunks[0].get_parameter(key), ckpt.param(key)), key
-    tokens = [(7 * i) % (VOCAB - 1) for i in range(80)]
-    res = evaluate_perplexity(chunks, pg, tokens, 40, 32, 16, 2, pad=VOCAB - 1)
+    res = evaluate_perplexity(chunks, pg, TOKENS, len(TOKENS), 32, 16, 2, pad=VOCAB - 1)
     assert 1 < res.ppl < 10 * VOCAB
     assert all(m.stats.microbatches == 0 for m in layers), "evaluation must not count as training routing"
+    runs["serial_ppl"] = res.ppl
 
 
 def test_tasks_perplexity_of_an_moe_checkpoint_is_the_same_at_tp2(runs, tmp_path):
+    """tasks/main.py under torchrun at TP=2 (each TP rank routes the whole sequence, experts cut over
+    expert-TP = TP) gives the single-process perplexity of the same tokens."""
+    if "serial_ppl" not in runs:
+        test_inference_loads_the_experts_and_evaluates_in_eval_mode(runs)
     text = tmp_path / "valid.txt"
-    text.write_text(" ".join(str((7 * i) % (VOCAB - 1)) for i in range(120)))
-    results = {}
-    for nproc, layout in ((1, []), (2, ["--tensor-model-parallel-size", "2"])):
-        out = tmp_path / f"result_{nproc}.json"
-        proc = _tool("tasks/main.py", ["--task", "WIKITEXT103", "--valid-data", str(text), "--load", runs["src"],
-                                       *NULL_TOKENIZER, *layout, "--overlapping-eval", "16",
-                                       "--results-json", str(out)], nproc)
-        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-        results[nproc] = json.load(open(out))
-    ppl = [results[n]["token_ppl"] for n in (1, 2)]
-    assert 1 < ppl[0] < 10 * VOCAB
-    assert_rel_close([ppl[1]], [ppl[0]], 1e-5, "TP=2 perplexity")
+    text.write_text(" ".join(map(str, TOKENS)))
+    out = tmp_path / "result.json"
+    proc = _tool("tasks/main.py", ["--task", "WIKITEXT103", "--valid-data", str(text), "--load", runs["src"],
+                                   *NULL_TOKENIZER, "--tensor-model-parallel-size", "2", "--overlapping-eval", "16",
+                                   "--results-json", str(out)], nproc=2)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    result = json.load(open(out))
+    assert result["tp"] == 2
+    assert_rel_close([result["token_ppl"]], [runs["serial_ppl"]], 1e-5, "TP=2 perplexity")
 
 
 def test_reshard_command_takes_the_expert_flags(runs, tmp_path, capsys):
@@ -242,3 +252,39 @@ def test_dense_checkpoints_keep_their_files_and_old_ones_still_load(tmp_path):
     assert all(torch.equal(p, model.get_parameter(n)) for n, p in fresh.named_parameters())
     with pytest.raises(ValueError, match="--expert-model-parallel-size needs a model with --num-experts"):
         write_checkpoint(str(tmp_path / "d"), config_dict(cfg, VOCAB), full.__getitem__, tp=1, pp=1, ep=2)
+
+
+def test_missing_expert_shard_is_named(runs, tmp_path):
+    import shutil
+
+    from megalite.checkpointing.reader import CheckpointError
+
+    copy = str(tmp_path / "copy")
+    shutil.copytree(runs["src"], copy)
+    gone = os.path.join(copy, iter_dirname(SAVED_AT), "expert_rank_00_001_000", "model.safetensors")
+    os.remove(gone)
+    with pytest.raises(CheckpointError, match=f"checkpoint shard {gone} is missing"):
+        FullCheckpoint(copy).param("layers.0.mlp.experts.fc1_weight")
+
+
+CLI = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
+       "--max-position-embeddings", "32", "--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-linear",
+       "--swiglu", "--moe-aux-loss-coeff", "0.01", "--mock-data", "--tokenizer-type", "NullTokenizer",
+       "--vocab-size", "200", "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "4",
+       "--lr", "1e-3", "--log-interval", "1", "--seed", "1234", "--eval-iters", "0", "--hidden-dropout", "0",
+       "--attention-dropout", "0"]
+
+
+def test_pretrain_gpt_saved_at_ep2_resumes_in_one_process(tmp_path):
+    """End to end through pretrain_gpt.py: torchrun EP2 x DP2 with the sharded optimizer saves every 2
+    iterations; a single process resumed from iteration 2 follows the EP2 run's iterations 3 and 4."""
+    from megalite.checkpointing.paths import TRACKER
+
+    save = str(tmp_path / "ckpt")
+    ep2 = losses(run_pretrain([*CLI, "--expert-model-parallel-size", "2", "--use-distributed-optimizer",
+                               "--save", save, "--save-interval", "2"], nproc=2))
+    with open(os.path.join(save, TRACKER), "w") as f:
+        f.write("2")  # resume from the middle of the run
+    resumed = losses(run_pretrain([*CLI, "--load", save]))
+    assert sorted(ep2) == [1, 2, 3, 4] and sorted(resumed) == [3, 4]
+    assert_rel_close([resumed[i][0] for i in (3, 4)], [ep2[i][0] for i in (3, 4)], 1e-5, "lm loss")
