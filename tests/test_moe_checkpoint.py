@@ -1,8 +1,9 @@
 """Promises of checkpoints of mixture-of-experts models (docs/checkpoints.md, "Routed experts"):
 - a run saved at EP2 x DP2 (distributed optimizer, aux loss, sigmoid router with expert bias) continues
-  the uninterrupted run's loss curve (1e-5 relative) when resumed at EP4, at EP1 in one process and at
-  TP2 x EP2 with sequence parallelism: every EP rank's experts, their expert-DP-sharded optimizer state and
-  the router's expert bias are saved and restored;
+  the uninterrupted run's loss curve (1e-5 relative) when resumed at EP4, at EP1 in one process, at
+  TP2 x EP2 with sequence parallelism and at PP2 x EP2: every EP rank's experts, their expert-DP-sharded
+  optimizer state and the router's expert bias are saved and restored; each pipeline stage saves its own;
+- the same through pretrain_gpt.py: torchrun EP2 saves, one process resumes;
 - an offline reshard to another EP / expert-TP / PP layout holds the same full tensors (weights and
   optimizer state) and resumes on the same curve;
 - dense checkpoints keep their files (no expert folders), and mismatched MoE flags are refused by name;
@@ -42,26 +43,28 @@ MODEL = {**LLAMA_GQA, "num_layers": 2, "hidden_size": 32, "num_attention_heads":
 ITERS, SAVED_AT = 6, 3
 QUIET = lambda s: None  # noqa: E731
 
-# name -> (world, tp, ep, etp, extra flags)
+# name -> (world, tp, pp, ep, etp, extra flags)
 LAYOUTS = {
-    "ep2_dp2_distopt": (4, 1, 2, None, {"use_distributed_optimizer": True}),
-    "ep4": (4, 1, 4, None, {}),
-    "ep1_serial": (1, 1, 1, None, {}),
-    "tp2_ep2_sp": (4, 2, 2, None, {"sequence_parallel": True, "use_distributed_optimizer": True}),
-    "ep2_etp2": (4, 1, 2, 2, {}),  # loads the offline reshard (EP2 x expert-TP 2)
+    "ep2_dp2_distopt": (4, 1, 1, 2, None, {"use_distributed_optimizer": True}),
+    "ep4": (4, 1, 1, 4, None, {}),
+    "ep1_serial": (1, 1, 1, 1, None, {}),
+    "tp2_ep2_sp": (4, 2, 1, 2, None, {"sequence_parallel": True, "use_distributed_optimizer": True}),
+    "pp2_ep2_distopt": (4, 1, 2, 2, None, {"use_distributed_optimizer": True}),  # also saves, per stage
+    "ep2_etp2": (4, 1, 1, 2, 2, {}),  # loads the offline reshard (EP2 x expert-TP 2)
 }
 
 
 def _run(rank: int, name: str, **kw) -> list[float] | None:
-    world, tp, ep, etp, extra = LAYOUTS[name]
+    world, tp, pp, ep, etp, extra = LAYOUTS[name]
     if rank >= world:
         return None
     cfg = MegaliteConfig.from_flat(dict(
-        MODEL, tensor_model_parallel_size=tp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
+        MODEL, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
         micro_batch_size=1, global_batch_size=4, train_iters=ITERS, lr=3e-3, lr_warmup_iters=1, log_interval=1,
         eval_iters=0, eval_interval=1000, mock_data=True, vocab_size=VOCAB, seed=1234, **extra, **kw))
     validate(cfg, world)
-    pg = ProcessGroups.single() if world == 1 else ProcessGroups.build(RankLayout(world, tp, 1, ep=ep, etp=etp), rank)
+    pg = ProcessGroups.single() if world == 1 else ProcessGroups.build(RankLayout(world, tp, pp, ep=ep, etp=etp), rank)
     data = mock_data(VOCAB, MODEL["seq_length"], 1234, 40 * 4)
     return pretrain(cfg, pg, data=data, log=QUIET).losses
 
@@ -75,6 +78,7 @@ def _runs(rank: int, world: int, root: str) -> dict:
     out["resumed"] = _run(rank, "ep2_dp2_distopt", load=src, save=os.path.join(root, "again"))
     for name in ("ep4", "ep1_serial", "tp2_ep2_sp"):
         out[name] = _run(rank, name, load=src)
+    out["pp2_ep2_distopt"] = _run(rank, "pp2_ep2_distopt", load=src, save=os.path.join(root, "pp2"))
     if rank == 0:  # offline, as tools/convert_checkpoint.py reshard does
         reshard(src, offline, tp=1, pp=2, ep=2, etp=2)
     dist.barrier()
@@ -95,7 +99,7 @@ def test_resume_at_the_saving_layout_is_exact(runs):
     assert len(r["straight"]) == ITERS and r["resumed"] == r["straight"][SAVED_AT:]
 
 
-@pytest.mark.parametrize("name", ["ep4", "ep1_serial", "tp2_ep2_sp", "offline"])
+@pytest.mark.parametrize("name", ["ep4", "ep1_serial", "tp2_ep2_sp", "pp2_ep2_distopt", "offline"])
 def test_resume_at_another_expert_layout_continues_the_curve(runs, name):
     r = runs["ranks"][0]
     assert len(r[name]) == ITERS - SAVED_AT
@@ -116,6 +120,19 @@ def test_every_ep_ranks_experts_and_their_sharded_optimizer_state_are_stored(run
     assert ckpt.optim("layers.1.mlp.experts.fc2_weight", "exp_avg").shape == (4, 32, 16)
     bias = ckpt.param("layers.0.mlp.router.expert_bias")
     assert bias.abs().sum() > 0, "the expert bias was updated during training and must be saved"
+
+
+def test_a_pipeline_stage_saves_its_own_experts(runs):
+    """The PP2 x EP2 run's save (iteration 6) has every stage's expert folders, and its full tensors are
+    the EP2 x DP2 run's at iteration 6 (same training, other layout)."""
+    pp2, again = os.path.join(runs["root"], "pp2"), os.path.join(runs["root"], "again")
+    it = os.path.join(pp2, iter_dirname(ITERS))
+    assert sorted(d for d in os.listdir(it) if d.startswith("expert_rank")) == [
+        "expert_rank_00_000_000", "expert_rank_00_000_001", "expert_rank_00_001_000", "expert_rank_00_001_001"]
+    a, b = FullCheckpoint(pp2), FullCheckpoint(again)
+    assert a.iteration == b.iteration == ITERS and sorted(a.keys()) == sorted(b.keys())
+    for key in a.keys():
+        torch.testing.assert_close(a.param(key), b.param(key), rtol=1e-5, atol=1e-6, msg=key)
 
 
 def test_offline_reshard_holds_the_same_full_tensors(runs):
