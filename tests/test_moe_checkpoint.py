@@ -280,8 +280,12 @@ def test_missing_expert_shard_is_named(runs, tmp_path):
     shutil.copytree(runs["src"], copy)
     gone = os.path.join(copy, iter_dirname(SAVED_AT), "expert_rank_00_001_000", "model.safetensors")
     os.remove(gone)
-    with pytest.raises(CheckpointError, match=f"checkpoint shard {gone} is missing"):
+    with pytest.raises(CheckpointError, match=f"checkpoint shard {gone} is missing .*EP=2, expert-TP=1"):
         FullCheckpoint(copy).param("layers.0.mlp.experts.fc1_weight")
+    first = os.path.join(copy, iter_dirname(SAVED_AT), "expert_rank_00_000_000", "model.safetensors")
+    os.remove(first)  # the file the reader lists the experts from: metadata.json says it must be there
+    with pytest.raises(CheckpointError, match=f"checkpoint shard {first} is missing"):
+        FullCheckpoint(copy)
 
 
 CLI = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",

@@ -47,7 +47,8 @@ class CheckpointReader:
             for key in self._open(self._model_path(0, pp)).keys():
                 self._stage_of[key] = pp
             experts = os.path.join(self.dir, expert_dirname(0, 0, pp), "model.safetensors")
-            if os.path.isfile(experts):  # only stages holding MoE layers have expert files
+            # only stages holding MoE layers have expert files; one metadata.json lists must be there
+            if os.path.isfile(experts) or os.path.relpath(experts, self.dir) in self.checksums:
                 for key in self._open(experts).keys():
                     self._stage_of[key] = pp
                     self._expert.add(key)
@@ -99,7 +100,9 @@ class CheckpointReader:
     def _open(self, path: str):
         if path not in self._handles:
             if not os.path.isfile(path):
-                raise CheckpointError(f"checkpoint shard {path} is missing (saved with TP={self.tp}, PP={self.pp})")
+                experts = f", EP={self.ep}, expert-TP={self.etp}" if "expert_rank_" in path else ""
+                raise CheckpointError(f"checkpoint shard {path} is missing (saved with TP={self.tp}, PP={self.pp}"
+                                      f"{experts})")
             self.verify(path)
             try:
                 self._handles[path] = safe_open(path, framework="pt")
