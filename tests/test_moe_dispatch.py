@@ -239,3 +239,17 @@ def test_grouped_gemm_equals_the_loop(counts, fan_in, fan_out):
         assert torch.allclose(a, b, rtol=1e-6, atol=1e-6), f"{name}: {(a - b).abs().max():.2e}"
     empty = [e for e, c in enumerate(counts) if c == 0]
     assert torch.equal(got[True][2][empty], torch.zeros_like(w0[empty]))  # no tokens, no gradient
+
+
+# ---- device placement ---------------------------------------------------------------------------------
+def test_padding_keeps_the_tokens_device():
+    """--moe-pad-expert-input-to-capacity builds its index tensors on the tokens' device, not the default
+    one (on a GPU, CPU index tensors fail index_copy). A different default device stands in for the GPU."""
+    disp = make_dispatcher("alltoall", E, ProcessGroups.single(), K, PAD_FACTOR)
+    token, prob, counts = torch.tensor([0, 2, 1, 3]), torch.full((4,), 0.5), torch.tensor([2, 0, 1, 1])
+    with torch.device("meta"):
+        tok, pr, padded = disp._padded(token, prob, counts, T)
+    cap = capacity(T, K, E, PAD_FACTOR)
+    assert tok.device == pr.device == torch.device("cpu")
+    assert padded.tolist() == [cap] * E
+    assert tok.view(E, cap)[0, :2].tolist() == [0, 2] and tok.view(E, cap)[1].tolist() == [T] * cap

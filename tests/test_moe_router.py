@@ -26,7 +26,7 @@ import torch
 
 from megalite.config.model import ModelConfig
 from megalite.config.moe import moe_layer_pattern
-from megalite.moe.balance import update_expert_bias
+from megalite.moe.balance import update_expert_bias, window_metrics
 from megalite.moe.layer import MoELayer
 from megalite.moe.router import Router, capacity, load_balancing_loss
 from megalite.parallel.groups import ProcessGroups
@@ -177,3 +177,12 @@ def test_training_forward_counts_for_the_bias():
             p.normal_()
     layer(LOGITS.reshape(4, 1, 4))
     assert layer.stats.step_counts.tolist() == [2, 2, 3, 1]
+
+
+def test_window_metrics_on_a_stage_without_moe_layers():
+    """A pipeline stage with no MoE layer still joins the metrics' all-reduce; its table is on the compute
+    device (NCCL refuses CPU tensors), not the default one. A different default device stands in for the
+    difference."""
+    with torch.device("meta"):
+        out = window_metrics([torch.nn.Linear(2, 2, device="cpu")], ProcessGroups.single(), 4, 8)
+    assert out["layers"] == {} and out["load_balancing_loss"] == 0.0

@@ -5,7 +5,9 @@
 - a launcher that did not fill nodes with consecutive ranks is detected at start-up;
 - --hierarchical-dp-reduce (reduce-scatter in the node, all-reduce across nodes, all-gather in the node)
   gives the flat reduction's and the single-process loss curve within 1e-5 on 4 ranks as 2 nodes x 2,
-  with and without the distributed optimizer, and only 1/k of the buffer crosses nodes."""
+  with and without the distributed optimizer, and only 1/k of the buffer crosses nodes;
+- the expert groups (EP, expert-TP, both, expert-DP) are the per-rank expert coordinates' groups, built at a
+  cost linear in the world size."""
 
 from __future__ import annotations
 
@@ -51,6 +53,32 @@ def test_groups_equal_megatron_for_both_orders():
     assert alt.groups("pp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert alt.groups("dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert alt.embedding_groups() == [[0, 2], [1, 3], [4, 6], [5, 7]]
+
+
+@pytest.mark.parametrize("kw", [dict(tp=2, pp=2, ep=2), dict(tp=2, pp=2, ep=2, etp=1), dict(pp=4, cp=2, ep=4),
+                                dict(tp=4, ep=2, etp=2), dict(pp=2, ep=1, etp=2)])
+@pytest.mark.parametrize("axes", ["ep", "etp", "etp-ep", "edp"])
+def test_expert_groups_match_each_ranks_expert_coords(kw, axes):
+    """Each expert group holds the ranks of one stage whose expert coordinates differ only along ``axes``."""
+    layout = RankLayout(32, **kw)
+    fixed = [a for a in ("etp", "ep", "edp") if a not in axes.split("-")]
+    want: dict[tuple, list[int]] = {}
+    for r in range(32):
+        c = layout.expert_coords(r)
+        want.setdefault((layout.coords(r)["pp"], *(c[a] for a in fixed)), []).append(r)
+    assert layout.expert_groups(axes) == sorted(want.values())
+
+
+def test_expert_groups_cost_linear_in_the_world(monkeypatch):
+    """Building the expert groups looks each rank's coordinates up a bounded number of times (it was once
+    per rank per rank: minutes of start-up at thousands of ranks)."""
+    calls = []
+    coords = RankLayout.coords
+    monkeypatch.setattr(RankLayout, "coords", lambda self, rank: calls.append(rank) or coords(self, rank))
+    layout = RankLayout(1024, tp=2, pp=4, ep=8)
+    for axes in ("ep", "etp", "etp-ep", "edp"):
+        layout.expert_groups(axes)
+    assert len(calls) <= 4 * 1024 * layout.pp, len(calls)
 
 
 def test_tp_pp_dp_mapping_keeps_pipeline_inside_node_and_dp_across():

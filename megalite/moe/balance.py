@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from megalite import device
 from megalite.moe.layer import MoELayer
 from megalite.parallel.groups import Group, ProcessGroups
 
@@ -53,7 +54,8 @@ def window_metrics(chunks: list[nn.Module], pg: ProcessGroups, num_layers: int, 
     micro-batch), tokens-per-expert imbalance (max / mean of the global counts) and the dropped fraction.
     Every rank calls it (one world all-reduce). Returns {"layers": {n: {...}}, and the means over layers}."""
     layers = moe_layers(chunks)
-    dev = layers[0].stats.counts.device if layers else None
+    # a stage without MoE layers still joins the all-reduce: its table on the compute device (NCCL), too
+    dev = layers[0].stats.counts.device if layers else device.current_device()
     table = torch.zeros((num_layers, num_experts + 4), dtype=torch.float32, device=dev)
     for m in layers:
         st = m.stats

@@ -70,11 +70,11 @@ class Dispatcher:
     def _padded(self, token: torch.Tensor, prob: torch.Tensor, counts: torch.Tensor, tokens: int
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Every expert's rows padded to the capacity with padding rows (token index ``tokens``, weight 0)."""
-        cap = capacity(tokens, self.topk, self.E, self.pad_factor)
+        cap, dev = capacity(tokens, self.topk, self.E, self.pad_factor), counts.device
         starts = counts.cumsum(0) - counts
-        slot = (torch.arange(self.E).repeat_interleave(counts) * cap
-                + torch.arange(int(counts.sum())) - starts.repeat_interleave(counts))
-        tok = torch.full((self.E * cap,), tokens, dtype=torch.long).index_copy(0, slot, token)
+        slot = (torch.arange(self.E, device=dev).repeat_interleave(counts) * cap
+                + torch.arange(int(counts.sum()), device=dev) - starts.repeat_interleave(counts))
+        tok = torch.full((self.E * cap,), tokens, dtype=torch.long, device=dev).index_copy(0, slot, token)
         pr = prob.new_zeros(self.E * cap).index_copy(0, slot, prob)
         return tok, pr, torch.full_like(counts, cap)
 

@@ -86,7 +86,10 @@ class RankLayout:
         """``rank``'s expert-TP, EP and expert-DP index: its position among its stage's ranks (ascending),
         split with expert-TP fastest, then EP, then expert-DP (Megatron's expert layout)."""
         stage = self.coords(rank)["pp"]
-        i = self.stage_ranks(stage).index(rank)
+        return self._expert_split(self.stage_ranks(stage).index(rank))
+
+    def _expert_split(self, i: int) -> dict[str, int]:
+        """Expert coordinates of the i-th rank (ascending) of a stage."""
         return {"etp": i % self.etp, "ep": (i // self.etp) % self.ep, "edp": i // (self.etp * self.ep)}
 
     def stage_ranks(self, stage: int) -> list[int]:
@@ -96,10 +99,10 @@ class RankLayout:
         """All groups of the expert layout varying over ``axes`` (of "etp", "ep", "edp"), within a stage."""
         varying = axes.split("-")
         out: dict[tuple, list[int]] = {}
-        for r in range(self.world_size):
-            c = self.expert_coords(r)
-            key = (self.coords(r)["pp"], *(v for a, v in sorted(c.items()) if a not in varying))
-            out.setdefault(key, []).append(r)
+        for stage in range(self.pp):  # each stage's ranks listed once (per-rank lookups made this world^2)
+            for i, r in enumerate(self.stage_ranks(stage)):
+                c = self._expert_split(i)
+                out.setdefault((stage, *(v for a, v in sorted(c.items()) if a not in varying)), []).append(r)
         return sorted(out.values())
 
     def embedding_groups(self) -> list[list[int]]:
