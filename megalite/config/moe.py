@@ -97,6 +97,9 @@ def moe_layer_pattern(freq: str, num_layers: int) -> list[bool]:
     return [bool(v) for v in values]
 
 
+MAX_LAYERS = 100_000  # a repeat count past any model's depth is a typo, refused before the list is built
+
+
 def _list_expression(node: ast.AST) -> list[int]:
     """Evaluate list literals, + and * of them (no names, no calls)."""
     if isinstance(node, ast.List):
@@ -110,10 +113,11 @@ def _list_expression(node: ast.AST) -> list[int]:
         return _list_expression(node.left) + _list_expression(node.right)
     if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
         left, right = node.left, node.right
-        if isinstance(right, ast.Constant) and isinstance(right.value, int):
-            return _list_expression(left) * right.value
-        if isinstance(left, ast.Constant) and isinstance(left.value, int):
-            return _list_expression(right) * left.value
+        for seq, times in ((left, right), (right, left)):
+            if isinstance(times, ast.Constant) and isinstance(times.value, int):
+                if not 0 <= times.value <= MAX_LAYERS:
+                    raise ValueError(f"repeat count {times.value} is not in [0, {MAX_LAYERS}]")
+                return _list_expression(seq) * times.value
     raise ValueError("only list literals joined by + and repeated by * are allowed")
 
 

@@ -112,7 +112,7 @@ class Router(nn.Module):
             else torch.ones_like(experts, dtype=torch.bool)
         parts = pg.size(Group.TP_CP)  # ranks holding parts of these sequences
         aux, lb, z = None, None, None
-        if c.moe_aux_loss_coeff > 0 and c.moe_router_load_balancing_type != "none":
+        if self.training and c.moe_aux_loss_coeff > 0 and c.moe_router_load_balancing_type != "none":
             if c.moe_router_load_balancing_type == "seq_aux_loss":  # per sequence, then the mean over b
                 seq_counts = pg.all_reduce(routed.view(s, b, -1).sum(0, dtype=torch.float32), Group.TP_CP)
                 per_seq = aux_scores.view(s, b, -1).sum(0) * seq_counts  # [b, E]
@@ -122,7 +122,7 @@ class Router(nn.Module):
                 total = pg.all_reduce(counts.clone(), Group.TP_CP)
                 aux = load_balancing_loss(aux_scores, total, s * b * parts, c.moe_router_topk, c.moe_aux_loss_coeff)
             lb = aux.detach()
-        if c.moe_z_loss_coeff:
+        if self.training and c.moe_z_loss_coeff:  # evaluation and decoding need neither term
             zl = c.moe_z_loss_coeff * torch.logsumexp(logits, -1).square().sum() / (s * b * parts)
             z = zl.detach()
             aux = zl if aux is None else aux + zl
