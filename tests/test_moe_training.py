@@ -48,6 +48,9 @@ CASES_A = {
                                      "--sequence-parallel", "--expert-tensor-parallel-size", "1",
                                      "--moe-token-dispatcher-type", "allgather", "--data-parallel-sharding-strategy",
                                      "optim_grads"], {}),
+    # DP 4 = EP 2 x expert-DP 2: dense state sharded over 4 ranks, the experts' over expert-DP 2
+    "ep2_dp2_distributed_optimizer": (4, ["--expert-model-parallel-size", "2", "--use-distributed-optimizer", *A2A],
+                                      {}),
     # DP 2 x CP 2: dense state sharded over 4 ranks, the experts' over expert-DP 2
     "cp2_ep2_dp2_distributed_optimizer": (4, ["--context-parallel-size", "2", "--expert-model-parallel-size", "2",
                                               "--use-distributed-optimizer", *A2A], {}),
