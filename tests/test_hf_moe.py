@@ -3,7 +3,7 @@
   a dense layer from mlp_only_layers) imported with from_hf_state_dict give HF's logits (fp32, <= 1e-4)
   in one process and at TP2 x EP2 x PP2 with sequence parallelism on 8 ranks;
 - megalite -> HF -> megalite returns bitwise identical tensors, HF -> megalite -> HF identical state dicts;
-- convert_checkpoint.py from-hf (TP2 x PP2 checkpoint) then to-hf gives the original folder's tensors back;
+- convert_checkpoint.py from-hf (TP2 x EP2 x PP2 checkpoint) then to-hf gives the original folder's tensors back;
 - the routers' semantics map (norm_topk_prob), the aux-loss coefficient maps both ways, and what megalite
   cannot express is refused naming the HF key or the megalite flag.
 Models are built from configs; nothing is downloaded."""
@@ -252,8 +252,8 @@ def test_expert_sizes_must_split_over_the_checkpoints_tp():
 
 
 @pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
-def test_convert_commands_from_hf_tp2_pp2_then_to_hf(models, name, tmp_path):
-    """from-hf writes a TP2 x PP2 checkpoint whose full tensors are the conversion's; to-hf gives the same
+def test_convert_commands_from_hf_tp2_ep2_pp2_then_to_hf(models, name, tmp_path):
+    """from-hf writes a TP2 x EP2 x PP2 checkpoint whose full tensors are the conversion's; to-hf gives the same
     transformers model back (bitwise), which transformers loads and runs to the same logits."""
     import transformers
 
@@ -261,9 +261,9 @@ def test_convert_commands_from_hf_tp2_pp2_then_to_hf(models, name, tmp_path):
     src, ckpt, out = (str(tmp_path / n) for n in ("hf", "ckpt", "back"))
     model.save_pretrained(src)
     assert convert(["from-hf", "--load", src, "--save", ckpt, "--tensor-model-parallel-size", "2",
-                    "--pipeline-model-parallel-size", "2"]) == 0
+                    "--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2"]) == 0
     saved = FullCheckpoint(ckpt)
-    assert saved.layout["tp"] == 2 and saved.layout["pp"] == 2
+    assert (saved.layout["tp"], saved.layout["pp"], saved.layout["ep"]) == (2, 2, 2)
     assert set(saved.keys()) == set(full) and all(torch.equal(saved.param(k), v) for k, v in full.items())
     assert convert(["to-hf", "--load", ckpt, "--save", out]) == 0
     back = getattr(transformers, model.config.architectures[0]).from_pretrained(out, local_files_only=True).eval()

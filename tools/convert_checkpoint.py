@@ -225,7 +225,8 @@ def cmd_from_hf(a: argparse.Namespace) -> None:
     with _staged_output(a.save) as staged:
         path = write_checkpoint(staged, config, params.__getitem__, tp=a.tensor_model_parallel_size,
                                 pp=a.pipeline_model_parallel_size, note=note, dtype=dtype,
-                                layers_per_virtual_stage=a.num_layers_per_virtual_pipeline_stage)
+                                layers_per_virtual_stage=a.num_layers_per_virtual_pipeline_stage,
+                                ep=a.expert_model_parallel_size, etp=a.expert_tensor_parallel_size)
         tok = copy_tokenizer_files(a.load, os.path.join(staged, TOKENIZER_DIR))
     path = os.path.join(a.save, os.path.basename(path))
     print(f"wrote {path} (TP={a.tensor_model_parallel_size} PP={a.pipeline_model_parallel_size}, "
@@ -245,6 +246,10 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--tensor-model-parallel-size", type=int, default=1)
         sp.add_argument("--pipeline-model-parallel-size", type=int, default=1)
         sp.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+        sp.add_argument("--expert-model-parallel-size", type=int, default=1,
+                        help="MoE models: EP ranks the routed experts are split over")
+        sp.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                        help="MoE models: expert-TP ranks each routed expert is cut over (default: TP)")
 
     r = sub.add_parser("reshard", help="write a checkpoint at another TP/PP/VP/EP layout (optimizer state included)")
     r.add_argument("--load", required=True, help="checkpoint directory (holding latest_checkpointed_iteration.txt)")
@@ -253,10 +258,6 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--no-optim", action="store_true", help="weights only")
     r.add_argument("--overwrite", action="store_true", help="replace a non-empty --save folder")
     layout(r)
-    r.add_argument("--expert-model-parallel-size", type=int, default=1,
-                   help="MoE models: EP ranks the routed experts are split over")
-    r.add_argument("--expert-tensor-parallel-size", type=int, default=None,
-                   help="MoE models: expert-TP ranks each routed expert is cut over (default: TP)")
     r.set_defaults(func=cmd_reshard)
 
     t = sub.add_parser("to-hf", help="export to a transformers folder (GPT2LMHeadModel, LlamaForCausalLM, "
