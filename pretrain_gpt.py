@@ -17,7 +17,7 @@ from megalite.checkpointing.reader import CheckpointError
 from megalite.config import ConfigError, MegaliteConfig, parse_args, validate
 from megalite.data.errors import DataError
 from megalite.distributed.failure import FailureBoard
-from megalite.distributed.launch import distributed_run, launcher_env, run_timeout
+from megalite.distributed.launch import distributed_run, exit_process, launcher_env, run_timeout
 from megalite.distributed.rendezvous import RendezvousError
 from megalite.optimizer.loss_scaler import LossScaleCollapse
 from megalite.planning.cli import dry_run
@@ -67,4 +67,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 from megalite.config.validate import ConfigError  # noqa: E402
-from megalite.distributed.launch import distributed_run, launcher_env  # noqa: E402
+from megalite.distributed.launch import distributed_run, exit_process, launcher_env  # noqa: E402
 from megalite.inference.generation import GenerationError, check_lengths, generate  # noqa: E402
 from megalite.inference.loading import (  # noqa: E402
     check_output_file,
@@ -133,4 +133,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -8,6 +8,7 @@ import datetime
 import os
 import sys
 from collections.abc import Iterator
+from typing import NoReturn
 
 import torch.distributed as dist
 
@@ -98,3 +99,16 @@ def distributed_run(cfg: MegaliteConfig, board: FailureBoard | None = None) -> I
             dist.destroy_process_group()
         if own or board.first is None:  # else the entry point's board leaves, after printing the error
             board.leave()
+
+
+def exit_process(code: int | None) -> NoReturn:
+    """Leave an entry point with ``code``. A rank of a multi-rank run leaves without the interpreter's
+    teardown (``os._exit``, after flushing its output): by then the run has ended cleanly (groups
+    destroyed, files closed, every rank counted out), and destroying torch.distributed's C++ threads
+    (gloo workers, the rendezvous store's server) during interpreter finalization can abort the process
+    ("terminate called without an active exception") and turn a finished run into a failed one."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        os._exit(code or 0)
+    sys.exit(code)
