@@ -186,3 +186,28 @@ def test_window_metrics_on_a_stage_without_moe_layers():
     with torch.device("meta"):
         out = window_metrics([torch.nn.Linear(2, 2, device="cpu")], ProcessGroups.single(), 4, 8)
     assert out["layers"] == {} and out["load_balancing_loss"] == 0.0
+
+
+def test_window_metrics_log_line_and_per_layer_scalars():
+    """Two training forwards: the window's metrics are the per-micro-batch mean of the load-balancing loss,
+    max/mean of the counts (2, 2, 3, 1 twice: 3 / 2 = 1.5) and no drops; the log line and TensorBoard /
+    W&B names carry them per layer, and reading the window clears it."""
+    from megalite.training.log import format_iteration_line, moe_scalars
+
+    cfg = ModelConfig(num_layers=2, hidden_size=4, num_attention_heads=1, ffn_hidden_size=8, num_experts=4,
+                      moe_router_topk=2, disable_bias_linear=True, swiglu=True, moe_aux_loss_coeff=COEFF)
+    layer = MoELayer(cfg, ProcessGroups.single(), 1, False, torch.float32, None)
+    with torch.no_grad():
+        layer.router.weight.copy_(torch.eye(4))
+    for _ in range(2):
+        layer(LOGITS.reshape(4, 1, 4))
+    want_lb = float(load_balancing_loss(LOGITS.softmax(-1), torch.tensor([2.0, 2.0, 3.0, 1.0]), 4, 2, COEFF))
+    out = window_metrics([layer], ProcessGroups.single(), 2, 4)
+    row = out["layers"][1]
+    assert list(out["layers"]) == [1] and math.isclose(row["load_balancing_loss"], want_lb, rel_tol=1e-6)
+    assert row["imbalance"] == 1.5 and row["dropped_fraction"] == 0.0 and out["imbalance"] == 1.5
+    line = format_iteration_line(3, 10, 24, 1.0, 1e-3, 8, 4.0, 1.0, 0.5, 0, 0, moe=out)
+    assert f"load balancing loss: {want_lb:.6E} | expert imbalance (max/mean): 1.500 | dropped tokens: 0.00% |" in line
+    scalars = moe_scalars(out)
+    assert scalars["moe/layer_1/imbalance"] == 1.5 and "moe/load_balancing_loss" in scalars
+    assert window_metrics([layer], ProcessGroups.single(), 2, 4)["layers"] == {}  # the window was cleared
