@@ -57,15 +57,16 @@ class Dispatcher:
         self.first = pg.index(Group.EP) * self.local
         self.pad_factor = pad_factor  # alltoall: every expert's rows from a rank padded to the capacity
 
-    def _assignments(self, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _assignments(self, routing: Routing, num_experts: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Kept assignments sorted by expert (stable, so by token within an expert): (token, prob, expert,
-        count per expert [E])."""
+        count per expert [num_experts])."""
         k = routing.experts.shape[1]
         flat = routing.kept.reshape(-1).nonzero().squeeze(1)
         expert = routing.experts.reshape(-1)[flat]
         order = torch.sort(expert, stable=True).indices
         sel = flat[order]
-        return sel // k, routing.probs.reshape(-1)[sel], expert[order], torch.bincount(expert, minlength=self.E)
+        return sel // k, routing.probs.reshape(-1)[sel], expert[order], torch.bincount(expert, minlength=num_experts)
 
     def _padded(self, token: torch.Tensor, prob: torch.Tensor, counts: torch.Tensor, tokens: int
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -89,7 +90,7 @@ class Dispatcher:
 class AllToAllDispatcher(Dispatcher):
     def dispatch(self, x: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, list[int], _State]:
         pg, T = self.pg, x.shape[0]
-        token, prob, _, counts = self._assignments(routing)
+        token, prob, _, counts = self._assignments(routing, self.E)
         if self.pad_factor is not None:
             token, prob, counts = self._padded(token, prob, counts, T)
         source = torch.cat([x, x.new_zeros((1, x.shape[1]))]) if self.pad_factor is not None else x  # + a zero row
@@ -129,14 +130,9 @@ class AllGatherDispatcher(Dispatcher):
         kept = gather_rows_nograd(routing.kept, pg, group)
         local = (experts >= self.first) & (experts < self.first + self.local)
         gathered = Routing(probs, experts - self.first, kept & local, None, routing.counts)
-        k = experts.shape[1]
-        flat = gathered.kept.reshape(-1).nonzero().squeeze(1)
-        expert = gathered.experts.reshape(-1)[flat]
-        order = torch.sort(expert, stable=True).indices
-        sel = flat[order]
-        st = _State(sel // k, probs.reshape(-1)[sel], every.shape[0])
-        counts = torch.bincount(expert, minlength=self.local).tolist()
-        return every.index_select(0, st.slot_token), counts, st
+        token, prob, _, counts = self._assignments(gathered, self.local)
+        st = _State(token, prob, every.shape[0])
+        return every.index_select(0, token), counts.tolist(), st
 
     def combine(self, y: torch.Tensor, st: _State) -> torch.Tensor:
         return reduce_scatter_rows(self._weighted_sum(y, st), self.pg, Group.EMP)
