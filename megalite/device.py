@@ -135,9 +135,11 @@ def sdpa_kernels(backend: str, where: torch.device) -> contextlib.AbstractContex
     'fused' the memory-efficient one. Elsewhere (CPU) SDPA runs its own CPU kernel for every choice."""
     if where.type != "cuda" or backend not in ("flash", "fused"):
         return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention import sdpa_kernel
 
-    return sdpa_kernel(SDPBackend.FLASH_ATTENTION if backend == "flash" else SDPBackend.EFFICIENT_ATTENTION)
+    from megalite import compat
+
+    return sdpa_kernel(compat.sdpa_backend("FLASH_ATTENTION" if backend == "flash" else "EFFICIENT_ATTENTION"))
 
 
 def attention_backend_error(backend: str, dtype: torch.dtype) -> str | None:

@@ -6,8 +6,8 @@ of its own chunk's part."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from megalite import compat
 from megalite.context_parallel import blockwise
 from megalite.context_parallel.zigzag import zigzag_positions
 from megalite.parallel.groups import Group, ProcessGroups
@@ -38,5 +38,4 @@ def all_gather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pg: 
     kv = kv.permute(1, 2, 3, 0, 4, 5).reshape(2, b, g, c * s_local, d)  # keys in the ranks' zigzag order
     pos = zigzag_positions(s_local, c, q.device)
     mask = blockwise.allowed(pos[r], pos.flatten(), segment_ids, causal=True)[:, :, 0]  # [b or 1, 1, sq, sk]
-    return F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=mask, dropout_p=dropout_p,
-                                          enable_gqa=q.shape[1] != g)
+    return compat.sdpa(q, kv[0], kv[1], attn_mask=mask, dropout_p=dropout_p)

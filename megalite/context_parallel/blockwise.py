@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from megalite import compat
+
 # Blocks without dropout on the CPU run PyTorch's flash kernel for CPU (about 3x faster than the plain
 # path, which stays the fallback and the reference; the tests run both). It returns the log-sum-exp the
 # merge needs and its backward takes the final output and log-sum-exp, as the ring's backward does.
@@ -20,7 +22,7 @@ FUSED_CPU = True
 
 
 def _fused(q: torch.Tensor, keep: torch.Tensor | None) -> bool:
-    return FUSED_CPU and keep is None and q.device.type == "cpu"
+    return FUSED_CPU and keep is None and q.device.type == "cpu" and compat.cpu_flash_attention() is not None
 
 
 def _flat(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> tuple:
@@ -62,7 +64,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     and lse -inf (it adds nothing when merged)."""
     if _fused(q, keep):
         qf, kf, vf, bias = _flat(q, k, v, mask)
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qf, kf, vf, attn_mask=bias)
+        out, lse = compat.cpu_flash_attention()[0](qf, kf, vf, attn_mask=bias)
         lse = lse.reshape(q.shape[:4])
         if mask is not None:  # the kernel gives a row without allowed keys lse 0
             lse = lse.masked_fill(~mask.any(dim=-1), float("-inf"))
@@ -94,7 +96,7 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
     out); dk and dv summed over the query heads of each group: [b, g, 1, sk, d]."""
     if _fused(q, keep):
         qf, kf, vf, bias = _flat(q, k, v, mask)
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dq, dk, dv = compat.cpu_flash_attention()[1](
             dout.reshape(qf.shape), qf, kf, vf, out.reshape(qf.shape), lse.reshape(qf.shape[:3]), 0.0, False,
             attn_mask=bias)
         b, g, rep, sk, d = *q.shape[:3], k.shape[3], q.shape[4]

@@ -11,8 +11,8 @@ their query heads (head h of c's i-th part uses K/V head h // rep of the same pa
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from megalite import compat
 from megalite.context_parallel.zigzag import natural_order
 from megalite.parallel.groups import Group, ProcessGroups
 
@@ -65,7 +65,6 @@ def a2a_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pg: Process
     if segment_ids is not None:
         same = segment_ids[:, :, None] == segment_ids[:, None, :]
         mask = (same & torch.ones_like(same[0]).tril())[:, None]
-    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, dropout_p=dropout_p, is_causal=mask is None,
-                                         enable_gqa=nq != nkv)
+    out = compat.sdpa(qh, kh, vh, attn_mask=mask, dropout_p=dropout_p, is_causal=mask is None)
     out = out.index_select(2, order.argsort())  # back to the ranks' chunks in rank order
     return _SeqToHeads.apply(out.contiguous(), pg, "all_to_all out", True)

@@ -33,6 +33,7 @@ from functools import partial
 import torch
 from torch import nn
 
+from megalite import compat
 from megalite.distributed.grad_buffer import GradBuffer
 from megalite.parallel.groups import ProcessGroups
 
@@ -43,10 +44,6 @@ def param_units(chunk: nn.Module) -> list[list[nn.Parameter]]:
     in_layers = {id(p) for layer in layers for p in layer.parameters()}
     own = [p for p in chunk.parameters() if id(p) not in in_layers]
     return [own, *[list(layer.parameters()) for layer in layers]]
-
-
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
 
 
 class ParamGatherer:
@@ -125,14 +122,14 @@ class ParamGatherer:
     def _pre_forward(self, i: int, module: nn.Module, args) -> None:
         self.gather(i)
         self.wait(i)
-        if not _in_backward():  # prefetch the next layer (the chunk's own unit, 0, encloses them all)
+        if not compat.in_backward():  # prefetch the next layer (the chunk's own unit, 0, encloses them all)
             self.gather(i + 1)
 
     def _post_forward(self, i: int, module: nn.Module, args, out) -> None:
         training = torch.is_grad_enabled()
         if training and isinstance(out, torch.Tensor) and out.requires_grad:
             out.register_hook(lambda grad, i=i: self._pre_backward(i))
-        if not _in_backward() and not (self.keep and module.training):
+        if not compat.in_backward() and not (self.keep and module.training):
             self.release(i)
 
     def _pre_backward(self, i: int) -> None:

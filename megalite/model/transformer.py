@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megalite import device
+from megalite import compat, device
 from megalite.config.model import ModelConfig
 from megalite.context_parallel import context_parallel_attention
 from megalite.model.norm import Norm
@@ -38,18 +38,16 @@ def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p:
     0..t-s+i); t == s is plain causal self-attention."""
     past = k.shape[2] - q.shape[2]
     if backend not in UNFUSED_BACKENDS:
-        gqa = q.shape[1] != k.shape[1]
-        if gqa and backend == "fused":  # SDPA's memory-efficient kernel has no GQA: one K/V per head
+        if q.shape[1] != k.shape[1] and backend == "fused":  # SDPA's memory-efficient kernel has no GQA
             rep = q.shape[1] // k.shape[1]
-            k, v, gqa = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1), False
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         if past == 0:  # training and prefill: the kernel --attention-backend names (device.py decides)
             with device.sdpa_kernels(backend, q.device):
-                return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
-                                                      enable_gqa=gqa)
+                return compat.sdpa(q, k, v, dropout_p=dropout_p, is_causal=True)
         # decoding with a KV cache needs an explicit mask, which the flash kernel lacks: SDPA's own choice
         allowed = None if q.shape[2] == 1 else torch.ones(
             q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril(past)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p, enable_gqa=gqa)
+        return compat.sdpa(q, k, v, attn_mask=allowed, dropout_p=dropout_p)
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     scores = (q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5

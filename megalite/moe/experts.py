@@ -3,7 +3,7 @@
 Weights are stacked per expert as Hugging Face's Mixtral/Qwen-MoE store them: fc1 [E, 2F, h] ([gate; up]
 with SwiGLU, else [E, F, h]) and fc2 [E, h, F]; this rank holds its experts' rows of dim 0 and its
 expert-TP slice of F. The local experts run one after the other (the reference) or in one grouped GEMM
-(--moe-grouped-gemm, torch._grouped_mm where this build has it).
+(--moe-grouped-gemm, where this torch runs a grouped GEMM on the device and dtype: megalite.compat).
 """
 
 from __future__ import annotations
@@ -12,14 +12,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megalite import compat
 from megalite.config.model import ModelConfig
 from megalite.parallel.groups import Group, ProcessGroups
 from megalite.tensor_parallel.param_meta import amend_param, declare_param
 from megalite.tensor_parallel.sharding import ShardSpec
-
-
-def grouped_mm_available() -> bool:
-    return hasattr(torch, "_grouped_mm")
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -35,17 +32,18 @@ class _ContiguousGrad(torch.autograd.Function):
 
 
 def _grouped_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """torch._grouped_mm needs row strides (both feature sizes, in bytes) that are multiples of 16."""
+    """The grouped GEMM needs row strides (both feature sizes, in bytes) that are multiples of 16."""
     return all(n * x.element_size() % 16 == 0 for n in (x.shape[1], weight.shape[1]))
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int], grouped: bool) -> torch.Tensor:
     """Rows of ``x`` [n, in], consecutive blocks of ``counts`` rows, each times its expert's ``weight[e]``
-    [out, in] transposed: [n, out]. Grouped where possible, else (no rows, sizes _grouped_mm refuses) the
+    [out, in] transposed: [n, out]. Grouped where possible, else (no rows, sizes it refuses, a torch without it) the
     loop."""
-    if grouped and grouped_mm_available() and x.shape[0] > 0 and _grouped_mm_fits(x, weight):
+    if grouped and x.shape[0] > 0 and compat.grouped_mm_supported(x.device.type, x.dtype) \
+            and _grouped_mm_fits(x, weight):
         offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
-        return _ContiguousGrad.apply(torch._grouped_mm(x, weight.transpose(1, 2), offs=offs))
+        return _ContiguousGrad.apply(compat.grouped_mm(x, weight.transpose(1, 2), offs))
     parts = x.split(counts)
     # unbind, not weight[e]: indexing's backward would write a zero gradient of the whole stack per expert
     per_expert = weight.unbind(0)

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megalite import compat
 from megalite.config.model import ModelConfig
 from megalite.moe.dispatch import make_dispatcher
 from megalite.moe.experts import Experts
@@ -95,6 +96,6 @@ class MoELayer(nn.Module):
             out = out + shared
         if routing.aux_loss is not None:
             out = _AttachAux.apply(out, routing.aux_loss, self)
-        if self.training and torch._C._current_autograd_node() is None:  # not a recomputation in backward
+        if self.training and not compat.in_backward():  # not a recomputation in backward
             self.stats.add(routing)
         return out

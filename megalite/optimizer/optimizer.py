@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megalite import device
+from megalite import compat, device
 from megalite.config.arguments import MegaliteConfig
 from megalite.config.training import OptimizerConfig
 from megalite.distributed.grad_buffer import GradBuffer
@@ -213,7 +213,7 @@ class MegaliteOptimizer:
         lists = [g for g in self._grads() if g]
         if self.scaler is not None:
             for grads in lists:
-                torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
+                compat.scale_(grads, 1.0 / self.scaler.scale)
             found_inf = self._found_inf()
             self.scaler.update(found_inf)
             if found_inf:
@@ -221,7 +221,7 @@ class MegaliteOptimizer:
         norm = self._grad_norm()
         if clip_grad > 0 and norm > clip_grad and norm == norm:
             for grads in lists:
-                torch._foreach_mul_(grads, clip_grad / (norm + 1e-6))
+                compat.scale_(grads, clip_grad / (norm + 1e-6))
         self._update(lr, decoupled_lr)
         for b in self.buffers:
             self.pending_gathers += b.start_param_gather()

@@ -3,7 +3,7 @@
 There are no module-level groups: a layer holds the ProcessGroups it was built with, so the wrong group
 cannot be picked up by accident and tests can hold several layouts. Every collective and every
 point-to-point message of megalite goes through the methods here, which skip size-1 groups, use the flat
-tensor collectives (``all_gather_single``/``reduce_scatter_single``: one path on NCCL and gloo) and count
+tensor collectives (``megalite.compat`` picks this torch's names for them: one path on NCCL and gloo) and count
 the bytes each axis moves (checked against docs/design.md's formulas). Pipeline and context-parallel
 ring messages are posted as batches (``post_p2p``), recorded on request for the NCCL replay checker, and, with
 ``MEGALITE_NCCL_SEMANTICS=1``, run under NCCL's ordering rules on gloo (``nccl_emulation``).
@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from megalite import device
+from megalite import compat, device
 from megalite.parallel.layout import RankLayout
 from megalite.parallel.nccl_check import Op, Post, Sync, Wait
 
@@ -222,13 +222,13 @@ class ProcessGroups:
                         label: str = "all_gather") -> dist.Work | None:
         """Every rank's ``shard`` into the flat ``out`` (n x its size, in group order); counts the bytes
         of ``out``."""
-        return self._flat(dist.all_gather_single, out, shard, kind, out, async_op, label)
+        return self._flat(compat.all_gather_into_tensor, out, shard, kind, out, async_op, label)
 
     def reduce_scatter_flat(self, out: torch.Tensor, data: torch.Tensor, kind: str, async_op: bool = False,
                             label: str = "reduce_scatter") -> dist.Work | None:
         """Sum the flat ``data`` over the group and keep this rank's 1/n part in ``out``; counts the bytes
         of ``data``."""
-        return self._flat(dist.reduce_scatter_single, out, data, kind, data, async_op, label)
+        return self._flat(compat.reduce_scatter_tensor, out, data, kind, data, async_op, label)
 
     def all_to_all_flat(self, out: torch.Tensor, data: torch.Tensor, kind: str, async_op: bool = False,
                         label: str = "all_to_all") -> dist.Work | None:
@@ -252,7 +252,7 @@ class ProcessGroups:
         tensor = tensor.contiguous()
         self._count(kind, "all_gather", tensor)
         out = torch.empty((n * tensor.shape[0], *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
-        self._run(kind, dist.all_gather_single, out, tensor)
+        self._run(kind, compat.all_gather_into_tensor, out, tensor)
         if dim % tensor.dim() == 0:
             return out
         return torch.cat(out.chunk(n, dim=0), dim=dim)
@@ -266,7 +266,7 @@ class ProcessGroups:
         # along another dim, the chunks are stacked along dim 0 first: this rank's part keeps their layout
         data = tensor.contiguous() if dim % tensor.dim() == 0 else torch.cat(tensor.chunk(n, dim=dim), dim=0)
         out = torch.empty((data.shape[0] // n, *data.shape[1:]), dtype=data.dtype, device=data.device)
-        self._run(kind, dist.reduce_scatter_single, out, data)
+        self._run(kind, compat.reduce_scatter_tensor, out, data)
         return out
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, kind: str, label: str = "all_to_all") -> None:
@@ -333,8 +333,8 @@ class ProcessGroups:
         elif self.emulation is not None:
             works = [self.emulation.p2p(comm, ops, peers, self.groups[kind])]
         elif batched:
-            works = dist.batch_isend_irecv([dist.P2POp(dist.isend if o.kind == "send" else dist.irecv, o.tensor, g,
-                                                       self.groups[kind]) for o, g in zip(ops, peers)])
+            works = dist.batch_isend_irecv([compat.p2p_op(o.kind == "send", o.tensor, g, self.groups[kind])
+                                            for o, g in zip(ops, peers)])
         else:
             assert len(ops) == 1, "an unbatched post carries one operation"
             fn = dist.isend if ops[0].kind == "send" else dist.irecv

@@ -26,6 +26,8 @@ from collections import defaultdict, deque
 import torch
 import torch.distributed as dist
 
+from megalite import compat
+
 HEADER_BYTES = 256
 CHECK_S = 1.0
 REPORT_KEY = "megalite_nccl/deadlock"
@@ -75,7 +77,7 @@ class NcclEmulation:
         self.counts: dict[tuple, int] = defaultdict(int)
         self.version = 0
         self.last_seen: dict | None = None
-        self.store = dist.distributed_c10d._get_default_store()
+        self.store = compat.default_store()
 
     # ---- posting --------------------------------------------------------------------------------
     def _enqueue(self, item: _Item) -> _Item:

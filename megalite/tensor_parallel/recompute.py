@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from megalite import device
+from megalite import compat, device
 from megalite.tensor_parallel.random import RNGTracker
 
 
@@ -49,7 +49,7 @@ class _Recompute(torch.autograd.Function):
         now = _capture(ctx.tracker)
         _restore(ctx.tracker, ctx.rng)
         try:
-            with torch.enable_grad():
+            with torch.enable_grad(), compat.recomputing():
                 out = ctx.fn(*args)
         finally:
             _restore(ctx.tracker, now)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from megalite import compat, device
 from megalite.config.arguments import MegaliteConfig
 from megalite.distributed.grad_buffer import GradBuffer
 from megalite.distributed.param_shard import full_params
@@ -112,6 +113,10 @@ def start_run(cfg: MegaliteConfig, pg: ProcessGroups, data: RunData | None, say:
     data = data or build_run_data(cfg, pg)
     vocab = data.tokenizer.vocab_size
     chunks = build_model(cfg, pg, vocab, tracker, cfg.precision.params_dtype)
+    if cfg.model.is_moe and cfg.model.moe_grouped_gemm:
+        warning = compat.grouped_mm_warning(device.device_type(), cfg.precision.params_dtype)
+        if warning:
+            say(f" WARNING: {warning}")
     buffers = build_buffers(chunks, cfg, pg)
     optimizer = MegaliteOptimizer(buffers, cfg, pg)
     for c in chunks:

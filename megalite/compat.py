@@ -1,0 +1,205 @@
+"""The one place that adapts megalite to the torch it runs on (every release from ``MIN_TORCH`` on).
+
+Each API newer than the minimum, and each private one, is reached only through a function here, which
+detects what this torch offers and falls back to an older or public equivalent (docs/compatibility.md).
+Detection is lazy and cached per process; ``reset`` forgets it, so a test can hide an API in a fresh rank
+and run the fallback (tests/test_torch_compat.py). tests/test_torch_api_scan.py fails when code outside
+this module uses a torch attribute that the minimum release lacks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import threading
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+MIN_TORCH = (2, 6)  # the oldest release the whole suite passes on (docs/compatibility.md)
+
+# Every API this module may find missing, by the name tests hide it under: (module, attribute).
+OPTIONAL_APIS = {
+    "all_gather_single": (dist, "all_gather_single"),  # torch 2.13
+    "reduce_scatter_single": (dist, "reduce_scatter_single"),  # torch 2.13
+    "_grouped_mm": (torch, "_grouped_mm"),  # private
+    "_get_default_store": (dist.distributed_c10d, "_get_default_store"),  # private
+    "_current_graph_task_id": (torch._C, "_current_graph_task_id"),  # private
+    "_foreach_mul_": (torch, "_foreach_mul_"),  # private
+}
+
+
+def version() -> tuple[int, int]:
+    """(major, minor) of this torch."""
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+def too_old() -> str | None:
+    """Why this torch is below the supported range, or None."""
+    if version() < MIN_TORCH:
+        return (f"megalite needs torch >= {MIN_TORCH[0]}.{MIN_TORCH[1]}; this is {torch.__version__} "
+                "(docs/compatibility.md lists the proven releases)")
+    return None
+
+
+def _api(name: str) -> Callable | None:
+    module, attr = OPTIONAL_APIS[name]
+    return getattr(module, attr, None)
+
+
+def reset() -> None:
+    """Forget every detection (after a test hides or restores an API)."""
+    for fn in (_flat_collectives, grouped_mm_supported, cpu_flash_attention, sdpa_has_gqa):
+        fn.cache_clear()
+
+
+# ---- collectives ---------------------------------------------------------------------------------
+@functools.cache
+def _flat_collectives() -> tuple[Callable, Callable]:
+    """(all-gather, reduce-scatter) into/from one flat tensor: the ``*_single`` names from torch 2.13, the
+    ``*_tensor`` ones before (same arguments; gloo and NCCL have both)."""
+    gather = _api("all_gather_single") or dist.all_gather_into_tensor
+    scatter = _api("reduce_scatter_single") or dist.reduce_scatter_tensor
+    return gather, scatter
+
+
+def all_gather_into_tensor(out: torch.Tensor, inp: torch.Tensor, group=None, async_op: bool = False):
+    """Every rank's ``inp`` into the flat ``out`` in group order."""
+    return _flat_collectives()[0](out, inp, group=group, async_op=async_op)
+
+
+def reduce_scatter_tensor(out: torch.Tensor, inp: torch.Tensor, group=None, async_op: bool = False):
+    """Sum ``inp`` over the group; this rank's 1/n part into ``out``."""
+    return _flat_collectives()[1](out, inp, group=group, async_op=async_op)
+
+
+def p2p_op(send: bool, tensor: torch.Tensor, peer: int, group) -> dist.P2POp:
+    """One entry of ``batch_isend_irecv`` toward global rank ``peer`` (the keywords every release has)."""
+    return dist.P2POp(op=dist.isend if send else dist.irecv, tensor=tensor, peer=peer, group=group)
+
+
+def default_store() -> dist.Store:
+    """The store of the default process group; without the private accessor, a client of the launcher's
+    TCP store (MASTER_ADDR/MASTER_PORT) under megalite's own prefix."""
+    get = _api("_get_default_store")
+    if get is not None:
+        return get()
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          wait_for_workers=False)
+    return dist.PrefixStore("megalite", store)
+
+
+# ---- autograd --------------------------------------------------------------------------------------
+_replay = threading.local()
+
+
+@contextlib.contextmanager
+def recomputing() -> Iterator[None]:
+    """Marks a forward that runs again inside backward (activation recomputation)."""
+    _replay.depth = getattr(_replay, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _replay.depth -= 1
+
+
+def in_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread: torch's graph-task id where the
+    build exposes it, else megalite's own mark (the only forward that runs in backward is a recompute)."""
+    task_id = _api("_current_graph_task_id")
+    if task_id is not None:
+        return task_id() != -1
+    return getattr(_replay, "depth", 0) > 0
+
+
+def scale_(tensors: list[torch.Tensor], factor: float) -> None:
+    """Multiply every tensor in place (one fused launch where torch has ``_foreach_mul_``)."""
+    mul = _api("_foreach_mul_")
+    if mul is not None:
+        mul(tensors, factor)
+        return
+    for t in tensors:
+        t.mul_(factor)
+
+
+# ---- kernels ---------------------------------------------------------------------------------------
+@functools.cache
+def grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether ``torch._grouped_mm`` runs forward and backward on this device type in ``dtype``: decided by
+    a small trial call, since builds that have the name refuse some devices and dtypes."""
+    mm = _api("_grouped_mm")
+    if mm is None:
+        return False
+    try:
+        x = torch.randn(8, 16, device=device_type, dtype=dtype, requires_grad=True)
+        w = torch.randn(2, 16, 16, device=device_type, dtype=dtype, requires_grad=True)
+        offs = torch.tensor([4, 8], device=device_type, dtype=torch.int32)
+        mm(x, w, offs=offs).sum().backward()
+        return True
+    except Exception:  # noqa: BLE001 - any refusal means: use the loop
+        return False
+
+
+def grouped_mm(x: torch.Tensor, weight_t: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Rows of ``x`` in consecutive groups (ends ``offs``) times their group's ``weight_t`` [g, in, out]."""
+    return _api("_grouped_mm")(x, weight_t, offs=offs)
+
+
+def grouped_mm_warning(device_type: str, dtype: torch.dtype) -> str | None:
+    """The start-up warning for --moe-grouped-gemm where this build cannot run it, or None."""
+    if grouped_mm_supported(device_type, dtype):
+        return None
+    return (f"--moe-grouped-gemm: torch {torch.__version__} has no grouped GEMM for {dtype} on {device_type}; "
+            "the experts run one GEMM each (same results, slower)")
+
+
+@functools.cache
+def cpu_flash_attention() -> tuple[Callable, Callable] | None:
+    """(forward, backward) of torch's flash-attention kernel for CPU, which returns the log-sum-exp a
+    blockwise softmax needs; None where this build lacks either (the plain blockwise path is used)."""
+    aten = torch.ops.aten
+    try:
+        return aten._scaled_dot_product_flash_attention_for_cpu, \
+            aten._scaled_dot_product_flash_attention_for_cpu_backward
+    except (AttributeError, RuntimeError):
+        return None
+
+
+@functools.cache
+def sdpa_has_gqa() -> bool:
+    """Whether SDPA takes ``enable_gqa`` (fewer key/value heads than query heads)."""
+    q = torch.zeros(1, 2, 1, 4)
+    kv = torch.zeros(1, 1, 1, 4)
+    try:
+        F.scaled_dot_product_attention(q, kv, kv, enable_gqa=True)
+        return True
+    except TypeError:
+        return False
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
+         dropout_p: float = 0.0, is_causal: bool = False) -> torch.Tensor:
+    """SDPA with q [b, nq, s, d] and k, v [b, nkv, t, d], nq a multiple of nkv (GQA): the kernel's own
+    grouping where it has one, else K/V repeated per query head (the same result)."""
+    gqa = q.shape[1] != k.shape[1]
+    if gqa and not sdpa_has_gqa():
+        rep = q.shape[1] // k.shape[1]
+        k, v, gqa = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1), False
+    extra = {"enable_gqa": True} if gqa else {}
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                                          **extra)
+
+
+def sdpa_backend(name: str):
+    """The ``torch.nn.attention.SDPBackend`` member named ``name`` (FLASH_ATTENTION, EFFICIENT_ATTENTION), or
+    None where this build lacks it."""
+    try:
+        from torch.nn.attention import SDPBackend
+    except ImportError:
+        return None
+    return getattr(SDPBackend, name, None)
+

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Run megalite's tests on another torch release: scripts/test_torch.sh VERSION [pytest arguments]
+#
+# Builds (or reuses) a venv with torch==VERSION from the package registry, installs megalite and its test
+# extra into it under a constraints file that pins that torch (nothing may upgrade it), then runs the
+# whole suite, or the pytest arguments given (e.g. a subset). The registry's builds are CUDA builds; they
+# run on the CPU once their nvidia-* dependencies are installed (~3.5 GB, a few minutes per release).
+# The venvs live under $MEGALITE_TORCH_VENVS (default ~/.cache/megalite-torch). Results: docs/compatibility.md.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ $# -lt 1 ]; then
+  echo "usage: scripts/test_torch.sh VERSION [pytest arguments]   (e.g. 2.6.0)" >&2
+  exit 2
+fi
+version=$1
+shift
+if ! [[ $version =~ ^[0-9]+\.[0-9]+\.[0-9]+$ ]]; then
+  echo "scripts/test_torch.sh: VERSION must be a release such as 2.6.0, not '$version'" >&2
+  exit 2
+fi
+root=${MEGALITE_TORCH_VENVS:-$HOME/.cache/megalite-torch}
+venv=$root/torch-$version
+py=$venv/bin/python
+mkdir -p "$root"
+[ -x "$py" ] || python3 -m venv "$venv"
+constraints=$venv/megalite-constraints.txt
+echo "torch==$version" > "$constraints"
+export PIP_CONSTRAINT=$constraints  # replaces any machine-wide cap: this venv gets exactly this torch
+have=$("$py" -c "import torch; print(torch.__version__.split('+')[0])" 2>/dev/null || true)
+if [ "$have" != "$version" ]; then
+  "$py" -m pip install --quiet "torch==$version"
+fi
+if ! "$py" -c "import megalite, pytest, megatron.core, transformers, matplotlib" >/dev/null 2>&1 \
+   || [ "${MEGALITE_REINSTALL:-0}" = 1 ]; then
+  "$py" -m pip install --quiet -e ".[test]"
+fi
+got=$("$py" -c "import torch; print(torch.__version__)")
+case $got in
+  "$version"|"$version"+*) ;;
+  *) echo "scripts/test_torch.sh: the venv has torch $got, not $version" >&2; exit 1 ;;
+esac
+echo "torch $got in $venv"
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+if [ $# -eq 0 ]; then
+  set -- tests
+fi
+"$py" -m pytest -q -p no:cacheprovider "$@"
