@@ -203,3 +203,10 @@ def sdpa_backend(name: str):
         return None
     return getattr(SDPBackend, name, None)
 
+
+# ---- look-ups by name ------------------------------------------------------------------------------
+def dtype_named(name: str) -> torch.dtype:
+    """The dtype whose ``str`` is ``name`` (``torch.bfloat16``; the prefix is optional), e.g. from a peer's
+    message header. A string look-up on torch cannot be checked against the minimum API, so it lives here
+    (tests/test_torch_api_scan.py)."""
+    return getattr(torch, name.removeprefix("torch."))

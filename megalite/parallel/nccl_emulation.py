@@ -165,7 +165,7 @@ class NcclEmulation:
                 dist.irecv(header, peer, group=group, tag=tag).wait()
                 got_label, shape, dtype = _read_header(header)
                 if (got_label, shape, dtype) != (label, list(buf.shape), str(buf.dtype)):
-                    scratch = torch.empty(shape, dtype=getattr(torch, dtype.removeprefix("torch.")))
+                    scratch = torch.empty(shape, dtype=compat.dtype_named(dtype))
                     dist.irecv(scratch, peer, group=group, tag=tag).wait()  # let the sender finish, then fail
                     dist.isend(torch.ones(1, dtype=torch.uint8), peer, group=group, tag=tag + 1).wait()
                     raise NcclSemanticsError(
