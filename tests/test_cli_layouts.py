@@ -1,6 +1,7 @@
 """Promise, end to end through pretrain_gpt.py and torchrun: the log's lm loss equals the
 single-process run's within 1e-5 relative at every iteration, and so does the grad norm (the issues'
-acceptance commands: TP, GQA with groups < TP, interleaved PP, TP x PP, the distributed optimizer)."""
+acceptance commands: TP, GQA with groups < TP, interleaved PP, TP x PP, the distributed optimizer, TP with
+SP, ZeRO-3, CP's a2a and allgather; with scripts/test_torch.sh, on each torch release)."""
 
 from __future__ import annotations
 
@@ -32,7 +33,12 @@ CASES = {
                                   "--num-layers-per-virtual-pipeline-stage", "1"], 2),
     "dp4_distopt": (PIPE, ["--use-distributed-optimizer"], 4),
     "tp2_dp2_distopt": (GPT2, ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer"], 4),
+    "tp2_sp": (LLAMA, ["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2),
+    "dp2_zero3": (LLAMA, ["--data-parallel-sharding-strategy", "optim_grads_params"], 2),
+    "cp2_a2a": (LLAMA, ["--context-parallel-size", "2", "--cp-comm-type", "a2a"], 2),
+    "cp2_allgather": (LLAMA, ["--context-parallel-size", "2", "--cp-comm-type", "allgather"], 2),
 }
+_serial: dict[tuple, dict] = {}
 
 
 PIPELINE_CASES = [c for c in sorted(CASES) if "--pipeline-model-parallel-size" in CASES[c][1]]
@@ -51,7 +57,9 @@ def test_torchrun_pipelines_match_under_nccl_semantics(case):
 
 def _check(case: str, env: dict | None = None) -> None:
     model, layout, nproc = CASES[case]
-    serial = losses(run_pretrain(COMMON + model))
+    if tuple(model) not in _serial:  # one single-process run per model serves every layout
+        _serial[tuple(model)] = losses(run_pretrain(COMMON + model))
+    serial = _serial[tuple(model)]
     parallel = losses(run_pretrain(COMMON + model + layout, nproc=nproc, env=env))
     assert sorted(parallel) == sorted(serial) == list(range(1, 9))
     its = sorted(serial)
