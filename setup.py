@@ -7,11 +7,13 @@ setup(
     version="0.1.0",
     description="Megatron-style GPT pretraining: tensor, pipeline and data parallelism you can read in an afternoon",
     packages=find_packages(include=["megalite", "megalite.*"]),
-    python_requires=">=3.10",
-    # torch is deliberately unpinned: a GPU machine keeps the CUDA build it has (scripts/install.sh
-    # installs the CPU wheel only where no torch is present).
+    python_requires=">=3.11",  # enum.StrEnum
+    # torch is deliberately unpinned above: a GPU machine keeps the CUDA build it has (scripts/install.sh
+    # installs the CPU wheel only where no torch is present). 2.6 is the oldest release the whole suite
+    # passes on (docs/compatibility.md; transformers 5 and megatron-core need it too); megalite.compat
+    # adapts to each release from there.
     install_requires=[
-        "torch>=2.4",
+        "torch>=2.6",
         "numpy",
         "pyyaml",
         "safetensors",

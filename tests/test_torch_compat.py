@@ -185,3 +185,12 @@ def _store_round_trip(rank: int, world: int) -> bytes:
 
 def test_default_store_fallback_is_a_client_of_the_launch_store():
     assert run_ranks(_store_round_trip, 2) == [b"1", b"0"]
+
+
+def test_validate_refuses_a_torch_below_the_floor(monkeypatch):
+    from megalite.config import ConfigError
+
+    monkeypatch.setattr(torch, "__version__", "2.5.1")
+    cfg = layout_cfg(DENSE, vocab=VOCAB, iters=ITERS)
+    with pytest.raises(ConfigError, match=r"needs torch >= 2\.6; this is 2\.5\.1"):
+        validate(cfg, 1)

@@ -341,11 +341,13 @@ def sharding_errors(dd: "DDPConfig", p: "ParallelConfig") -> list[str]:
 
 
 def kernel_errors(m: "ModelConfig", pr: "PrecisionConfig") -> list[str]:
-    """Kernel choices this device cannot run in the run's dtype (--attention-backend flash in fp32 on CUDA)."""
-    from megalite.device import attention_backend_error  # lazily: config stays importable without torch
+    """Kernel choices this device cannot run in the run's dtype (--attention-backend flash in fp32 on CUDA),
+    and a torch below the supported range."""
+    from megalite.compat import too_old  # lazily: config stays importable without torch
+    from megalite.device import attention_backend_error
 
-    err = attention_backend_error(m.attention_backend, pr.params_dtype)
-    return [err] if err else []
+    errors = [too_old(), attention_backend_error(m.attention_backend, pr.params_dtype)]
+    return [e for e in errors if e]
 
 
 def logging_errors(lg: "LoggingConfig") -> list[str]:
