@@ -15,8 +15,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "megalite"
 
 # Bottom to top; a module may import modules of its own layer and below.
-LAYERS = ["device", "parallel", "config", "planning", "data", "tensor_parallel", "context_parallel", "moe", "pipeline",
-          "model", "distributed", "optimizer", "checkpointing", "inference", "training"]
+LAYERS = ["compat", "device", "parallel", "config", "planning", "data", "tensor_parallel", "context_parallel", "moe",
+          "pipeline", "model", "distributed", "optimizer", "checkpointing", "inference", "training"]
 # Modules that live in one package but belong to another layer (longest prefix wins).
 PLACED = {
     "megalite": "device",  # the package itself: __version__ only
