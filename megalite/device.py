@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from megalite import compat
+
 
 def has_cuda() -> bool:
     return torch.cuda.is_available() and os.environ.get("MEGALITE_FORCE_CPU", "0") != "1"
@@ -137,13 +139,18 @@ def sdpa_kernels(backend: str, where: torch.device) -> contextlib.AbstractContex
         return contextlib.nullcontext()
     from torch.nn.attention import sdpa_kernel
 
-    from megalite import compat
+    return sdpa_kernel(compat.sdpa_backend(_SDPA_KERNELS[backend]))
 
-    return sdpa_kernel(compat.sdpa_backend("FLASH_ATTENTION" if backend == "flash" else "EFFICIENT_ATTENTION"))
+
+# --attention-backend names that pin one SDPA kernel on CUDA, and the kernel's SDPBackend member.
+_SDPA_KERNELS = {"flash": "FLASH_ATTENTION", "fused": "EFFICIENT_ATTENTION"}
 
 
 def attention_backend_error(backend: str, dtype: torch.dtype) -> str | None:
-    """Why --attention-backend cannot run on this device in ``dtype``, or None."""
+    """Why --attention-backend cannot run on this device in ``dtype``, or None ('auto' takes what exists)."""
+    if backend in _SDPA_KERNELS and has_cuda() and compat.sdpa_backend(_SDPA_KERNELS[backend]) is None:
+        return (f"--attention-backend {backend}: torch {torch.__version__} has no SDPA kernel "
+                f"{_SDPA_KERNELS[backend]}; use 'auto' or 'unfused'")
     if backend == "flash" and has_cuda() and dtype not in (torch.float16, torch.bfloat16):
         return ("--attention-backend flash needs --bf16 or --fp16 on CUDA (the flash kernel has no fp32 path); "
                 "use 'fused', 'auto' or 'unfused' for fp32")

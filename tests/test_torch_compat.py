@@ -194,3 +194,14 @@ def test_validate_refuses_a_torch_below_the_floor(monkeypatch):
     cfg = layout_cfg(DENSE, vocab=VOCAB, iters=ITERS)
     with pytest.raises(ConfigError, match=r"needs torch >= 2\.6; this is 2\.5\.1"):
         validate(cfg, 1)
+
+
+def test_attention_backend_a_torch_lacks_is_refused_by_name(monkeypatch):
+    from megalite import device
+
+    monkeypatch.setattr(device, "has_cuda", lambda: True)
+    monkeypatch.setattr(compat, "sdpa_backend", lambda name: None if name == "FLASH_ATTENTION" else name)
+    err = device.attention_backend_error("flash", torch.bfloat16)
+    assert err and "--attention-backend flash" in err and "FLASH_ATTENTION" in err
+    assert device.attention_backend_error("auto", torch.bfloat16) is None
+    assert device.attention_backend_error("fused", torch.bfloat16) is None
