@@ -24,6 +24,9 @@ from tests.harness import run_ranks  # noqa: E402
 from tests.tp_utils import groups_for  # noqa: E402
 
 CURVES = Path(__file__).with_name("curves.json")
+# The torch release the curves were recorded on: the runs keep dropout on, and dropout's random stream
+# (CPU bernoulli) differs between releases, so the curves hold on that release only.
+RECORDED_ON = "recorded_on_torch"
 WORLD = 2
 COMMON = ["--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "6", "--lr", "3e-3",
           "--lr-warmup-iters", "2", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "250",
@@ -63,9 +66,11 @@ def run() -> dict[str, dict[str, list]]:
 
 
 if __name__ == "__main__":
+    import torch
+
     from tests.golden import record  # the ranks import the functions from the package, not __main__
 
     curves = record.run()
-    CURVES.write_text(json.dumps({name: {"flags": " ".join(COMMON + RUNS[name][0]), **c} for name, c in curves.items()},
-                                 indent=1) + "\n")
+    runs = {name: {"flags": " ".join(COMMON + RUNS[name][0]), **c} for name, c in curves.items()}
+    CURVES.write_text(json.dumps({RECORDED_ON: torch.__version__.split("+")[0], **runs}, indent=1) + "\n")
     print(f"wrote {CURVES}")
