@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
-# Run megalite's tests on another torch release: scripts/test_torch.sh VERSION [pytest arguments]
+# Run megalite's tests on another torch release: scripts/test_torch.sh VERSION [--subset] [pytest arguments]
 #
 # Builds (or reuses) a venv with torch==VERSION from the package registry, installs megalite and its test
 # extra into it under a constraints file that pins that torch (nothing may upgrade it), then runs the
-# whole suite, or the pytest arguments given (e.g. a subset). The registry's builds are CUDA builds; they
+# whole suite, or the pytest arguments given, or with --subset the portability set below. The registry's
+# builds are CUDA builds; they
 # run on the CPU once their nvidia-* dependencies are installed (~3.5 GB, a few minutes per release).
 # The venvs live under $MEGALITE_TORCH_VENVS (default ~/.cache/megalite-torch). Results: docs/compatibility.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ $# -lt 1 ]; then
-  echo "usage: scripts/test_torch.sh VERSION [pytest arguments]   (e.g. 2.6.0)" >&2
+  echo "usage: scripts/test_torch.sh VERSION [--subset] [pytest arguments]   (e.g. 2.6.0)" >&2
   exit 2
 fi
 version=$1
@@ -41,7 +42,20 @@ case $got in
 esac
 echo "torch $got in $venv"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+# The portability set: every parallel dimension (TP/SP, PP under NCCL semantics, DP with the distributed
+# optimizer and ZeRO, CP in each comm type, EP with both dispatchers, through torchrun and in-process), the
+# hidden-API fallbacks, precision, fused kernels, checkpoints and their resharding, HF conversion, the tools'
+# converter and generation; about a third of the suite's time.
+SUBSET=(tests/test_torch_compat.py tests/test_torch_api_scan.py tests/test_layering.py tests/test_cli_layouts.py
+        tests/test_training_layouts.py tests/test_tensor_parallel.py tests/test_mixed_precision.py
+        tests/test_sharding.py tests/test_moe_dispatch.py tests/test_moe_training.py
+        tests/test_context_parallel_attention.py tests/test_nccl_protocol.py tests/test_checkpoint.py
+        tests/test_hf_conversion.py tests/test_convert_checkpoint.py tests/test_generation.py
+        tests/test_fused_kernels.py tests/test_gpu_paths.py tests/test_data_indexed.py)
 if [ $# -eq 0 ]; then
   set -- tests
+elif [ "$1" = --subset ]; then
+  shift
+  set -- "${SUBSET[@]}" "$@"
 fi
 "$py" -m pytest -q -p no:cacheprovider "$@"
