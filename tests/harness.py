@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import time
@@ -52,7 +53,9 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, results
         dist.init_process_group("gloo", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout))
         out = fn(rank, world, *args)
-        results.put((rank, True, out))
+        # by value: the queue's own pickler would pass tensors as shared-memory handles, which some torch
+        # releases (2.6) hand over through a socket of this process, gone once it exits
+        results.put((rank, True, pickle.dumps(out)))
     except BaseException:  # noqa: BLE001 - report any failure with its rank
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -90,7 +93,7 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 2
                     raise TimeoutError(f"ranks {missing} gave no result within {timeout:.0f} s") from None
                 continue
             if ok:
-                out[rank] = value
+                out[rank] = pickle.loads(value)
             else:
                 errors.append(f"--- rank {rank} failed:\n{value}")
     finally:
