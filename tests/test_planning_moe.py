@@ -18,6 +18,7 @@ from megalite.planning.published import PUBLISHED_MOE
 from megalite.planning.search import search
 from megalite.planning.shape import RunShape
 from tests.harness import run_ranks
+from tests.plan_measure import rms_norm_overcount
 from tests.test_planning import GPT, LLAMA, MICRO_BATCH, VOCAB, _run, _state_flags, planner_cfg
 
 MOE = dict(num_experts=4, moe_router_topk=2, moe_aux_loss_coeff=0.01, disable_bias_linear=True, swiglu=True)
@@ -71,7 +72,8 @@ def test_moe_layer_activation_bytes_match_measured():
         cfg = planner_cfg(model, tp * ep * etp, num_layers=1, attention_backend="unfused", bf16=bf16,
                           tensor_model_parallel_size=tp, sequence_parallel=tp > 1, micro_batch_size=MICRO_BATCH,
                           expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
-        predicted = chunk_activation_bytes(RunShape.of(cfg, tp * ep * etp, vocab_of(cfg)))
+        shape = RunShape.of(cfg, tp * ep * etp, vocab_of(cfg))
+        predicted = chunk_activation_bytes(shape) - rms_norm_overcount(shape)
         assert predicted == pytest.approx(measured, rel=MOE_LAYER_TOLERANCE), (name, predicted, measured)
 
 
