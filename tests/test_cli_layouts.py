@@ -1,7 +1,7 @@
 """Promise, end to end through pretrain_gpt.py and torchrun: the log's lm loss equals the
 single-process run's within 1e-5 relative at every iteration, and so does the grad norm (the issues'
 acceptance commands: TP, GQA with groups < TP, interleaved PP, TP x PP, the distributed optimizer, TP with
-SP, ZeRO-3, CP's a2a and allgather; with scripts/test_torch.sh, on each torch release)."""
+SP, ZeRO-3, CP's a2a and allgather, EP with each dispatcher; with scripts/test_torch.sh, on each torch release)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ GPT2 = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
 LLAMA = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8", "--seq-length", "32",
          "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--group-query-attention",
          "--num-query-groups", "2", "--untie-embeddings-and-output-weights", "--disable-bias-linear"]
+MOE = [*LLAMA, "--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01"]
 PIPE = ["--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
         "--micro-batch-size", "1", "--global-batch-size", "8"]
 PIPE_M4 = [*PIPE[:-1], "4"]  # 4 micro-batches of 1
@@ -37,6 +38,8 @@ CASES = {
     "dp2_zero3": (LLAMA, ["--data-parallel-sharding-strategy", "optim_grads_params"], 2),
     "cp2_a2a": (LLAMA, ["--context-parallel-size", "2", "--cp-comm-type", "a2a"], 2),
     "cp2_allgather": (LLAMA, ["--context-parallel-size", "2", "--cp-comm-type", "allgather"], 2),
+    "ep2_alltoall": (MOE, ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"], 2),
+    "ep2_allgather": (MOE, ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "allgather"], 2),
 }
 _serial: dict[tuple, dict] = {}
 
