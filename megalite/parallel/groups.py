@@ -5,8 +5,9 @@ cannot be picked up by accident and tests can hold several layouts. Every collec
 point-to-point message of megalite goes through the methods here, which skip size-1 groups, use the flat
 tensor collectives (``megalite.compat`` picks this torch's names for them: one path on NCCL and gloo) and count
 the bytes each axis moves (checked against docs/design.md's formulas). Pipeline and context-parallel
-ring messages are posted as batches (``post_p2p``), recorded on request for the NCCL replay checker, and, with
-``MEGALITE_NCCL_SEMANTICS=1``, run under NCCL's ordering rules on gloo (``nccl_emulation``).
+ring messages are posted as batches (``post_p2p``), recorded on request for the NCCL replay checker (with the
+collectives of their communicators), and, with ``MEGALITE_NCCL_SEMANTICS=1``, run with every collective under
+NCCL's ordering rules on gloo (``nccl_emulation``); ``end_step`` marks where every batch must have been waited.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch.distributed as dist
 
 from megalite import compat, device
 from megalite.parallel.layout import RankLayout
-from megalite.parallel.nccl_check import Op, Post, Sync, Wait
+from megalite.parallel.nccl_check import Collective, EndStep, Op, Post, Sync, Wait
 
 
 class Group(StrEnum):
@@ -69,14 +70,17 @@ def _derived_groups(layout: RankLayout) -> dict[str, list[list[int]]]:
 
 
 def _alias_missing(pg: "ProcessGroups") -> None:
-    """Fill the kinds ``_derived_groups`` left out with the plain group each equals in this layout."""
+    """Fill the kinds ``_derived_groups`` left out with the plain group each equals in this layout: the
+    same group object, so the same communicator (``comms``: NCCL orders their operations as one)."""
     if Group.TP_CP not in pg.ranks:
         same = Group.CP if pg.size(Group.TP) == 1 else Group.TP
         pg.ranks[Group.TP_CP], pg.groups[Group.TP_CP] = pg.ranks[same], pg.groups[same]
+        pg.comms[Group.TP_CP] = pg.comms[same]
     for kind, same in EXPERT_ALIASES.items():
         if kind not in pg.ranks:
             pg.ranks[kind] = pg.ranks[same] if same else [pg.rank]
             pg.groups[kind] = pg.groups[same] if same else None
+            pg.comms[kind] = pg.comms[same] if same else _comm_name(kind, [pg.rank])
 
 
 @dataclass
@@ -85,12 +89,15 @@ class ProcessGroups:
     rank: int
     groups: dict[str, dist.ProcessGroup | None] = field(default_factory=dict)
     ranks: dict[str, list[int]] = field(default_factory=dict)
+    # kind -> its communicator's name: one per group object, shared by the kinds aliased to it.
+    comms: dict[str, str] = field(default_factory=dict)
     comm_bytes: Counter = field(default_factory=Counter)  # (axis, op) -> bytes handed to collectives
     # With hierarchical DP reduction: also "dp_intra" / "dp_inter" (this rank's DP group split by node).
     hierarchical_dp: bool = False
-    # Set to a list to record every p2p batch, wait and host sync (megalite.parallel.nccl_check replays it).
+    # Set to a list to record every p2p batch, collective on a communicator that carries batches, wait, host
+    # sync and step end (megalite.parallel.nccl_check replays it).
     p2p_log: list | None = None
-    # MEGALITE_NCCL_SEMANTICS=1: point-to-point traffic under NCCL's rules on gloo (nccl_emulation).
+    # MEGALITE_NCCL_SEMANTICS=1: all traffic under NCCL's ordering rules on gloo (nccl_emulation).
     emulation: object | None = None
     dry_run: bool = False  # no communicators (see ``unconnected``)
 
@@ -101,7 +108,7 @@ class ProcessGroups:
         layout = RankLayout(1)
         pg = cls(layout, 0)
         for kind in [*GROUP_AXES, Group.EMBD, Group.WORLD, Group.TP_CP, *EXPERT_AXES]:
-            pg.ranks[kind], pg.groups[kind] = [0], None
+            pg._join(kind, [0], None)
         return pg
 
     @classmethod
@@ -112,13 +119,13 @@ class ProcessGroups:
         communication raises."""
         pg = cls(layout, rank, p2p_log=[] if record else None, dry_run=True)
         for kind, axes in GROUP_AXES.items():
-            pg.ranks[kind], pg.groups[kind] = layout.group_of(rank, axes), None
+            pg._join(kind, layout.group_of(rank, axes), None)
         for ranks in layout.embedding_groups():  # middle pipeline stages belong to none
             if rank in ranks:
-                pg.ranks[Group.EMBD], pg.groups[Group.EMBD] = ranks, None
+                pg._join(Group.EMBD, ranks, None)
         for kind, groups in _derived_groups(layout).items():
-            pg.ranks[kind], pg.groups[kind] = next(g for g in groups if rank in g), None
-        pg.ranks[Group.WORLD], pg.groups[Group.WORLD] = list(range(layout.world_size)), None
+            pg._join(kind, next(g for g in groups if rank in g), None)
+        pg._join(Group.WORLD, list(range(layout.world_size)), None)
         _alias_missing(pg)
         return pg
 
@@ -144,14 +151,18 @@ class ProcessGroups:
             for ranks in all_groups:
                 group = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
                 if rank in ranks:
-                    pg.ranks[kind], pg.groups[kind] = ranks, group
-        pg.ranks[Group.WORLD], pg.groups[Group.WORLD] = list(range(layout.world_size)), dist.group.WORLD
+                    pg._join(kind, ranks, group)
+        pg._join(Group.WORLD, list(range(layout.world_size)), dist.group.WORLD)
         _alias_missing(pg)
         if os.environ.get(NCCL_SEMANTICS_ENV, "0") == "1":
             from megalite.parallel.nccl_emulation import NcclEmulation
 
             pg.emulation = NcclEmulation(rank)
         return pg
+
+    def _join(self, kind: str, ranks: list[int], group: dist.ProcessGroup | None) -> None:
+        """This rank's group of ``kind``: its ranks, its group object and that object's communicator."""
+        self.ranks[kind], self.groups[kind], self.comms[kind] = ranks, group, _comm_name(kind, ranks)
 
     # ---- coordinates --------------------------------------------------------------------------
     def size(self, kind: str) -> int:
@@ -194,19 +205,34 @@ class ProcessGroups:
     def _count(self, kind: str, op: str, tensor: torch.Tensor) -> None:
         self.comm_bytes[(str(kind), op)] += tensor.numel() * tensor.element_size()
 
-    def _run(self, kind: str, fn, *args, async_op: bool = False, **kwargs) -> dist.Work | None:
-        """Call a torch.distributed collective on group ``kind``; in NCCL-semantics mode the collectives
-        of the groups that also carry batched p2p (PP, CP) join that group's ordered queue, as NCCL runs
-        them on the same communicator."""
+    def _run(self, kind: str, fn, *args, async_op: bool = False, **kwargs) -> dist.Work | P2PWork | None:
+        """Call a torch.distributed collective on group ``kind``. In NCCL-semantics mode every collective
+        joins its communicator's ordered queue (behind that communicator's batches, as NCCL runs them);
+        a collective on a communicator that carries batches is recorded for the replay checker."""
+        index = self._record_collective(kind, fn)
         if self.dry_run:
-            raise RuntimeError(f"{fn.__name__} on the {kind} group of ProcessGroups built without communicators")
-        if self.emulation is not None and kind in P2P_KINDS:
-            work = self.emulation.collective(_comm_name(kind, self.ranks[kind]), self.ranks[kind], fn, args, kwargs,
-                                             self.groups[kind])
-            return work if async_op else work.wait()
-        if async_op:
-            kwargs["async_op"] = True
-        return fn(*args, group=self.groups[kind], **kwargs)
+            if index is None:
+                raise RuntimeError(f"{fn.__name__} on the {kind} group of ProcessGroups built without communicators")
+            work = P2PWork([], self.p2p_log, index, [])  # recorded only: completes at once
+        elif self.emulation is not None:
+            item = self.emulation.collective(self.comms[kind], self.ranks[kind], fn, args, kwargs, self.groups[kind])
+            work = P2PWork([item], self.p2p_log, index, []) if index is not None else item
+        else:
+            if async_op:
+                kwargs["async_op"] = True
+            out = fn(*args, group=self.groups[kind], **kwargs)
+            if index is None:
+                return out
+            work = P2PWork([out] if async_op else [], self.p2p_log, index, [])  # recorded on a real run
+        return work if async_op else work.wait()
+
+    def _record_collective(self, kind: str, fn) -> int | None:
+        """Record a collective on a communicator that also carries batches (PP, CP and their aliases: the
+        replay checker orders it among them); the index of its record, or None."""
+        if self.p2p_log is None or self.comms[kind] not in {self.comms.get(k) for k in P2P_KINDS}:
+            return None
+        self.p2p_log.append(Collective(self.comms[kind], tuple(self.ranks[kind]), fn.__name__))
+        return len(self.p2p_log) - 1
 
     def all_reduce(self, tensor: torch.Tensor, kind: str, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
                    async_op: bool = False, label: str = "all_reduce") -> torch.Tensor | dist.Work | None:
@@ -321,7 +347,7 @@ class ProcessGroups:
         for op in ops:
             if op.kind == "send":
                 self._count(kind, "send", op.tensor)
-        comm = _comm_name(kind, self.ranks[kind]) if batched else \
+        comm = self.comms[kind] if batched else \
             "pair:" + ",".join(map(str, sorted((self.rank, peers[0]))))
         index = None
         if self.p2p_log is not None:
@@ -349,6 +375,16 @@ class ProcessGroups:
             self.emulation.drain()
         device.synchronize()
 
+    def end_step(self, where: str = "step") -> None:
+        """The end of a step (the pipeline's pass, a training iteration): every batch posted so far must
+        have been waited on (or seen completed). Emulating NCCL, a batch left pending is reported, and the
+        order this rank issued the step's operations in is compared with its peers' (operations of two
+        communicators issued in different orders on two ranks can deadlock NCCL)."""
+        if self.p2p_log is not None:
+            self.p2p_log.append(EndStep(where))
+        if self.emulation is not None:
+            self.emulation.end_step(where)
+
 
 # Groups whose ranks exchange point-to-point batches: the pipeline stages and the context-parallel ring.
 P2P_KINDS = (Group.PP, Group.CP)
@@ -371,8 +407,8 @@ class P2POp(NamedTuple):
 
 
 class P2PWork:
-    """The handle of one posted batch. ``wait`` waits for the whole batch (NCCL completes a batch as one)
-    and keeps the send buffers alive until then."""
+    """The handle of one posted batch (or recorded collective). ``wait`` waits for the whole batch (NCCL
+    completes a batch as one) and keeps the send buffers alive until then."""
 
     def __init__(self, works: list, log: list | None, index: int | None, tensors: list[torch.Tensor]) -> None:
         self.works, self.log, self.index, self.tensors = works, log, index, tensors
@@ -388,4 +424,5 @@ class P2PWork:
         self.waited = True
 
     def is_completed(self) -> bool:
-        return self.waited or all(w.is_completed() for w in self.works)
+        """Whether the batch is known complete (a recorded-only batch is so once waited on)."""
+        return self.waited or (bool(self.works) and all(w.is_completed() for w in self.works))

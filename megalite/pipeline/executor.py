@@ -4,8 +4,9 @@ between pipeline ranks in batches that are safe under NCCL (megalite/pipeline/p2
 After each round of the plan the rank posts one batch: the send of what its action produced and the
 receives of what its neighbours produced in that round. It waits for a batch only when an action needs a
 tensor it receives (NCCL completes a batch as one); other batches stay in flight, their buffers kept
-until they complete. No message depends on a tag. A stage's output keeps only its autograd graph after
-it is handed to the send: its data is released, so 1F1B holds at most p micro-batches of activations.
+until they complete, and all are waited on before the pass ends (``ProcessGroups.end_step``). No message
+depends on a tag. A stage's output keeps only its autograd graph after it is handed to the send: its data
+is released, so 1F1B holds at most p micro-batches of activations.
 """
 
 from __future__ import annotations
@@ -185,4 +186,5 @@ def run_table(tables: Sequence[Sequence[Action]], chunks: Sequence[nn.Module], m
         run.exchange(step)
     for work in run.in_flight:
         work.wait()
+    pg.end_step("pipeline pass")  # every batch of the pass waited on (checked when emulating or recording NCCL)
     return run.losses

@@ -119,7 +119,9 @@ def train_step(chunks: list[nn.Module], buffers: list[GradBuffer], optimizer: Me
     update_expert_bias(chunks, pg)
     if cfg.training.empty_unused_memory_level >= 2:
         device.empty_cache()
-    return StepOutput(reported_loss(losses, pg), result.grad_norm, result.skipped, loss_scale, record)
+    loss = reported_loss(losses, pg)
+    pg.end_step("training step")
+    return StepOutput(loss, result.grad_norm, result.skipped, loss_scale, record)
 
 
 @torch.no_grad()
