@@ -14,7 +14,6 @@ Each scenario is two ranks with tiny tensors; each report names the ranks and th
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 import torch
@@ -25,7 +24,9 @@ from megalite.parallel.layout import RankLayout
 from megalite.parallel.nccl_check import NcclCheckError, Op, Post, Wait, replay
 from tests.harness import run_ranks
 
-FAST_S = 30  # a report must come within this many seconds (the deadlock search looks once a second)
+# The ranks must report within this many seconds or the harness fails the test (the deadlock search looks
+# once a second; NCCL's group timeout, what a missed deadlock would end in, is 10 minutes).
+REPORT_WITHIN_S = 90
 
 
 def _emulated(layout: RankLayout, rank: int) -> ProcessGroups:
@@ -39,10 +40,8 @@ def _send_or_recv(pg: ProcessGroups, kind: str, label: str = "x"):
     return pg.post_p2p([op], kind=kind)
 
 
-def _timed(fn, *args) -> tuple[list[str], float]:
-    t0 = time.monotonic()
-    out = run_ranks(fn, 2, *args, timeout=90)
-    return out, time.monotonic() - t0
+def _both(fn, *args) -> list[str]:
+    return run_ranks(fn, 2, *args, timeout=REPORT_WITHIN_S)
 
 
 # ---- 1. a collective on an alias joins the communicator's queue ---------------------------------------
@@ -63,11 +62,10 @@ def _alias_crossing(rank: int, world: int) -> str:
 
 
 def test_emulation_queues_a_collective_on_an_alias_behind_the_batches():
-    out, seconds = _timed(_alias_crossing)
+    out = _both(_alias_crossing)
     for text in out:
         assert "NCCL-semantics deadlock" in text, text
         assert "rank 0" in text and "rank 1" in text and "cp:0,1" in text and "all_reduce" in text, text
-    assert seconds < FAST_S + 10
 
 
 # ---- 2. a rank blocked in a collective of any group is part of the cycle ------------------------------
@@ -87,11 +85,10 @@ def _blocked_in_collective(rank: int, world: int) -> str:
 
 
 def test_emulation_reports_a_rank_blocked_in_a_collective():
-    out, seconds = _timed(_blocked_in_collective)
+    out = _both(_blocked_in_collective)
     for text in out:
         assert "NCCL-semantics deadlock" in text, text
         assert "mp:0,1" in text and "all_reduce" in text and "pp:0,1" in text and "recv x from rank 0" in text, text
-    assert seconds < FAST_S + 10
 
 
 # ---- 3. a batch never waited on by the step end ---------------------------------------------------------
@@ -109,11 +106,10 @@ def _never_waited(rank: int, world: int) -> str:
 
 
 def test_emulation_reports_a_batch_never_waited_on():
-    (sender, receiver), seconds = _timed(_never_waited)
+    sender, receiver = _both(_never_waited)
     assert receiver == "no error"
     assert "rank 0 reaches the step end (test step) without waiting for" in sender, sender
     assert "send activation chunk 0 micro-batch 0 to rank 1] on pp:0,1" in sender and "never waited" in sender
-    assert seconds < FAST_S
 
 
 def test_checker_reports_a_batch_never_waited_on():
@@ -170,7 +166,7 @@ def _orders(rank: int, world: int) -> list[str]:
 
 
 def test_emulation_reports_operations_issued_in_different_orders():
-    out, seconds = _timed(_orders)
+    out = _both(_orders)
     assert [o[0] for o in out] == ["no error", "no error"], out
     reports = [o[1] for o in out if o[1] != "no error"]
     assert reports, out  # whichever rank reaches the step end second compares the two orders
@@ -178,7 +174,6 @@ def test_emulation_reports_operations_issued_in_different_orders():
         assert "issue-order mismatch between rank" in text and "rank 0 issues send x to rank 1 on cp:0,1" in text
         assert "before all_reduce #1 on dp_cp:0,1" in text and "rank 1 issues all_reduce #1 on dp_cp:0,1 before " \
             "recv x from rank 0 on cp:0,1" in text, text
-    assert seconds < FAST_S
 
 
 def test_checker_reports_operations_issued_in_different_orders():
