@@ -373,3 +373,12 @@ def test_zero_terms_hold_the_measured_bytes_per_parameter(d):
     values, _ = split_argv(["--num-nodes", "1", "--gpus-per-node", str(d), "--gpu", "h100-sxm"])
     cl = cluster_from_values(values)
     assert dp_comm_s(opt, cl) < dp_comm_s(z2, cl) < dp_comm_s(z3, cl)
+
+
+def test_plan_help_lists_every_flag_once():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, str(ROOT / "tools" / "plan.py"), "--help"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.count("--peak-tflops PEAK_TFLOPS") == 1 and "--search" in out.stdout

@@ -40,6 +40,7 @@ def split_argv(argv: Sequence[str], dry_run: bool = False) -> tuple[dict, list[s
         parser = build_parser()
         parser.description = ("Print the plan of a run: memory per rank and step time on a cluster; "
                               "--search ranks the layouts (docs/planning.md).")
+        parser.conflict_handler = "resolve"  # --peak-tflops is a run flag and a cluster flag: one help line
         _planner_flags(parser, dry_run)
         parser.print_help()
         sys.exit(0)
