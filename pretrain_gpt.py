@@ -16,9 +16,9 @@ from megalite.checkpointing.load import CheckpointMismatch
 from megalite.checkpointing.reader import CheckpointError
 from megalite.config import ConfigError, MegaliteConfig, parse_args, validate
 from megalite.data.errors import DataError
-from megalite.distributed.failure import FailureBoard
-from megalite.distributed.launch import distributed_run, exit_process, launcher_env, run_timeout
-from megalite.distributed.rendezvous import RendezvousError
+from megalite.launch.failure import FailureBoard
+from megalite.launch.rendezvous import RendezvousError
+from megalite.launch.run import distributed_run, exit_process, launcher_env, run_timeout
 from megalite.optimizer.loss_scaler import LossScaleCollapse
 from megalite.planning.cli import dry_run
 from megalite.training.loop import NonFiniteError, pretrain

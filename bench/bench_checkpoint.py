@@ -43,7 +43,7 @@ from megalite.model.build import build_model  # noqa: E402
 from megalite.optimizer.optimizer import MegaliteOptimizer  # noqa: E402
 from megalite.tensor_parallel.random import model_parallel_seed  # noqa: E402
 from megalite.training.resume import rng_states  # noqa: E402
-from megalite.training.step import build_buffers  # noqa: E402
+from megalite.training.train_step import build_buffers  # noqa: E402
 from tests.harness import run_ranks  # noqa: E402
 from tests.tp_utils import groups_for  # noqa: E402
 

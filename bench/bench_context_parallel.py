@@ -32,7 +32,7 @@ from megalite.config import validate  # noqa: E402
 from megalite.config.arguments import MegaliteConfig  # noqa: E402
 from megalite.model.activation_memory import saved_bytes  # noqa: E402
 from megalite.model.build import build_model  # noqa: E402
-from megalite.model.steps import lm_forward_step  # noqa: E402
+from megalite.model.forward_step import lm_forward_step  # noqa: E402
 from megalite.parallel.groups import ProcessGroups  # noqa: E402
 from megalite.parallel.layout import RankLayout  # noqa: E402
 from megalite.tensor_parallel.random import model_parallel_seed  # noqa: E402

@@ -46,7 +46,7 @@ from megalite.parallel.layout import RankLayout  # noqa: E402
 from megalite.tensor_parallel.random import model_parallel_seed  # noqa: E402
 from megalite.training.batches import build_run_data, global_batch  # noqa: E402
 from megalite.training.loop import TrainResult, pretrain  # noqa: E402
-from megalite.training.step import build_buffers, reported_loss, run_microbatches  # noqa: E402
+from megalite.training.train_step import build_buffers, reported_loss, run_microbatches  # noqa: E402
 from tests.harness import run_ranks  # noqa: E402
 
 QUIET = lambda s: None  # noqa: E731

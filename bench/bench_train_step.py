@@ -5,7 +5,7 @@ embeddings), run in fp32 with dropout 0, and take the same step: forward with th
 backward, AdamW (torch's foreach AdamW, weight decay on matrices only, built identically for both).
 The two are timed in alternating blocks in one process, so a busy machine slows both alike; per-step
 times are medians over all blocks. MFU uses one FLOP count for both
-(megalite.training.flops.training_flops) against the fp32 matmul peak, probed once per round of
+(megalite.planning.flops.training_flops) against the fp32 matmul peak, probed once per round of
 blocks (median), so it is measured under the same load as the steps.
 
     python bench/bench_train_step.py                # eager
@@ -30,9 +30,9 @@ from megalite.config.model import ModelConfig  # noqa: E402
 from megalite.config.training import OptimizerConfig  # noqa: E402
 from megalite.model.gpt import GPTModel  # noqa: E402
 from megalite.parallel.groups import ProcessGroups  # noqa: E402
+from megalite.planning.flops import training_flops  # noqa: E402
 from megalite.tensor_parallel.init import initialize_parameters  # noqa: E402
 from megalite.tensor_parallel.random import model_parallel_seed  # noqa: E402
-from megalite.training.flops import training_flops  # noqa: E402
 
 LAYERS, HIDDEN, HEADS, VOCAB, MICRO_BATCH, SEQ = 6, 384, 6, 8192, 8, 256
 OPT = OptimizerConfig(lr=1e-4, weight_decay=0.01)

@@ -23,7 +23,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 from megalite.config.validate import ConfigError  # noqa: E402
-from megalite.distributed.launch import distributed_run, exit_process, launcher_env  # noqa: E402
 from megalite.inference.evaluation import (  # noqa: E402
     count_words,
     detokenizer_for,
@@ -41,6 +40,7 @@ from megalite.inference.loading import (  # noqa: E402
     plan,
     tokenize_checked,
 )
+from megalite.launch.run import distributed_run, exit_process, launcher_env  # noqa: E402
 
 TASKS = ("WIKITEXT103", "LAMBADA")
 

@@ -21,8 +21,8 @@ from megalite import device
 from megalite.checkpointing.save import CheckpointSaveError, save_checkpoint
 from megalite.config import validate
 from megalite.config.arguments import MegaliteConfig
-from megalite.distributed.failure import FailureBoard
-from megalite.distributed.rendezvous import Rendezvous
+from megalite.launch.failure import FailureBoard
+from megalite.launch.rendezvous import Rendezvous
 from megalite.parallel.groups import ProcessGroups
 from megalite.training import collection
 from megalite.training.loop import pretrain

@@ -44,8 +44,8 @@ from megalite.config import validate
 from megalite.config.arguments import MegaliteConfig
 from megalite.context_parallel import blockwise, ring
 from megalite.context_parallel.attention import context_parallel_attention
-from megalite.distributed import rendezvous
-from megalite.distributed.launch import run_timeout
+from megalite.launch import rendezvous
+from megalite.launch.run import run_timeout
 from megalite.model.norm import Norm
 from megalite.model.transformer import core_attention
 from megalite.moe.experts import grouped_linear
@@ -559,7 +559,7 @@ def _world_of_one(rank: int, world: int, target: str) -> dict:
         dist.destroy_process_group()
 
 
-@targets("NCCL initialisation with one rank (distributed/rendezvous.py, launch.py): backend, timeout, collectives")
+@targets("NCCL initialisation with one rank (launch/rendezvous.py, launch/run.py): backend, timeout, collectives")
 def test_nccl_world_of_one(target):
     res = run_ranks(_world_of_one, 1, target, timeout=180)[0]
     assert res["backend"] == ("nccl" if target == "cuda" else "gloo") and res["device"] == target, res

@@ -1,8 +1,12 @@
-"""Promise (docs/design.md §1): inside megalite/, no import runs from a lower layer to a higher one.
+"""Promise (docs/design.md §1): inside megalite/, no import runs from a lower layer to a higher one, and no
+two modules import each other (directly or round a longer circle).
 
 Every import statement is read from the source (module level, function level, under TYPE_CHECKING),
-so a lazy import cannot hide an upward dependency. LAYERS is the one table of the layering; the
-documentation's "Layers, bottom to top" line must list the same order.
+so a lazy import cannot hide an upward dependency or a circle. LAYERS is the one table of the layering;
+the documentation's "Layers, bottom to top" line must list the same order. Every module sits in the
+package of its layer: there is no table relabelling a module as another layer's. The scripts around the
+package are layered too (TOP): megalite imports none of them, the entry points (pretrain_gpt.py, tools/,
+tasks/) import megalite only, and the tests and benchmarks (which share a harness and formulas) sit above.
 """
 
 from __future__ import annotations
@@ -14,18 +18,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "megalite"
 
-# Bottom to top; a module may import modules of its own layer and below.
-LAYERS = ["compat", "device", "parallel", "config", "planning", "data", "tensor_parallel", "context_parallel", "moe",
-          "pipeline", "model", "distributed", "optimizer", "checkpointing", "inference", "training"]
-# Modules that live in one package but belong to another layer (longest prefix wins).
-PLACED = {
-    "megalite": "device",  # the package itself: __version__ only
-    "megalite.data.config": "config",  # DataConfig: a config dataclass kept beside its package
-    "megalite.training.flops": "config",  # the FLOPs formula: arithmetic on ModelConfig (the planner uses it)
-}
+# Bottom to top; a module may import modules of its own layer and below. The package's own
+# megalite/__init__.py (its version) sits below all of them.
+LAYERS = ["compat", "device", "parallel", "config", "launch", "planning", "data", "tensor_parallel",
+          "context_parallel", "moe", "pipeline", "model", "distributed", "optimizer", "checkpointing", "inference",
+          "training"]
 # Upward imports still to be removed, as (importing module, imported module), each with the change
 # that removes it. Remove the entry with the import; the test fails on an entry that no longer matches.
 ALLOWED: set[tuple[str, str]] = set()
+# The code around the package, bottom to top: what each may import besides itself and the layers below.
+TOP = {"megalite": set(), "pretrain_gpt": {"megalite"}, "tools": {"megalite"}, "tasks": {"megalite"},
+       "tests": {"megalite", "pretrain_gpt", "tools", "tasks", "bench"},  # tests hold bench's formulas to account
+       "bench": {"megalite", "pretrain_gpt", "tools", "tasks", "tests"}}
 
 
 def module_name(path: Path, root: Path = ROOT) -> str:
@@ -36,17 +40,15 @@ def module_name(path: Path, root: Path = ROOT) -> str:
 
 
 def layer_of(module: str) -> int | None:
-    """Index in LAYERS of a megalite module (None for anything outside megalite)."""
+    """Index in LAYERS of a megalite module (-1 for the package itself, None for anything outside megalite)."""
     parts = module.split(".")
     if parts[0] != "megalite":
         return None
-    for n in range(len(parts), 0, -1):
-        prefix = ".".join(parts[:n])
-        if prefix in PLACED:
-            return LAYERS.index(PLACED[prefix])
-        if n == 2 and parts[1] in LAYERS:
-            return LAYERS.index(parts[1])
-    raise AssertionError(f"{module} belongs to no layer: add its package to LAYERS or the module to PLACED")
+    if len(parts) == 1:
+        return -1
+    if parts[1] in LAYERS:
+        return LAYERS.index(parts[1])
+    raise AssertionError(f"{module} belongs to no layer: add its package to LAYERS")
 
 
 def imports(path: Path, root: Path = ROOT) -> list[tuple[int, str]]:
@@ -107,6 +109,96 @@ def test_design_doc_states_the_same_layers():
     m = re.search(r"Layers, bottom to top: ([^.]+)\.", text)
     assert m, "docs/design.md has no 'Layers, bottom to top: ...' line"
     assert [w.strip() for w in m[1].replace("\n", " ").split(",")] == LAYERS
+
+
+def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    """megalite module -> the megalite modules it imports (every import statement, lazy ones included)."""
+    graph = {}
+    for path in sorted((root / "megalite").rglob("*.py")):
+        graph[module_name(path, root)] = {t for _, t in imports(path, root) if t.split(".")[0] == "megalite"}
+    return {m: {t for t in ts if t in graph and t != m} for m, ts in graph.items()}
+
+
+def import_circles(root: Path = ROOT) -> list[list[str]]:
+    """Every set of megalite modules that import each other round a circle (strongly connected, size > 1)."""
+    graph, index, low, stack, on, circles = import_graph(root), {}, {}, [], set(), []
+
+    def visit(m: str) -> None:  # Tarjan's algorithm
+        index[m] = low[m] = len(index)
+        stack.append(m)
+        on.add(m)
+        for t in sorted(graph[m]):
+            if t not in index:
+                visit(t)
+                low[m] = min(low[m], low[t])
+            elif t in on:
+                low[m] = min(low[m], index[t])
+        if low[m] == index[m]:
+            members = []
+            while not members or members[-1] != m:
+                members.append(stack.pop())
+                on.discard(members[-1])
+            if len(members) > 1:
+                circles.append(sorted(members))
+
+    for m in sorted(graph):
+        if m not in index:
+            visit(m)
+    return circles
+
+
+def test_no_import_circle():
+    circles = import_circles()
+    assert not circles, "modules that import each other (lazy imports count):\n  " + "\n  ".join(
+        " <-> ".join(c) for c in circles)
+
+
+def test_an_import_circle_is_found(tmp_path):
+    """The check can fail: a TYPE_CHECKING import closing a circle of three modules is reported."""
+    (tmp_path / "megalite" / "config").mkdir(parents=True)
+    (tmp_path / "megalite" / "config" / "a.py").write_text("from megalite.config import b\n")
+    (tmp_path / "megalite" / "config" / "b.py").write_text("import megalite.config.c\n")
+    (tmp_path / "megalite" / "config" / "c.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from megalite.config.a import X\n")
+    assert import_circles(tmp_path) == [["megalite.config.a", "megalite.config.b", "megalite.config.c"]]
+
+
+def top_of(path: Path, name: str, root: Path = ROOT) -> str | None:
+    """The TOP part an imported name belongs to (a bare name of a sibling script is the importer's part)."""
+    first = name.split(".")[0]
+    if first in TOP:
+        return first
+    if (path.parent / f"{first}.py").exists() and path.parent != root:
+        return path.relative_to(root).parts[0]
+    return None
+
+
+def top_level_violations(root: Path = ROOT) -> list[str]:
+    """Imports between the package and the code around it that run against TOP's order."""
+    found = []
+    files = [root / "pretrain_gpt.py"] + [p for d in TOP if d != "pretrain_gpt" for p in sorted((root / d).rglob("*.py"))]
+    for path in files:
+        if not path.exists():
+            continue
+        mine = path.relative_to(root).parts[0].removesuffix(".py")
+        for line, name in imports(path, root):
+            theirs = top_of(path, name, root)
+            if theirs is not None and theirs != mine and theirs not in TOP[mine]:
+                found.append(f"{path.relative_to(root)}:{line}: {mine} imports {name} ({theirs})")
+    return sorted(set(found))
+
+
+def test_the_code_around_the_package_is_layered():
+    bad = top_level_violations()
+    assert not bad, "imports against the order megalite < entry points < tests < bench:\n  " + "\n  ".join(bad)
+
+
+def test_a_package_importing_a_tool_is_found(tmp_path):
+    (tmp_path / "megalite" / "training").mkdir(parents=True)
+    (tmp_path / "tools").mkdir()
+    (tmp_path / "tools" / "plan.py").write_text("")
+    (tmp_path / "megalite" / "training" / "x.py").write_text("def f():\n    from tools.plan import main\n")
+    assert top_level_violations(tmp_path) == ["megalite/training/x.py:2: megalite imports tools.plan (tools)"]
 
 
 def test_an_upward_import_is_found(tmp_path):

@@ -23,8 +23,8 @@ import torch
 from megalite.checkpointing import CheckpointMismatch
 from megalite.checkpointing.full_reader import FullCheckpoint
 from megalite.checkpointing.metadata import OPTIM_FIELDS
-from megalite.checkpointing.offline import reshard
 from megalite.checkpointing.paths import iter_dirname
+from megalite.checkpointing.reshard import reshard
 from megalite.config import validate
 from megalite.config.arguments import MegaliteConfig
 from megalite.parallel.groups import ProcessGroups

@@ -172,10 +172,10 @@ def test_moe_dispatch_bytes_agree_with_the_bench_formulas(ep, etp, tp, pad):
 
 
 def test_moe_flops_count_the_active_parameters():
-    """training/flops.py against a hand count: h 64, 4 heads of 16, s 32, vocab 1000, SwiGLU; layer 0 dense
+    """planning/flops.py against a hand count: h 64, 4 heads of 16, s 32, vocab 1000, SwiGLU; layer 0 dense
     (ffn 128), layers 1-3 MoE (4 experts of 96, top-2, a shared expert of 32 with its gate)."""
     from megalite.config.model import ModelConfig
-    from megalite.training.flops import flops_per_token, training_flops
+    from megalite.planning.flops import flops_per_token, training_flops
 
     cfg = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32, ffn_hidden_size=128,
                       swiglu=True, disable_bias_linear=True, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=96,

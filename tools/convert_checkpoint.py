@@ -48,9 +48,9 @@ from megalite.checkpointing.hf import (  # noqa: E402
 )
 from megalite.checkpointing.hf_moe import moe_tp_errors  # noqa: E402
 from megalite.checkpointing.metadata import model_config  # noqa: E402
-from megalite.checkpointing.offline import reshard  # noqa: E402
 from megalite.checkpointing.paths import TRACKER, iter_dirname, swap_into_place  # noqa: E402
 from megalite.checkpointing.reader import CheckpointError  # noqa: E402
+from megalite.checkpointing.reshard import reshard  # noqa: E402
 from megalite.checkpointing.writer import write_checkpoint  # noqa: E402
 from megalite.config.validate import layout_errors  # noqa: E402
 from megalite.data.tokenizer import TOKENIZER_TYPES, build_tokenizer  # noqa: E402

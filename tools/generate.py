@@ -23,7 +23,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 from megalite.config.validate import ConfigError  # noqa: E402
-from megalite.distributed.launch import distributed_run, exit_process, launcher_env  # noqa: E402
 from megalite.inference.generation import GenerationError, check_lengths, generate  # noqa: E402
 from megalite.inference.loading import (  # noqa: E402
     check_output_file,
@@ -34,6 +33,7 @@ from megalite.inference.loading import (  # noqa: E402
     tokenize_checked,
 )
 from megalite.inference.sampling import SamplingParams  # noqa: E402
+from megalite.launch.run import distributed_run, exit_process, launcher_env  # noqa: E402
 
 
 def build_parser():

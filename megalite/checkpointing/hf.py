@@ -29,21 +29,24 @@ import os
 import shutil
 import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from megalite.checkpointing.hf_common import HFConversionError, TensorRule, rope_theta, transposed
+from megalite.checkpointing.hf_moe import (
+    MOE_TYPES,
+    from_hf_moe_config,
+    moe_architecture,
+    moe_mlp_rules,
+    to_hf_moe_config,
+)
 from megalite.checkpointing.metadata import config_dict, model_config
 from megalite.config.model import ModelConfig
 
 GPT2_GELUS = {"gelu": 0.0, "gelu_new": 1e-3, "gelu_pytorch_tanh": 1e-3, "gelu_fast": 1e-3}
 SUPPORTED = ("GPT2LMHeadModel (model_type gpt2), LlamaForCausalLM (llama), MixtralForCausalLM (mixtral) or "
              "Qwen2MoeForCausalLM (qwen2_moe)")
-
-
-class HFConversionError(ValueError):
-    """A model or folder that cannot be converted; the message says which feature or file."""
 
 
 # ---- the QKV interleave -----------------------------------------------------------------------
@@ -77,7 +80,6 @@ def architecture(cfg: ModelConfig) -> str:
     """'gpt2' or 'llama' for a megalite model config ('mixtral' or 'qwen2_moe' for an MoE model, see
     hf_moe.py), or an error listing what does not fit."""
     if cfg.is_moe:
-        from megalite.checkpointing.hf_moe import moe_architecture
 
         return moe_architecture(cfg)
     groups = cfg.num_query_groups or cfg.num_attention_heads
@@ -100,10 +102,6 @@ def architecture(cfg: ModelConfig) -> str:
         "needs " + ", ".join(llama) + f" (missing: {', '.join(k for k, ok in llama.items() if not ok)})")
 
 
-def _rope_theta(value: float) -> int | float:
-    return int(value) if float(value).is_integer() else float(value)
-
-
 # ---- configs ------------------------------------------------------------------------------------
 
 
@@ -112,7 +110,6 @@ def to_hf_config(config: dict[str, Any], eod: int | None = None):
     config dict."""
     from transformers import GPT2Config, LlamaConfig
 
-    from megalite.checkpointing.hf_moe import MOE_TYPES, to_hf_moe_config
 
     cfg, vocab = model_config(config)
     arch = architecture(cfg)
@@ -159,7 +156,6 @@ def from_hf_config(hf_config, where: str = "config.json", qkv_bias_only: bool = 
     c = hf_config
     arch = hf_architecture(c, where)
     if arch in ("mixtral", "qwen2_moe"):
-        from megalite.checkpointing.hf_moe import from_hf_moe_config
 
         return from_hf_moe_config(c, where, apply_layernorm_1p)
     if arch == "gpt2":
@@ -201,7 +197,7 @@ def from_hf_config(hf_config, where: str = "config.json", qkv_bias_only: bool = 
                       ffn_hidden_size=c.intermediate_size, num_attention_heads=heads,
                       group_query_attention=groups != heads, num_query_groups=groups, kv_channels=head_dim,
                       seq_length=c.max_position_embeddings, max_position_embeddings=c.max_position_embeddings,
-                      position_embedding_type="rope", rotary_base=_rope_theta(theta), normalization="RMSNorm",
+                      position_embedding_type="rope", rotary_base=rope_theta(theta), normalization="RMSNorm",
                       norm_epsilon=c.rms_norm_eps, swiglu=True,
                       untie_embeddings_and_output_weights=not c.tie_word_embeddings,
                       disable_bias_linear=not c.mlp_bias, add_qkv_bias=bool(c.attention_bias and not c.mlp_bias),
@@ -211,27 +207,6 @@ def from_hf_config(hf_config, where: str = "config.json", qkv_bias_only: bool = 
 
 
 # ---- tensors: one name table for both directions ------------------------------------------------
-
-
-def _same(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    return (t,)
-
-
-def _transposed(t: torch.Tensor) -> torch.Tensor:
-    return t.t().contiguous()
-
-
-@dataclass(frozen=True)
-class TensorRule:
-    """One megalite tensor and the HF tensor(s) it becomes. ``split`` maps ours to theirs (to HF),
-    ``join`` theirs back to ours (from HF). ``zeros_like_rows_of``: megalite has no such tensor but HF
-    needs one: it is exported as zeros with as many rows as that megalite tensor, and not imported."""
-
-    ours: str
-    theirs: tuple[str, ...]
-    split: Callable[[torch.Tensor], tuple[torch.Tensor, ...]] = _same
-    join: Callable[..., torch.Tensor] = lambda t: t
-    zeros_like_rows_of: str | None = None
 
 
 def _norm_weight(cfg: ModelConfig, ours: str, theirs: str) -> TensorRule:
@@ -248,7 +223,7 @@ def _qkv_rules(cfg: ModelConfig, m: str, h: str, arch: str) -> list[TensorRule]:
     w, b = m + "attention.qkv.weight", m + "attention.qkv.bias"
     has_bias = cfg.add_bias_linear or cfg.add_qkv_bias
     if arch == "gpt2":  # c_attn: [q; k; v] stacked, Conv1D-transposed weight; a bias always
-        return [TensorRule(w, (h + "attn.c_attn.weight",), lambda t: (_transposed(torch.cat(split(t))),),
+        return [TensorRule(w, (h + "attn.c_attn.weight",), lambda t: (transposed(torch.cat(split(t))),),
                            lambda t: fuse(*t.t().chunk(3, dim=0))),
                 TensorRule(b, (h + "attn.c_attn.bias",), lambda t: (torch.cat(split(t)),),
                            lambda t: fuse(*t.chunk(3)), None if has_bias else w)]
@@ -267,7 +242,7 @@ def _gpt2_layer(cfg: ModelConfig, i: int) -> list[TensorRule]:
     rules += _qkv_rules(cfg, m, h, "gpt2")
     for ours, theirs in (("attention.proj", "attn.c_proj"), ("mlp.fc1", "mlp.c_fc"), ("mlp.fc2", "mlp.c_proj")):
         rules.append(TensorRule(m + ours + ".weight", (h + theirs + ".weight",),  # Conv1D: [in, out]
-                                lambda t: (_transposed(t),), _transposed))
+                                lambda t: (transposed(t),), transposed))
         rules.append(TensorRule(m + ours + ".bias", (h + theirs + ".bias",),
                                 zeros_like_rows_of=None if cfg.add_bias_linear else m + ours + ".weight"))
     return rules
@@ -281,7 +256,6 @@ def _llama_layer(cfg: ModelConfig, i: int) -> list[TensorRule]:
              *_qkv_rules(cfg, m, h, "llama"),
              TensorRule(m + "attention.proj.weight", (h + "self_attn.o_proj.weight",))]
     if cfg.is_moe:  # Qwen2-MoE's qkv_bias has no o_proj bias; MoE models have no other biases
-        from megalite.checkpointing.hf_moe import moe_mlp_rules
 
         if cfg.moe_layers()[i]:
             return rules + moe_mlp_rules(cfg, m, h)

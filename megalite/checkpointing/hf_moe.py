@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from megalite.checkpointing.hf import HFConversionError, TensorRule, _rope_theta
+from megalite.checkpointing.hf_common import HFConversionError, TensorRule, rope_theta
 from megalite.checkpointing.metadata import config_dict
 from megalite.config.model import ModelConfig
 
@@ -146,7 +146,7 @@ def from_hf_moe_config(c, where: str, apply_layernorm_1p: bool = False) -> dict[
                   group_query_attention=groups != heads, num_query_groups=groups,
                   kv_channels=getattr(c, "head_dim", None) or c.hidden_size // heads,
                   seq_length=c.max_position_embeddings, max_position_embeddings=c.max_position_embeddings,
-                  position_embedding_type="rope", rotary_base=_rope_theta(theta), normalization="RMSNorm",
+                  position_embedding_type="rope", rotary_base=rope_theta(theta), normalization="RMSNorm",
                   norm_epsilon=c.rms_norm_eps, swiglu=True,
                   untie_embeddings_and_output_weights=not c.tie_word_embeddings,
                   disable_bias_linear=True, hidden_dropout=0.0, attention_dropout=c.attention_dropout,

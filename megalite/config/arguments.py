@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from megalite.config.data import DataConfig
 from megalite.config.deepspeed import DeepSpeedMapping, load_deepspeed_config, resolve_batch
 from megalite.config.deepspeed import refusal as ds_refusal
 from megalite.config.file_values import ConfigFileError, did_you_mean, load_config_file
@@ -18,7 +19,6 @@ from megalite.config.model import ModelConfig
 from megalite.config.parallel import ParallelConfig
 from megalite.config.precision import DDPConfig, PrecisionConfig
 from megalite.config.training import CheckpointConfig, LoggingConfig, OptimizerConfig, TrainingConfig
-from megalite.data.config import DataConfig
 
 SECTIONS: dict[str, type] = {
     "model": ModelConfig,

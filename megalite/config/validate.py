@@ -12,15 +12,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from megalite.config.moe import expert_layout_errors, moe_errors
+from megalite.config.validate_moe import expert_layout_errors, moe_errors
 
 if TYPE_CHECKING:
     from megalite.config.arguments import MegaliteConfig
+    from megalite.config.data import DataConfig
     from megalite.config.model import ModelConfig
     from megalite.config.parallel import ParallelConfig
     from megalite.config.precision import DDPConfig, PrecisionConfig
     from megalite.config.training import CheckpointConfig, LoggingConfig, OptimizerConfig, TrainingConfig
-    from megalite.data.config import DataConfig
 
 
 class ConfigError(ValueError):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from megalite.data.config import DataConfig
+from megalite.config.data import DataConfig
 from megalite.data.errors import DataError
 from megalite.data.tokenizer import Tokenizer, build_tokenizer
 

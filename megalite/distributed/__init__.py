@@ -1,2 +1,2 @@
-"""Joining torch.distributed (start-up of a run), data-parallel gradient reduction, and the per-step
-gradient finalization."""
+"""Data-parallel gradient reduction and sharding (buffers, the distributed optimizer's shards, ZeRO-3,
+compression), and the per-step gradient finalization."""

@@ -21,10 +21,10 @@ from megalite.checkpointing.load import check_config, load_checkpoint
 from megalite.checkpointing.metadata import config_dict
 from megalite.checkpointing.reader import CheckpointError, CheckpointReader
 from megalite.config.arguments import SECTIONS, MegaliteConfig
+from megalite.config.data import DataConfig
 from megalite.config.flags import add_dataclass_flags, field_types
 from megalite.config.model import ModelConfig
 from megalite.config.validate import ConfigError, layout_errors, world_errors
-from megalite.data.config import DataConfig
 from megalite.data.tokenizer import HuggingFaceTokenizer, Tokenizer, build_tokenizer
 from megalite.model.build import build_model
 from megalite.parallel.groups import ProcessGroups

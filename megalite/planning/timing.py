@@ -13,15 +13,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from megalite.planning.flops import training_flops
 from megalite.planning.hardware import ClusterConfig
 from megalite.planning.memory import stage_dense_params, stage_expert_params, stage_layer_bytes
 from megalite.planning.moe import dispatch_comm_bytes
 from megalite.planning.shape import RunShape
-from megalite.training.flops import training_flops
 
 
 def step_flops(sh: RunShape, with_recompute: bool) -> float:
-    """The training loop's FLOPs per step over all ranks (megalite/training/flops.py); with_recompute
+    """The training loop's FLOPs per step over all ranks (megalite/planning/flops.py); with_recompute
     adds what recomputation runs again: a whole forward (full), the attention square's two matmuls
     (selective)."""
     m = sh.cfg.model

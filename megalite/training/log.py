@@ -10,10 +10,10 @@ from collections.abc import Callable
 from megalite import device
 from megalite.config.arguments import MegaliteConfig
 from megalite.parallel.groups import ProcessGroups
-from megalite.training.flops import training_flops
+from megalite.planning.flops import training_flops
 from megalite.training.resume import TrainState
-from megalite.training.step import StepOutput
 from megalite.training.timers import Timers
+from megalite.training.train_step import StepOutput
 from megalite.training.writers import MetricWriters
 
 COMM_WARN_SHARE = 0.30  # the checklist: communication under 30% of the step

@@ -19,13 +19,13 @@ from megalite.optimizer.optimizer import MegaliteOptimizer
 from megalite.parallel.groups import ProcessGroups
 from megalite.tensor_parallel.random import RNGTracker, model_parallel_seed
 from megalite.training.batches import RunData, build_run_data
-from megalite.training.collection import ManualGC
 from megalite.training.exit_conditions import ExitConditions
 from megalite.training.log import LogWindow, format_validation_line
+from megalite.training.manual_gc import ManualGC
 from megalite.training.profiling import StepProfiler
 from megalite.training.resume import TrainState, maybe_load, save
-from megalite.training.step import StepOutput, build_buffers, evaluate, train_step, write_timeline
 from megalite.training.timers import Timers
+from megalite.training.train_step import StepOutput, build_buffers, evaluate, train_step, write_timeline
 from megalite.training.writers import MetricWriters
 
 

@@ -19,8 +19,8 @@ import threading
 import time
 from collections.abc import Iterator
 
-from megalite.distributed import rendezvous
-from megalite.distributed.rendezvous import Rendezvous, RendezvousError
+from megalite.launch import rendezvous
+from megalite.launch.rendezvous import Rendezvous, RendezvousError
 
 WHO = "failure/rank"  # the first failing rank, set once
 COUNT = "failure/count"

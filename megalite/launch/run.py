@@ -14,9 +14,9 @@ import torch.distributed as dist
 
 from megalite import device
 from megalite.config.arguments import MegaliteConfig
-from megalite.distributed import rendezvous
-from megalite.distributed.failure import FailureBoard
-from megalite.distributed.rendezvous import RendezvousError
+from megalite.launch import rendezvous
+from megalite.launch.failure import FailureBoard
+from megalite.launch.rendezvous import RendezvousError
 from megalite.parallel.groups import ProcessGroups
 from megalite.parallel.layout import RankLayout
 from megalite.parallel.report import announce_layout

@@ -21,7 +21,7 @@ from megalite.distributed.compression import make_compressor
 from megalite.distributed.finalize import finalize_grads, tied_embedding_params
 from megalite.distributed.grad_buffer import GradBuffer
 from megalite.distributed.param_shard import ParamGatherer, param_units
-from megalite.model.steps import hidden_shape, lm_forward_step
+from megalite.model.forward_step import hidden_shape, lm_forward_step
 from megalite.moe.balance import set_aux_loss_scale, update_expert_bias
 from megalite.optimizer.optimizer import MegaliteOptimizer
 from megalite.parallel.groups import Group, ProcessGroups
