@@ -24,7 +24,7 @@ from megalite.config.arguments import MegaliteConfig
 from megalite.launch.failure import FailureBoard
 from megalite.launch.rendezvous import Rendezvous
 from megalite.parallel.groups import ProcessGroups
-from megalite.training import collection
+from megalite.training import manual_gc
 from megalite.training.loop import pretrain
 from tests.cli_utils import ROOT, run_pretrain
 from tests.harness import free_port
@@ -158,7 +158,7 @@ def gc_calls(monkeypatch) -> list[str]:
     fake = types.SimpleNamespace(collect=lambda generation=2: calls.append(f"collect{generation}"),
                                  disable=lambda: calls.append("disable"), enable=lambda: calls.append("enable"),
                                  isenabled=lambda: True)
-    monkeypatch.setattr(collection, "gc", fake)
+    monkeypatch.setattr(manual_gc, "gc", fake)
     return calls
 
 
