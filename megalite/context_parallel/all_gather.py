@@ -1,4 +1,4 @@
-"""Gathered-K/V attention (``--cp-comm-type all_gather``): every rank gathers all keys and values over CP
+"""Gathered-K/V attention (``--cp-comm-type allgather``): every rank gathers all keys and values over CP
 and keeps its own queries; the mask comes from the global positions (causal and, given, per document).
 The backward reduce-scatters dK/dV: every rank's rows contribute to every key, each owner keeps the sum
 of its own chunk's part."""

@@ -1,7 +1,7 @@
 """``context_parallel_attention``: causal attention of this rank's zigzag rows over the whole sequence.
 
 The one entry point the model calls; it checks the shapes and dispatches on ``--cp-comm-type``: ``p2p``
-(ring, ``ring.py``), ``a2a`` (all-to-all, ``ulysses.py``) or ``all_gather`` (``all_gather.py``). Every
+(ring, ``ring.py``), ``a2a`` (all-to-all, ``ulysses.py``) or ``allgather`` (``all_gather.py``). Every
 variant returns the rows of full-sequence causal attention this rank holds, in its local order.
 """
 
