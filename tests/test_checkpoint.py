@@ -1,6 +1,7 @@
 """Promises of checkpoints:
 - exact resume: 20 iterations straight and 10 + resume + 10 give bitwise the same lm loss (fp32);
-- resharding: a checkpoint saved in one layout continues in another on the original loss curve;
+- resharding: a checkpoint saved in one layout continues in another on the original loss curve (the
+  pipelined layouts under NCCL's point-to-point rules);
 - atomic saves, and errors that name the differing flags, the missing file or the expected tracker."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from megalite.checkpointing.paths import TRACKER, staging_dir
 from megalite.checkpointing.reader import CheckpointError
 from megalite.config import validate
 from megalite.config.arguments import MegaliteConfig
+from megalite.parallel.groups import NCCL_SEMANTICS_ENV
 from megalite.training.loop import pretrain
 from tests.asserts import assert_rel_close
 from tests.harness import run_ranks
@@ -54,6 +56,7 @@ def _layout_run(rank, world, name, **kw):
     if n == 1 and rank != 0:
         return None
     cfg = make_cfg(tp, pp, **extra, **kw)
+    os.environ[NCCL_SEMANTICS_ENV] = "1" if pp > 1 else "0"  # pipelines under NCCL's point-to-point rules
     return train(cfg, n, rank if n > 1 else 0, tp, pp).losses
 
 
@@ -70,7 +73,7 @@ def _resume_and_reshard(rank: int, world: int, root: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, p2p_semantics) -> list[dict]:
+def runs(tmp_path_factory) -> list[dict]:
     return run_ranks(_resume_and_reshard, 4, str(tmp_path_factory.mktemp("ckpt")), timeout=400)
 
 

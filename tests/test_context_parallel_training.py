@@ -1,19 +1,15 @@
 """Promise (docs/parallelism.md, "Context parallelism"): 10 iterations with the sequence split over CP
 ranks give the single-process loss curve and grad norms (fp32, relative 1e-5) for CP 4, CP2 x TP2 with
 sequence parallelism, CP2 x PP2 interleaved, CP2 x DP2 with the distributed optimizer, each comm type,
-GPT-2 and Llama GQA. (torchrun pretrain_gpt.py runs of the same layouts: tests/test_cli_layouts.py.)"""
+GPT-2 and Llama GQA, every layout under NCCL's point-to-point rules and one also on plain gloo. (torchrun
+pretrain_gpt.py runs of the same layouts: tests/test_cli_layouts.py.)"""
 
 from __future__ import annotations
 
 import pytest
 
-from megalite.config import validate
-from megalite.parallel.groups import ProcessGroups
-from megalite.parallel.layout import RankLayout
-from megalite.training.loop import pretrain
-from tests.asserts import assert_rel_close
-from tests.harness import run_ranks
-from tests.tp_utils import GPT2, LLAMA_GQA, layout_cfg, mock_data
+from tests.layouts import P2P_MODES, ModeCache, assert_matches_serial, layout_curves, serial_curve
+from tests.tp_utils import GPT2, LLAMA_GQA, layout_flat
 
 VOCAB = 256
 ITERS = 10
@@ -33,36 +29,23 @@ SKIP = {("gpt2", "cp2_pp2_interleaved"), ("llama", "cp4_a2a")}
 CASES = [(m, n) for m in MODELS for n in LAYOUTS if (m, n) not in SKIP]
 
 
-def _run(rank: int, world: int) -> dict:
-    quiet = lambda s: None  # noqa: E731
-    out = {}
-    for model_name, model in MODELS.items():
-        data = mock_data(VOCAB, model["seq_length"], 1234, ITERS * 8)
-        cfg = layout_cfg(model, vocab=VOCAB, iters=ITERS)
-        validate(cfg, 1)
-        ref = pretrain(cfg, ProcessGroups.single(), data=data, log=quiet)
-        out[(model_name, "serial")] = (ref.losses, ref.grad_norms)
-        for name, (tp, pp, cp, extra) in LAYOUTS.items():
-            if (model_name, name) not in CASES:
-                continue
-            cfg = layout_cfg(model, vocab=VOCAB, iters=ITERS, tp=tp, pp=pp, context_parallel_size=cp, **extra)
-            validate(cfg, world)
-            pg = ProcessGroups.build(RankLayout(world, tp, pp, cp), rank)
-            res = pretrain(cfg, pg, data=data, log=quiet)
-            out[(model_name, name)] = (res.losses, res.grad_norms)
-    return out
+# Plain gloo runs the layout with TP, SP and the ring; NCCL semantics runs them all.
+GLOO_CASES = [("llama", "cp2_tp2_sp")]
 
 
-@pytest.fixture(scope="module")
-def curves(p2p_semantics) -> list[dict]:
-    return run_ranks(_run, 4)
+def flat(model: str, tp: int = 1, pp: int = 1, cp: int = 1, **extra) -> dict:
+    return layout_flat(MODELS[model], vocab=VOCAB, iters=ITERS, tp=tp, pp=pp, context_parallel_size=cp, **extra)
 
 
-@pytest.mark.parametrize("model,layout", CASES)
-def test_cp_loss_curve_matches_serial(curves, model, layout):
-    ref_loss, ref_norm = curves[0][(model, "serial")]
-    assert len(set(ref_loss)) == ITERS and all(n > 0 for n in ref_norm)
-    for rank, c in enumerate(curves):
-        loss, norm = c[(model, layout)]
-        assert_rel_close(loss, ref_loss, 1e-5, f"{model} {layout} rank {rank}: loss vs serial")
-        assert_rel_close(norm, ref_norm, 1e-5, f"{model} {layout} rank {rank}: grad norm vs serial")
+def _layouts(mode: str) -> list[dict]:
+    cases = CASES if mode == "nccl_semantics" else GLOO_CASES
+    return layout_curves(4, {(m, n): flat(m, *LAYOUTS[n][:3], **LAYOUTS[n][3]) for m, n in cases})
+
+
+CURVES = ModeCache(_layouts)
+
+
+@pytest.mark.parametrize("mode,model,layout", [(mode, m, n) for mode in P2P_MODES for m, n in CASES
+                                               if mode == "nccl_semantics" or (m, n) in GLOO_CASES])
+def test_cp_loss_curve_matches_serial(mode, model, layout):
+    assert_matches_serial(CURVES(mode), (model, layout), serial_curve(flat(model)), ITERS)

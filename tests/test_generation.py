@@ -5,7 +5,8 @@
   only its own sequence;
 - sampling is temperature -> top-k -> top-p as transformers' warpers, and a seed fixes the samples;
 - greedy generations from a checkpoint equal transformers' generate(do_sample=False) on its to-hf export;
-- at TP=2 PP=2 (and PP=2 with virtual stages, TP=2 x DP=2) the tool gives the single-process tokens;
+- at TP=2 PP=2 (and PP=2 with virtual stages, TP=2 x DP=2) the tool gives the single-process tokens
+  (under NCCL's point-to-point rules);
 - the tool prints a sample using the tokenizer the checkpoint names; impossible lengths are refused.
 Models are built from configs; nothing is downloaded."""
 
@@ -264,7 +265,7 @@ def _layout_ranks(rank: int, world: int, ckpt: str) -> dict:
             for layout, run in PLAN}
 
 
-def test_tp2_pp2_and_other_layouts_generate_the_single_process_tokens(env, p2p_semantics):
+def test_tp2_pp2_and_other_layouts_generate_the_single_process_tokens(env, nccl_semantics):
     ckpt = env["ckpts"]["llama_gqa"]
     tool = load_tool("generate")
     want = {run: tool.run(_generate_argv(ckpt, run), say=lambda s: None).tokens for run in RUNS}

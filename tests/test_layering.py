@@ -176,7 +176,8 @@ def top_of(path: Path, name: str, root: Path = ROOT) -> str | None:
 def top_level_violations(root: Path = ROOT) -> list[str]:
     """Imports between the package and the code around it that run against TOP's order."""
     found = []
-    files = [root / "pretrain_gpt.py"] + [p for d in TOP if d != "pretrain_gpt" for p in sorted((root / d).rglob("*.py"))]
+    files = [root / "pretrain_gpt.py"]
+    files += [p for d in TOP if d != "pretrain_gpt" for p in sorted((root / d).rglob("*.py"))]
     for path in files:
         if not path.exists():
             continue

@@ -6,33 +6,26 @@ from __future__ import annotations
 
 import pytest
 
-from megalite.config import validate
-from megalite.config.arguments import MegaliteConfig
 from megalite.config.model import ModelConfig
 from megalite.model.activation_memory import bytes_per_layer
-from megalite.training.loop import pretrain
+from megalite.parallel.groups import ProcessGroups
 from tests.asserts import assert_rel_close
 from tests.harness import run_ranks
-from tests.tp_utils import GPT2, groups_for, mock_data
+from tests.layouts import Curve, assert_matches_serial, layout_curves, serial_curve
+from tests.layouts import train as train_on
+from tests.tp_utils import GPT2, groups_for, layout_flat
 
 VOCAB = 500
 ITERS = 10
 MODEL = {**GPT2, "num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 16}
 
 
-def make_cfg(tp=1, pp=1, **extra) -> MegaliteConfig:
-    flat = dict(MODEL, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, micro_batch_size=2,
-                global_batch_size=8, train_iters=ITERS, lr=3e-3, lr_warmup_iters=2, log_interval=5, eval_iters=0,
-                eval_interval=1000, mock_data=True, vocab_size=VOCAB, seed=1234)
-    flat.update(extra)
-    return MegaliteConfig.from_flat(flat)
+def flat(tp: int = 1, pp: int = 1, **extra) -> dict:
+    return layout_flat(MODEL, vocab=VOCAB, iters=ITERS, tp=tp, pp=pp, micro_batch_size=2, **extra)
 
 
-def train(cfg, world, rank, tp=1, pp=1):
-    validate(cfg, world)
-    data = mock_data(VOCAB, MODEL["seq_length"], 1234, ITERS * 8)
-    res = pretrain(cfg, groups_for(world, rank, tp=tp, pp=pp), data=data, log=lambda s: None)
-    return res.losses, res.grad_norms
+def train(flat_cfg: dict) -> Curve:
+    return train_on(flat_cfg, ProcessGroups.single(), 1)
 
 
 SP_LAYOUTS = [(2, 1), (4, 1), (2, 2)]
@@ -45,44 +38,39 @@ RECOMPUTE = {
 }
 
 
-def _run(rank: int, world: int) -> dict:
-    out = {"serial": train(make_cfg(), 1, 0)}
-    for tp, pp in SP_LAYOUTS:
-        out[("sp", tp, pp)] = train(make_cfg(tp, pp, sequence_parallel=True), world, rank, tp, pp)
-    # Dropout on: a TP=2 + SP run with and without recomputation must draw identical masks.
-    out["tp2_sp_dropout"] = train(make_cfg(2, 1, sequence_parallel=True, **DROPOUT), world, rank, 2)
-    for name, kw in RECOMPUTE.items():
-        out[("tp2_sp_dropout", name)] = train(make_cfg(2, 1, sequence_parallel=True, **DROPOUT, **kw), world, rank, 2)
-    return out
-
-
 @pytest.fixture(scope="module")
-def curves(p2p_semantics) -> list[dict]:
-    return run_ranks(_run, 4, timeout=400)
-
-
-def _same(got, want, what):
-    for i, name in enumerate(("loss", "grad norm")):
-        assert_rel_close(got[i], want[i], 1e-5, f"{what} {name}")
+def curves() -> list[dict]:
+    runs = {("sp", tp, pp): flat(tp, pp, sequence_parallel=True) for tp, pp in SP_LAYOUTS}
+    # Dropout on: a TP=2 + SP run with and without recomputation must draw identical masks.
+    runs["tp2_sp_dropout"] = flat(2, sequence_parallel=True, **DROPOUT)
+    for name, kw in RECOMPUTE.items():
+        runs[("tp2_sp_dropout", name)] = flat(2, sequence_parallel=True, **DROPOUT, **kw)
+    # the pipelined layout under NCCL's point-to-point rules, the others on plain gloo
+    modes = {name: "nccl_semantics" if name[-1:] == (2,) else "gloo" for name in runs}
+    return layout_curves(4, runs, modes)
 
 
 @pytest.mark.parametrize("tp,pp", SP_LAYOUTS)
 def test_sequence_parallel_matches_serial(curves, tp, pp):
-    for rank, c in enumerate(curves):
-        _same(c[("sp", tp, pp)], c["serial"], f"rank {rank} sp tp{tp} pp{pp}")
+    assert_matches_serial(curves, ("sp", tp, pp), serial_curve(flat()), ITERS)
 
 
 @pytest.mark.parametrize("mode", sorted(RECOMPUTE))
 def test_recompute_matches_plain_run_with_dropout(curves, mode):
     for rank, c in enumerate(curves):
         _same(c[("tp2_sp_dropout", mode)], c["tp2_sp_dropout"], f"rank {rank} recompute {mode}")
-    assert curves[0]["tp2_sp_dropout"][0] != curves[0]["serial"][0], "dropout must be active in this test"
+    assert curves[0]["tp2_sp_dropout"].losses != serial_curve(flat()).losses, "dropout must be active in this test"
+
+
+def _same(got: Curve, want: Curve, what: str) -> None:
+    assert_rel_close(got.losses, want.losses, 1e-5, f"{what} loss")
+    assert_rel_close(got.grad_norms, want.grad_norms, 1e-5, f"{what} grad norm")
 
 
 def test_single_process_recompute_matches_with_dropout():
-    plain = train(make_cfg(**DROPOUT), 1, 0)
+    plain = train(flat(**DROPOUT))
     for name, kw in RECOMPUTE.items():
-        _same(train(make_cfg(**DROPOUT, **kw), 1, 0), plain, name)
+        _same(train(flat(**DROPOUT, **kw)), plain, name)
 
 
 def _memory(rank: int, world: int) -> dict:

@@ -40,7 +40,6 @@ CASES_A = {
                           "--recompute-method", "uniform", "--recompute-num-layers", "1"], {}),
     "ep2_tp2_sp": (4, ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
                        "--sequence-parallel", *A2A], {}),
-    "ep2_pp2": (4, ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", *A2A], {}),
     "ep2_pp2_nccl_semantics": (4, ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
                                    *A2A], {"MEGALITE_NCCL_SEMANTICS": "1"}),
     # with ZeRO-2: expert gradients reduce-scattered over expert-DP 2 every micro-batch

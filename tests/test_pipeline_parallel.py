@@ -1,16 +1,13 @@
 """Promise: PP in {2, 4}, v in {1, 2}, alone and with TP=2, tied and untied embeddings, give the
-single-process loss curve and grad norm (fp32, relative <= 1e-5 at every iteration over 10 iterations)."""
+single-process loss curve and grad norm (fp32, relative <= 1e-5 at every iteration over 10 iterations),
+every layout under NCCL's point-to-point rules (MEGALITE_NCCL_SEMANTICS=1) and one also on plain gloo."""
 
 from __future__ import annotations
 
 import pytest
 
-from megalite.config import validate
-from megalite.config.arguments import MegaliteConfig
-from megalite.training.loop import pretrain
-from tests.asserts import assert_rel_close
-from tests.harness import run_ranks
-from tests.tp_utils import GPT2, LLAMA_GQA, groups_for, mock_data
+from tests.layouts import P2P_MODES, ModeCache, assert_matches_serial, layout_curves, p2p_mode, serial_curve
+from tests.tp_utils import GPT2, LLAMA_GQA, layout_flat
 
 VOCAB = 500
 ITERS = 10
@@ -20,49 +17,34 @@ MODELS = {"gpt2_tied": {**GPT2, "num_layers": 8, "hidden_size": 32},
 LAYOUTS = [(1, 4, None), (1, 4, 1), (1, 2, None), (1, 2, 2), (2, 2, None), (2, 2, 2)]
 
 
-def make_cfg(model_kw: dict, tp: int, pp: int, vstage: int | None, schedule: str = "1f1b") -> MegaliteConfig:
-    return MegaliteConfig.from_flat(dict(
-        model_kw, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        num_layers_per_virtual_pipeline_stage=vstage, pipeline_schedule=schedule, micro_batch_size=1,
-        global_batch_size=8, train_iters=ITERS, lr=3e-3, lr_warmup_iters=2, log_interval=5, eval_iters=0,
-        eval_interval=1000, mock_data=True, vocab_size=VOCAB, seed=1234))
+# Plain gloo runs the layout that exercises the most (interleaved, with TP); NCCL semantics runs them all.
+GLOO_LAYOUTS = [(2, 2, 2)]
 
 
-def _run(rank: int, world: int, layouts, schedule: str) -> dict:
-    out = {}
-    for model, kw in MODELS.items():
-        cfg = make_cfg(kw, 1, 1, None)
-        validate(cfg, 1)
-        data = mock_data(VOCAB, cfg.model.seq_length, 1234, ITERS * 8)
-        ref = pretrain(cfg, groups_for(1, 0), data=data, log=lambda s: None)
-        out[(model, "serial")] = (ref.losses, ref.grad_norms)
-        for tp, pp, vs in layouts:
-            cfg = make_cfg(kw, tp, pp, vs, schedule)
-            validate(cfg, world)
-            res = pretrain(cfg, groups_for(world, rank, tp=tp, pp=pp), data=data, log=lambda s: None)
-            out[(model, (tp, pp, vs))] = (res.losses, res.grad_norms)
-    return out
+def flat(model: str, tp: int, pp: int, vstage: int | None, schedule: str = "1f1b") -> dict:
+    return layout_flat(MODELS[model], vocab=VOCAB, iters=ITERS, tp=tp, pp=pp,
+                       num_layers_per_virtual_pipeline_stage=vstage, pipeline_schedule=schedule)
 
 
-@pytest.fixture(scope="module")
-def curves(p2p_semantics) -> list[dict]:
-    return run_ranks(_run, 4, LAYOUTS, "1f1b", timeout=400)
+def _layouts(mode: str) -> list[dict]:
+    layouts = LAYOUTS if mode == "nccl_semantics" else GLOO_LAYOUTS
+    return layout_curves(4, {(m, layout): flat(m, *layout) for m in MODELS for layout in layouts})
 
 
-def _assert_same(curve, ref, what):
-    for name, got, want in (("loss", curve[0], ref[0]), ("grad norm", curve[1], ref[1])):
-        assert len(got) == ITERS
-        assert_rel_close(got, want, 1e-5, f"{what} {name} vs serial")
+CURVES = ModeCache(_layouts)
+CASES = [(mode, m, layout) for mode in P2P_MODES for m in sorted(MODELS) for layout in LAYOUTS
+         if mode == "nccl_semantics" or layout in GLOO_LAYOUTS]
 
 
-@pytest.mark.parametrize("model", sorted(MODELS))
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: f"tp{x[0]}-pp{x[1]}-vstage{x[2]}")
-def test_pipeline_loss_curve_matches_serial(curves, model, layout):
-    for rank, c in enumerate(curves):
-        _assert_same(c[(model, layout)], c[(model, "serial")], f"rank {rank} {layout}")
+@pytest.mark.parametrize("mode,model,layout", CASES, ids=lambda x: f"tp{x[0]}-pp{x[1]}-vstage{x[2]}"
+                         if isinstance(x, tuple) else str(x))
+def test_pipeline_loss_curve_matches_serial(mode, model, layout):
+    assert_matches_serial(CURVES(mode), (model, layout), serial_curve(flat(model, 1, 1, None)), ITERS)
 
 
-def test_gpipe_matches_serial(p2p_semantics):
-    curves = run_ranks(_run, 2, [(1, 2, None)], "gpipe")
-    for model in MODELS:
-        _assert_same(curves[1][(model, (1, 2, None))], curves[1][(model, "serial")], "gpipe")
+@pytest.mark.parametrize("mode", P2P_MODES)
+def test_gpipe_matches_serial(mode):
+    with p2p_mode(mode):
+        curves = layout_curves(2, {m: flat(m, 1, 2, None, "gpipe") for m in MODELS})
+    for m in MODELS:
+        assert_matches_serial(curves, m, serial_curve(flat(m, 1, 1, None)), ITERS)

@@ -187,7 +187,7 @@ def _layout_ranks(rank: int, world: int, env: dict) -> dict:
     return {(m, t, layout): evaluate(task_argv(env, m, t) + LAYOUTS[layout]) for m, t, layout in PLAN}
 
 
-def test_both_tasks_print_the_single_process_numbers_at_tp2_pp2_and_other_layouts(env, p2p_semantics):
+def test_both_tasks_print_the_single_process_numbers_at_tp2_pp2_and_other_layouts(env, nccl_semantics):
     want = {(m, t): evaluate(task_argv(env, m, t)) for m, t, _ in PLAN}
     assert all(v > 0 for v, _ in want.values()), "non-zero numbers, so equality means something"
     env_small = {k: v for k, v in env.items() if k != "tok"}

@@ -63,12 +63,18 @@ def init_distributed(cfg: MegaliteConfig, board: FailureBoard | None = None) -> 
         dist.init_process_group(device.backend(), rank=rank, world_size=world, timeout=timeout, store=rv.store)
     elif world == 1:
         device.set_device(local_rank)
+    pg = build_groups(cfg, world, rank, local_world)
+    announce_layout(pg, p.print_layout)  # rank 0: --print-layout table, TP-across-nodes warnings
+    return pg
+
+
+def build_groups(cfg: MegaliteConfig, world: int, rank: int, local_world: int | None = None) -> ProcessGroups:
+    """This rank's ProcessGroups for the layout the config's parallel flags name, over the joined world."""
+    p = cfg.parallel
     layout = RankLayout(world, p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                         p.context_parallel_size, p.layout_order, local_world, ep=p.expert_model_parallel_size,
                         etp=p.expert_tensor_parallel_size)
-    pg = ProcessGroups.build(layout, rank, p.distributed_timeout_minutes, hierarchical_dp=p.hierarchical_dp_reduce)
-    announce_layout(pg, p.print_layout)  # rank 0: --print-layout table, TP-across-nodes warnings
-    return pg
+    return ProcessGroups.build(layout, rank, p.distributed_timeout_minutes, hierarchical_dp=p.hierarchical_dp_reduce)
 
 
 @contextlib.contextmanager

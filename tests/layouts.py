@@ -1,0 +1,126 @@
+"""The layouts-vs-serial pattern of the multi-rank tests, written once.
+
+A test names its runs as flat configs (``MegaliteConfig.from_flat`` keys, the layout's flags included) on
+mock data. The single-process reference of a config is trained once per pytest session, in the test
+process, however many modules and point-to-point modes compare against it; the layouts train on real
+ranks, many per launch (one set of processes runs them one after another). ``assert_matches_serial``
+then holds every rank's loss and grad-norm curve to the reference.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+
+from megalite.config import validate
+from megalite.config.arguments import MegaliteConfig
+from megalite.launch.run import build_groups
+from megalite.parallel.groups import NCCL_SEMANTICS_ENV, ProcessGroups
+from megalite.training.loop import pretrain
+from tests.asserts import assert_rel_close
+from tests.harness import run_ranks
+from tests.tp_utils import mock_data
+
+P2P_MODES = ("gloo", "nccl_semantics")  # plain gloo, and NCCL's point-to-point rules emulated on gloo
+
+
+@dataclass(frozen=True)
+class Curve:
+    losses: list[float]
+    grad_norms: list[float]
+    valid_losses: list[tuple[int, float]]
+
+
+def _quiet(_: str) -> None:
+    pass
+
+
+def train(flat: Mapping[str, Any], pg: ProcessGroups, world: int) -> Curve:
+    """Train the flat config on ``pg`` over mock data of its vocab, sequence, seed and length."""
+    cfg = MegaliteConfig.from_flat(dict(flat))
+    validate(cfg, world)
+    t = cfg.training
+    data = mock_data(flat["vocab_size"], cfg.model.seq_length, t.seed, t.train_iters * t.global_batch_size)
+    res = pretrain(cfg, pg, data=data, log=_quiet)
+    return Curve(list(res.losses), list(res.grad_norms), list(res.valid_losses))
+
+
+_SERIAL: dict[str, Curve] = {}
+
+
+def serial_curve(flat: Mapping[str, Any]) -> Curve:
+    """The single-process run of ``flat`` (its parallel flags are the caller's to leave out), trained once
+    per session in this process on one thread, as a rank trains."""
+    key = repr(sorted(flat.items()))
+    if key not in _SERIAL:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            _SERIAL[key] = train(flat, ProcessGroups.single(), 1)
+        finally:
+            torch.set_num_threads(threads)
+    return _SERIAL[key]
+
+
+def _train_all(rank: int, world: int, runs: dict[Any, dict[str, Any]], modes: dict[Any, str]) -> dict[Any, Curve]:
+    out = {}
+    for name, flat in runs.items():
+        if name in modes:  # read when the run's groups are built
+            os.environ[NCCL_SEMANTICS_ENV] = "1" if modes[name] == "nccl_semantics" else "0"
+        cfg = MegaliteConfig.from_flat(dict(flat))
+        out[name] = train(flat, build_groups(cfg, world, rank), world)
+    return out
+
+
+def layout_curves(world: int, runs: dict[Any, dict[str, Any]], modes: Mapping[Any, str] | None = None,
+                  timeout: float = 400.0) -> list[dict[Any, Curve]]:
+    """Every run of ``runs`` (name -> flat config) trained on the same ``world`` ranks, one after another;
+    per rank, name -> Curve. ``modes`` gives a run its point-to-point mode (P2P_MODES); the others run in
+    the mode of the launch."""
+    return run_ranks(_train_all, world, runs, dict(modes or {}), timeout=timeout)
+
+
+@contextlib.contextmanager
+def p2p_mode(mode: str) -> Iterator[None]:
+    """Plain gloo, or MEGALITE_NCCL_SEMANTICS=1 for the ranks started inside (the harness passes it on)."""
+    assert mode in P2P_MODES, mode
+    patch = pytest.MonkeyPatch()
+    if mode == "nccl_semantics":
+        patch.setenv(NCCL_SEMANTICS_ENV, "1")
+    else:
+        patch.delenv(NCCL_SEMANTICS_ENV, raising=False)
+    try:
+        yield
+    finally:
+        patch.undo()
+
+
+class ModeCache:
+    """Results of a module's shared multi-rank launch, one per point-to-point mode, made on first use."""
+
+    def __init__(self, make: Callable[[str], Any]) -> None:
+        self.make, self.done = make, {}
+
+    def __call__(self, mode: str) -> Any:
+        if mode not in self.done:
+            with p2p_mode(mode):
+                self.done[mode] = self.make(mode)
+        return self.done[mode]
+
+
+def assert_matches_serial(per_rank: list[dict[Any, Curve]], name: Any, ref: Curve, iters: int, rtol: float = 1e-5,
+                          ranks: list[int] | None = None) -> None:
+    """Every rank's (or the listed ranks') loss and grad-norm curves of run ``name`` equal the reference."""
+    assert len(ref.losses) == iters and len(set(ref.losses)) == iters, "the reference must move every iteration"
+    assert all(n > 0 for n in ref.grad_norms), "the reference's grad norms must be positive"
+    for rank in ranks if ranks is not None else range(len(per_rank)):
+        got = per_rank[rank][name]
+        assert len(got.losses) == iters, f"{name} rank {rank}: {len(got.losses)} iterations, not {iters}"
+        assert_rel_close(got.losses, ref.losses, rtol, f"{name} rank {rank}: loss vs serial")
+        assert_rel_close(got.grad_norms, ref.grad_norms, rtol, f"{name} rank {rank}: grad norm vs serial")
