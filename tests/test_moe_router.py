@@ -192,7 +192,7 @@ def test_window_metrics_log_line_and_per_layer_scalars():
     """Two training forwards: the window's metrics are the per-micro-batch mean of the load-balancing loss,
     max/mean of the counts (2, 2, 3, 1 twice: 3 / 2 = 1.5) and no drops; the log line and TensorBoard /
     W&B names carry them per layer, and reading the window clears it."""
-    from megalite.training.log import format_iteration_line, moe_scalars
+    from megalite.training.log import IterationLine, format_iteration_line, moe_scalars
 
     cfg = ModelConfig(num_layers=2, hidden_size=4, num_attention_heads=1, ffn_hidden_size=8, num_experts=4,
                       moe_router_topk=2, disable_bias_linear=True, swiglu=True, moe_aux_loss_coeff=COEFF)
@@ -206,7 +206,9 @@ def test_window_metrics_log_line_and_per_layer_scalars():
     row = out["layers"][1]
     assert list(out["layers"]) == [1] and math.isclose(row["load_balancing_loss"], want_lb, rel_tol=1e-6)
     assert row["imbalance"] == 1.5 and row["dropped_fraction"] == 0.0 and out["imbalance"] == 1.5
-    line = format_iteration_line(3, 10, 24, 1.0, 1e-3, 8, 4.0, 1.0, 0.5, 0, 0, moe=out)
+    line = format_iteration_line(IterationLine(iteration=3, train_iters=10, consumed=24, elapsed_ms=1.0, lr=1e-3,
+                                               global_batch=8, loss=4.0, loss_scale=1.0, grad_norm=0.5, skipped=0,
+                                               nan=0, moe=out))
     assert f"load balancing loss: {want_lb:.6E} | expert imbalance (max/mean): 1.500 | dropped tokens: 0.00% |" in line
     scalars = moe_scalars(out)
     assert scalars["moe/layer_1/imbalance"] == 1.5 and "moe/load_balancing_loss" in scalars

@@ -25,7 +25,7 @@ from megalite.inference.pipeline import pipeline_forward
 from megalite.parallel.groups import NCCL_SEMANTICS_ENV, P2POp, ProcessGroups
 from megalite.parallel.layout import RankLayout
 from megalite.parallel.nccl_check import NcclCheckError, Op, Post, Wait, replay
-from megalite.pipeline.executor import PipelineRecord
+from megalite.pipeline.executor import PipelinePass, PipelineRecord
 from megalite.pipeline.p2p_plan import needed, produced
 from megalite.pipeline.schedule_table import ScheduleSpec, build_tables
 from megalite.pipeline.schedules import forward_backward
@@ -64,8 +64,8 @@ def record_training(world: int, tp: int, pp: int, vp: int, m: int, kind: str = "
         for c, chunk in enumerate(chunks):
             chunk.last = c * pp + pg.pp_rank == pp * vp - 1
         record = PipelineRecord(synchronize=True) if sync else None
-        forward_backward(chunks, [{}] * m, pg, _step, SHAPE, schedule=kind, forward_only=forward_only,
-                         record=record)
+        forward_backward(PipelinePass(chunks, [{}] * m, _step, pg, SHAPE, forward_only=forward_only, record=record),
+                         kind)
         logs.append(pg.p2p_log)
     return logs
 

@@ -35,6 +35,7 @@ from torch import nn
 
 from megalite.distributed.compression import GradCompressor, Layout, matrix_layout
 from megalite.parallel.groups import Group, ProcessGroups
+from megalite.parallel.loss_scaling import LossScaling
 from megalite.tensor_parallel.param_meta import param_meta
 
 
@@ -78,7 +79,7 @@ class GradBuffer:
         # DP, or DP x CP with context parallelism: gradients reduced and sharded over it
         self.kind = kind or pg.grad_kind
         self.dp = pg.size(self.kind)
-        self.scale = 1.0 / pg.grad_size  # each rank's gradients are sums over its own tokens
+        self.scale = LossScaling.of(pg).grad_factor  # each rank's gradients are sums over its own tokens
         self.distributed = distributed and self.dp > 1
         self.shard_grads = (shard_grads or units is not None) and self.distributed
         self.shard_params = units is not None and self.distributed

@@ -12,12 +12,8 @@ import torch
 from torch import nn
 
 from megalite.parallel.groups import Group, ProcessGroups
-from megalite.pipeline.executor import run_table
+from megalite.pipeline.executor import PipelinePass, run_table
 from megalite.pipeline.schedule_table import Action
-
-
-def hidden_dtype(chunks: list[nn.Module]) -> torch.dtype:
-    return next(chunks[0].parameters()).dtype
 
 
 @torch.no_grad()
@@ -37,7 +33,7 @@ def pipeline_forward(chunks: list[nn.Module], pg: ProcessGroups, tokens: torch.T
 
     tables = [[Action("F", c, 0) for c in range(len(chunks))]] * pg.pp_size
     shape = (s, b, chunks[0].cfg.hidden_size)
-    out = run_table(tables, chunks, [{}], step, pg, shape, hidden_dtype(chunks), forward_only=True)
+    out = run_table(tables, PipelinePass(chunks, [{}], step, pg, shape, forward_only=True))
     return out[0] if out else None
 
 

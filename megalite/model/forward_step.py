@@ -12,9 +12,9 @@ def lm_forward_step(chunk: nn.Module, mb: dict[str, torch.Tensor], hidden: torch
     """One micro-batch through one chunk: hidden states out, or the mean token loss on the last stage.
 
     With context parallelism the micro-batch holds this rank's part of each sequence (``position_ids``)
-    and ``num_tokens``, the loss-mask count of the whole sequences: the loss is this part's share of the
-    sequences' mean, times the CP size, because gradients are averaged over DP x CP (the sum over CP
-    ranks of the shares is the mean, whatever the CP size)."""
+    and ``num_tokens``, the loss-mask count of the whole sequences: the result is this part's share of
+    the sequences' mean (the shares of the CP ranks sum to it); the pipeline's LossScaling makes it the
+    micro-batch loss (docs/design.md §3.9)."""
     assert isinstance(chunk, GPTModel)
     tokens = mb["tokens"] if chunk.pre_process else None
     positions = mb.get("position_ids")
@@ -24,7 +24,7 @@ def lm_forward_step(chunk: nn.Module, mb: dict[str, torch.Tensor], hidden: torch
     mask = mb["loss_mask"]
     if "num_tokens" not in mb:
         return (per_token.float() * mask).sum() / mask.sum()
-    return (per_token.float() * mask).sum() / mb["num_tokens"] * chunk.pg.cp_size
+    return (per_token.float() * mask).sum() / mb["num_tokens"]
 
 
 def hidden_shape(chunk: GPTModel, tokens: torch.Tensor, tp_size: int) -> tuple[int, int, int]:

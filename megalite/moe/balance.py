@@ -1,4 +1,5 @@
-"""Step-level MoE bookkeeping: the aux-loss gradient scale, the expert-bias update, the logged metrics.
+"""Step-level MoE bookkeeping: the step's loss scaling handed to the layers, the expert-bias update, the
+logged metrics.
 
 Token counts are summed over every rank of a pipeline stage (expert-model-parallel, then expert-data-
 parallel group: together the stage's TP x CP x DP ranks) and over the step's micro-batches, so the
@@ -13,16 +14,17 @@ from torch import nn
 from megalite import device
 from megalite.moe.layer import MoELayer
 from megalite.parallel.groups import Group, ProcessGroups
+from megalite.parallel.loss_scaling import LossScaling
 
 
 def moe_layers(chunks: list[nn.Module]) -> list[MoELayer]:
     return [m for c in chunks for m in c.modules() if isinstance(m, MoELayer)]
 
 
-def set_aux_loss_scale(chunks: list[nn.Module], scale: float) -> None:
-    """The factor the LM loss is multiplied by before backward (loss scale / micro-batches x CP size)."""
+def set_loss_scaling(chunks: list[nn.Module], scaling: LossScaling) -> None:
+    """Hand the step's scaling to the MoE layers: their aux terms' gradient is ``scaling.aux_grad_scale``."""
     for layer in moe_layers(chunks):
-        layer.aux_grad_scale = scale
+        layer.aux_grad_scale = scaling.aux_grad_scale
 
 
 def _stage_sum(t: torch.Tensor, pg: ProcessGroups) -> torch.Tensor:
@@ -67,14 +69,13 @@ def window_metrics(chunks: list[nn.Module], pg: ProcessGroups, num_layers: int, 
     # every layer lives on one stage; its micro-batch count is summed over the stage's DP replicas below
     pg.all_reduce(table, Group.WORLD)
     out: dict = {"layers": {}}
-    tp_cp = pg.size(Group.TP_CP)
+    scaling = LossScaling.of(pg)
     for n in range(num_layers):
         row = table[n]
         counts, (lb, z, dropped, mbs) = row[:num_experts], row[num_experts:].tolist()
         if mbs == 0:
             continue
-        # every TP x CP rank counted the micro-batch; their loss shares sum to its value
-        mbs /= tp_cp
+        mbs = scaling.moe_microbatches(mbs)
         assigned = float(counts.sum())
         out["layers"][n] = {"load_balancing_loss": lb / mbs, "z_loss": z / mbs,
                             "imbalance": float(counts.max() / counts.mean()) if assigned else 0.0,

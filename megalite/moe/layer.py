@@ -2,8 +2,8 @@
 (+ shared expert). x [s, b, h] in and out (s/tp with sequence parallelism: every rank routes its own tokens).
 
 The load-balancing and z-loss terms never reach the loss value: their gradient enters backward at this
-layer's output (``_AttachAux``), scaled like the LM loss's (loss scale / micro-batches x CP), which
-training sets with ``set_aux_loss_scale``; pipeline stages without the loss get it the same way.
+layer's output (``_AttachAux``), scaled like the LM loss's (``LossScaling.aux_grad_scale``, docs/design.md
+§3.9), which training hands over with ``set_loss_scaling``; pipeline stages without the loss get it too.
 """
 
 from __future__ import annotations

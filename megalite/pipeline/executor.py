@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from megalite.parallel.groups import P2POp, P2PWork, ProcessGroups
+from megalite.parallel.loss_scaling import LossScaling
 from megalite.pipeline.p2p_plan import Message, Step, needed, produced, round_plan
 from megalite.pipeline.schedule_table import Action
 
@@ -55,18 +56,30 @@ def _release(t: torch.Tensor) -> None:
 
 
 @dataclass
-class _Run:
-    """The state of one rank's pass over its table."""
+class PipelinePass:
+    """One pass of a rank's model chunks over a step's micro-batches: what forward_backward and run_table
+    execute. ``forward_step`` gives a micro-batch's output on each stage (the last stage's is this rank's
+    share of the loss in training), ``recv_shape`` the hidden states passed between stages (their dtype is
+    the chunks' parameters'). ``scaling`` turns the last stage's output into the micro-batch loss and its
+    backward seed (docs/design.md §3.9); without one, the loss is the output and the seed output / m.
+    ``last_backward(chunk)`` runs just before each chunk's last backward (its buckets may start reducing)."""
 
     chunks: Sequence[nn.Module]
     microbatches: Sequence[dict]
     forward_step: ForwardStep
     pg: ProcessGroups
     recv_shape: tuple[int, ...]
-    dtype: torch.dtype
-    forward_only: bool
-    record: PipelineRecord | None
-    loss_scale: float
+    forward_only: bool = False
+    record: PipelineRecord | None = None
+    scaling: LossScaling | None = None
+    last_backward: Callable[[int], None] | None = None
+
+
+@dataclass
+class _Run:
+    """The state of one rank's pass over its table."""
+
+    job: PipelinePass
     inputs: dict = field(default_factory=dict)
     outputs: dict = field(default_factory=dict)
     outbox: list[torch.Tensor] = field(default_factory=list)  # what this round's action produced
@@ -75,9 +88,14 @@ class _Run:
     losses: list[torch.Tensor] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        j = self.job
+        self.chunks, self.microbatches, self.pg, self.record = j.chunks, j.microbatches, j.pg, j.record
+        self.forward_only = j.forward_only
+        self.scaling = j.scaling or LossScaling(len(j.microbatches))
         self.p, self.r, self.vp = self.pg.pp_size, self.pg.pp_rank, len(self.chunks)
         self.last_stage = self.p * self.vp - 1
-        self.device = next(self.chunks[0].parameters()).device
+        first = next(self.chunks[0].parameters())
+        self.device, self.dtype = first.device, first.dtype
 
     def clock(self) -> float:
         if self.record is not None and self.record.synchronize:
@@ -90,7 +108,7 @@ class _Run:
         self.outbox = []
         bufs = {}
         for peer, msg in step.recvs:
-            bufs[msg] = torch.empty(self.recv_shape, dtype=self.dtype, device=self.device)
+            bufs[msg] = torch.empty(self.job.recv_shape, dtype=self.dtype, device=self.device)
             ops.append(P2POp("recv", bufs[msg], peer, msg.label()))
         if not ops:
             return
@@ -117,12 +135,13 @@ class _Run:
             hidden.requires_grad_(not self.forward_only)
         start = self.clock()  # compute starts once the input has arrived: waiting is bubble
         with torch.set_grad_enabled(not self.forward_only):
-            out = self.forward_step(self.chunks[c], self.microbatches[mb], hidden)
+            out = self.job.forward_step(self.chunks[c], self.microbatches[mb], hidden)
         end = self.clock()
         if c * self.p + self.r == self.last_stage:
+            out = self.scaling.microbatch_loss(out)
             self.losses.append(out.detach())
             if not self.forward_only:
-                out = out * (self.loss_scale / len(self.microbatches))
+                out = self.scaling.backward_loss(out)
         else:
             self.outbox.append(out.detach().contiguous())
             if not self.forward_only:
@@ -157,14 +176,12 @@ class _Run:
             self.record.timeline.append((action.kind, action.chunk, action.microbatch, start, end))
 
 
-def run_table(tables: Sequence[Sequence[Action]], chunks: Sequence[nn.Module], microbatches: Sequence[dict],
-              forward_step: ForwardStep, pg: ProcessGroups, recv_shape: tuple[int, ...], dtype: torch.dtype,
-              forward_only: bool = False, record: PipelineRecord | None = None, loss_scale: float = 1.0,
-              last_backward: Callable[[int], None] | None = None) -> list[torch.Tensor]:
+def run_table(tables: Sequence[Sequence[Action]], job: PipelinePass) -> list[torch.Tensor]:
     """Execute this rank's table of ``tables`` (one per pipeline rank: every rank plans the message rounds
-    from all of them); returns the (detached) outputs of the last stage's micro-batches (the losses, in
-    training). ``last_backward(chunk)`` runs just before each chunk's last backward."""
-    run = _Run(chunks, microbatches, forward_step, pg, recv_shape, dtype, forward_only, record, loss_scale)
+    from all of them) for ``job``; returns the (detached) outputs of the last stage's micro-batches (the
+    micro-batch losses, in training)."""
+    run = _Run(job)
+    pg, last_backward = job.pg, job.last_backward
     table = tables[run.r]
     final_backward = {a.chunk: i for i, a in enumerate(table) if a.kind == "B"}
     plan = round_plan(tables, run.p, run.vp)[run.r]

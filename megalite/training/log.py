@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from megalite import device
 from megalite.config.arguments import MegaliteConfig
@@ -20,40 +21,61 @@ COMM_WARN_SHARE = 0.30  # the checklist: communication under 30% of the step
 IMBALANCE_WARN = 1.2  # and no rank computing 20% longer than another
 
 
-def format_iteration_line(iteration: int, train_iters: int, consumed: int, elapsed_ms: float, lr: float,
-                          global_batch: int, loss: float, loss_scale: float, grad_norm: float | None,
-                          skipped: int, nan: int, tokens_per_s: float | None = None,
-                          tflops: float | None = None, mfu: float | None = None,
-                          memory: dict[str, float] | None = None, moe: dict | None = None) -> str:
+@dataclass(frozen=True, kw_only=True)
+class IterationLine:
+    """What one iteration line shows: progress, the step's results, and the window's speed; the optional
+    parts (None or empty) are left out of the line."""
+
+    iteration: int
+    train_iters: int
+    consumed: int  # samples
+    elapsed_ms: float  # per iteration, over the window
+    lr: float
+    global_batch: int
+    loss: float
+    loss_scale: float
+    grad_norm: float | None  # None: the step was skipped
+    skipped: int  # iterations so far
+    nan: int
+    tokens_per_s: float | None = None
+    tflops: float | None = None  # per device
+    mfu: float | None = None
+    memory: dict[str, float] | None = None
+    moe: dict | None = None  # window_metrics' means over the MoE layers
+
+
+def format_iteration_line(line: IterationLine) -> str:
+    """Megatron's iteration line for ``line``."""
     now = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
     parts = [
-        f" [{now}] iteration {iteration:8d}/{train_iters:8d}",
-        f"consumed samples: {consumed:12d}",
-        f"elapsed time per iteration (ms): {elapsed_ms:.1f}",
+        f" [{now}] iteration {line.iteration:8d}/{line.train_iters:8d}",
+        f"consumed samples: {line.consumed:12d}",
+        f"elapsed time per iteration (ms): {line.elapsed_ms:.1f}",
     ]
-    if tflops is not None:
-        parts.append(f"throughput per GPU (TFLOP/s/GPU): {tflops:.3f}")
-    if mfu is not None:
-        parts.append(f"MFU: {100.0 * mfu:.1f}%")
-    if tokens_per_s is not None:
-        parts.append(f"tokens per second: {tokens_per_s:.0f}")
+    if line.tflops is not None:
+        parts.append(f"throughput per GPU (TFLOP/s/GPU): {line.tflops:.3f}")
+    if line.mfu is not None:
+        parts.append(f"MFU: {100.0 * line.mfu:.1f}%")
+    if line.tokens_per_s is not None:
+        parts.append(f"tokens per second: {line.tokens_per_s:.0f}")
     parts += [
-        f"learning rate: {lr:.6E}",
-        f"global batch size: {global_batch:5d}",
-        f"lm loss: {loss:.6E}",
-        f"loss scale: {loss_scale:.1f}",
+        f"learning rate: {line.lr:.6E}",
+        f"global batch size: {line.global_batch:5d}",
+        f"lm loss: {line.loss:.6E}",
+        f"loss scale: {line.loss_scale:.1f}",
     ]
-    if moe:  # means over the MoE layers of this logging window
-        parts.append(f"load balancing loss: {moe['load_balancing_loss']:.6E}")
-        if moe["z_loss"]:
-            parts.append(f"z loss: {moe['z_loss']:.6E}")
-        parts += [f"expert imbalance (max/mean): {moe['imbalance']:.3f}",
-                  f"dropped tokens: {100.0 * moe['dropped_fraction']:.2f}%"]
-    if grad_norm is not None:
-        parts.append(f"grad norm: {grad_norm:.6f}")
-    if memory:
-        parts.append("memory (MB): " + ", ".join(f"{k.removesuffix('_mb')} {v:.0f}" for k, v in memory.items()))
-    parts += [f"number of skipped iterations: {skipped:3d}", f"number of nan iterations: {nan:3d}"]
+    if line.moe:  # means over the MoE layers of this logging window
+        parts.append(f"load balancing loss: {line.moe['load_balancing_loss']:.6E}")
+        if line.moe["z_loss"]:
+            parts.append(f"z loss: {line.moe['z_loss']:.6E}")
+        parts += [f"expert imbalance (max/mean): {line.moe['imbalance']:.3f}",
+                  f"dropped tokens: {100.0 * line.moe['dropped_fraction']:.2f}%"]
+    if line.grad_norm is not None:
+        parts.append(f"grad norm: {line.grad_norm:.6f}")
+    if line.memory:
+        parts.append("memory (MB): " + ", ".join(f"{k.removesuffix('_mb')} {v:.0f}" for k, v in line.memory.items()))
+    parts += [f"number of skipped iterations: {line.skipped:3d}",
+              f"number of nan iterations: {line.nan:3d}"]
     return " | ".join(parts) + " |"
 
 
@@ -112,11 +134,13 @@ class LogWindow:
         timer_line, timer_vals = self.timers.report(self.pg, self.iters, elapsed) if self.timers.level else ("", {})
         memory = device.memory_stats() if self.cfg.logging.log_memory else {}
         moe = self.moe() if self.moe is not None else None
-        self.say(format_iteration_line(step, t.train_iters, state.consumed_samples, elapsed * 1e3, lr,
-                                       t.global_batch_size, out.loss, out.loss_scale, out.grad_norm,
-                                       state.skipped_iterations, state.nan_iterations,
-                                       *((self.tokens_per_iter / elapsed, tflops, mfu)
-                                         if self.cfg.logging.log_throughput else (None, None, None)), memory, moe))
+        speed = dict(tokens_per_s=self.tokens_per_iter / elapsed, tflops=tflops, mfu=mfu) \
+            if self.cfg.logging.log_throughput else {}
+        self.say(format_iteration_line(IterationLine(
+            iteration=step, train_iters=t.train_iters, consumed=state.consumed_samples, elapsed_ms=elapsed * 1e3,
+            lr=lr, global_batch=t.global_batch_size, loss=out.loss, loss_scale=out.loss_scale,
+            grad_norm=out.grad_norm, skipped=state.skipped_iterations, nan=state.nan_iterations, memory=memory,
+            moe=moe, **speed)))
         if timer_line:
             self.say(timer_line)
             self._warn(timer_vals)

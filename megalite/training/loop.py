@@ -72,6 +72,10 @@ class Run:
     def validating(self) -> bool:
         return self.data.valid is not None and self.cfg.training.eval_iters > 0
 
+    def step(self, timers: Timers) -> StepOutput:
+        """The next training iteration (training/train_step.py), not yet counted (see record)."""
+        return train_step(self, timers)
+
     def record(self, out: StepOutput) -> int:
         """Count the step just taken; stop on a NaN unless --no-check-for-nan-in-loss-and-grad. Returns its number."""
         ts, t = self.state, self.cfg.training
@@ -156,9 +160,7 @@ def pretrain(cfg: MegaliteConfig, pg: ProcessGroups, data: RunData | None = None
         run.gc.start()
         while run.state.iteration < t.train_iters:
             profiler.before(run.state.iteration)
-            done = (run.state.iteration, run.state.skipped_iterations, t.global_batch_size)
-            out = train_step(run.chunks, run.buffers, run.optimizer, run.data.train, run.state.consumed_samples,
-                             run.schedule.after(*done), cfg, pg, timers, run.schedule.after(*done, decoupled=True))
+            out = run.step(timers)
             step = run.record(out)
             if cfg.parallel.record_pipeline_timeline:
                 write_timeline(cfg, pg, out.record, len(run.chunks))

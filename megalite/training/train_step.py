@@ -11,6 +11,7 @@ import json
 import os
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -22,13 +23,16 @@ from megalite.distributed.finalize import finalize_grads, tied_embedding_params
 from megalite.distributed.grad_buffer import GradBuffer
 from megalite.distributed.param_shard import ParamGatherer, param_units
 from megalite.model.forward_step import hidden_shape, lm_forward_step
-from megalite.moe.balance import set_aux_loss_scale, update_expert_bias
+from megalite.moe.balance import set_loss_scaling, update_expert_bias
+from megalite.optimizer.lr_schedule import LRSchedule
 from megalite.optimizer.optimizer import MegaliteOptimizer
 from megalite.parallel.groups import Group, ProcessGroups
-from megalite.pipeline.executor import PipelineRecord
+from megalite.parallel.loss_scaling import LossScaling
+from megalite.pipeline.executor import PipelinePass, PipelineRecord
 from megalite.pipeline.schedules import forward_backward
 from megalite.tensor_parallel.param_meta import param_meta
-from megalite.training.batches import global_batch
+from megalite.training.batches import RunData, global_batch
+from megalite.training.resume import TrainState
 from megalite.training.timers import Timers
 
 
@@ -56,22 +60,24 @@ def build_buffers(chunks: list[nn.Module], cfg: MegaliteConfig, pg: ProcessGroup
     return buffers + experts
 
 
-def run_microbatches(chunks: list[nn.Module], microbatches: list[dict], pg: ProcessGroups, **kwargs
-                     ) -> list[torch.Tensor]:
-    """The GPT's micro-batches through this rank's pipeline schedule (see forward_backward)."""
+def run_microbatches(chunks: list[nn.Module], microbatches: list[dict], pg: ProcessGroups,
+                     scaling: LossScaling | None = None, schedule: str = "1f1b", **job) -> list[torch.Tensor]:
+    """The GPT's micro-batches through this rank's pipeline schedule (see forward_backward); ``scaling``
+    defaults to the layout's, without a loss scale. ``job``: the other fields of PipelinePass."""
     shape = hidden_shape(chunks[0], microbatches[0]["tokens"], pg.tp_size)
-    return forward_backward(chunks, microbatches, pg, lm_forward_step, shape, **kwargs)
+    scaling = scaling or LossScaling.of(pg, len(microbatches))
+    return forward_backward(PipelinePass(chunks, microbatches, lm_forward_step, pg, shape, scaling=scaling, **job),
+                            schedule)
 
 
 def reported_loss(losses: list[torch.Tensor], pg: ProcessGroups) -> float:
-    """Mean micro-batch loss over DP, computed on the last stage and shared with every stage. With
-    context parallelism each CP rank's loss is CP x its tokens' share of the sequence's mean (what its
-    gradients are scaled by, see lm_forward_step), so the mean over DP x CP is the sequence's mean."""
+    """Mean micro-batch loss over DP, computed on the last stage and shared with every stage (the
+    average over DP x CP of LossScaling.microbatch_loss, docs/design.md §3.9)."""
     t = torch.zeros(1, dtype=torch.float32, device=device.current_device())
     if pg.is_last_stage:
         t += torch.stack(losses).float().mean()
         pg.all_reduce(t, pg.grad_kind)
-        t /= pg.grad_size
+        LossScaling.of(pg).reported(t)
     pg.broadcast(t, Group.PP, src_index=pg.pp_size - 1)
     return float(t)
 
@@ -85,43 +91,63 @@ class StepOutput:
     record: PipelineRecord
 
 
-def train_step(chunks: list[nn.Module], buffers: list[GradBuffer], optimizer: MegaliteOptimizer, dataset,
-               consumed: int, lr: float, cfg: MegaliteConfig, pg: ProcessGroups, timers: Timers,
-               decoupled_lr: float | None = None) -> StepOutput:
+class TrainingRun(Protocol):
+    """What a training step reads from the run (``training/loop.py:Run``)."""
+
+    cfg: MegaliteConfig
+    pg: ProcessGroups
+    data: RunData
+    chunks: list[nn.Module]
+    buffers: list[GradBuffer]
+    optimizer: MegaliteOptimizer
+    schedule: LRSchedule
+    state: TrainState
+
+
+def train_step(run: TrainingRun, timers: Timers) -> StepOutput:
+    """The run's next iteration, at the learning rates its schedule gives for the steps done so far."""
+    cfg, pg, ts, optimizer = run.cfg, run.pg, run.state, run.optimizer
+    done = (ts.iteration, ts.skipped_iterations, cfg.training.global_batch_size)
     record = PipelineRecord(keep_timeline=bool(cfg.parallel.record_pipeline_timeline),
                             synchronize=timers.level > 0)
     with timers.phase("batch-generator"):
-        microbatches = global_batch(dataset, consumed, cfg, pg, device.current_device())
+        microbatches = global_batch(run.data.train, ts.consumed_samples, cfg, pg, device.current_device())
     optimizer.zero_grad()
-    for b in buffers:
-        b.last_microbatch = False
-
-    def last_backward(chunk: int) -> None:  # this chunk's buckets may start reducing during its backward
-        for b in buffers:
-            if b.chunk == chunk:
-                b.last_microbatch = True
-
-    loss_scale = optimizer.loss_scale
-    m = len(microbatches)
-    set_aux_loss_scale(chunks, loss_scale / m * pg.cp_size)  # the MoE terms' gradients, scaled as the loss
+    scaling = LossScaling.of(pg, len(microbatches), optimizer.loss_scale)
+    set_loss_scaling(run.chunks, scaling)
     optimizer.wait_param_gather()  # the last step's updated parameters (overlapped until here)
-    losses = run_microbatches(chunks, microbatches, pg, schedule=cfg.parallel.pipeline_schedule, record=record,
-                              loss_scale=loss_scale, last_backward=last_backward)
+    losses = _forward_backward(run, microbatches, scaling, record)
     timers.add("forward-compute", record.forward_s)
     timers.add("backward-compute", record.backward_s)
     timers.add("pipeline-wait", record.wait_s)
     with timers.phase("grads-reduce"):
-        finalize_grads(chunks, buffers, pg)
+        finalize_grads(run.chunks, run.buffers, pg)
     if cfg.training.empty_unused_memory_level >= 1:
         device.empty_cache()
     with timers.phase("optimizer"):
-        result = optimizer.step(lr, cfg.optimizer.clip_grad, decoupled_lr)
-    update_expert_bias(chunks, pg)
+        result = optimizer.step(run.schedule.after(*done), cfg.optimizer.clip_grad,
+                                run.schedule.after(*done, decoupled=True))
+    update_expert_bias(run.chunks, pg)
     if cfg.training.empty_unused_memory_level >= 2:
         device.empty_cache()
     loss = reported_loss(losses, pg)
     pg.end_step("training step")
-    return StepOutput(loss, result.grad_norm, result.skipped, loss_scale, record)
+    return StepOutput(loss, result.grad_norm, result.skipped, scaling.loss_scale, record)
+
+
+def _forward_backward(run: TrainingRun, microbatches: list[dict], scaling: LossScaling, record: PipelineRecord
+                      ) -> list[torch.Tensor]:
+    """The step's pipeline pass; each chunk's buckets may start reducing during its last backward."""
+    for b in run.buffers:
+        b.last_microbatch = False
+
+    def last_backward(chunk: int) -> None:
+        for b in run.buffers:
+            if b.chunk == chunk:
+                b.last_microbatch = True
+
+    return run_microbatches(run.chunks, microbatches, run.pg, scaling, run.cfg.parallel.pipeline_schedule,
+                            record=record, last_backward=last_backward)
 
 
 @torch.no_grad()
