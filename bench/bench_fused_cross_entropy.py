@@ -34,6 +34,7 @@ from megalite.config.model import ModelConfig  # noqa: E402
 from megalite.model.gpt import GPTModel  # noqa: E402
 from megalite.parallel.groups import ProcessGroups  # noqa: E402
 from megalite.tensor_parallel import fused_cross_entropy  # noqa: E402
+from megalite.tensor_parallel.context import BuildContext  # noqa: E402
 from megalite.tensor_parallel.init import initialize_parameters  # noqa: E402
 from megalite.tensor_parallel.random import model_parallel_seed  # noqa: E402
 
@@ -44,7 +45,7 @@ def make_step(fused: bool, chunk_log2: int | None = None) -> Callable[[], None]:
     cfg = ModelConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, seq_length=SEQ,
                       hidden_dropout=0.0, attention_dropout=0.0, cross_entropy_loss_fusion=fused)
     pg = ProcessGroups.single()
-    model = GPTModel(cfg, pg, VOCAB, model_parallel_seed(1234, 0, 0))
+    model = GPTModel(cfg, BuildContext(pg, model_parallel_seed(1234, 0, 0)), VOCAB)
     initialize_parameters(model, pg, 1234, cfg.init_method_std, cfg.num_layers)
     model.train()
     opt = adamw(model)

@@ -32,6 +32,8 @@ from megalite.moe.layer import MoELayer  # noqa: E402
 from megalite.moe.router import capacity  # noqa: E402
 from megalite.parallel.groups import ProcessGroups  # noqa: E402
 from megalite.parallel.layout import RankLayout  # noqa: E402
+from megalite.tensor_parallel.context import BuildContext  # noqa: E402
+from megalite.tensor_parallel.random import RNGTracker  # noqa: E402
 from megalite.training.loop import pretrain  # noqa: E402
 from tests.harness import run_ranks  # noqa: E402
 from tests.tp_utils import mock_data  # noqa: E402
@@ -189,7 +191,7 @@ def layer_cfg(h: int, F: int, E: int, k: int, grouped: bool):
 
 def make_layer(h: int, F: int, E: int, k: int, grouped: bool) -> MoELayer:
     torch.manual_seed(0)
-    layer = MoELayer(layer_cfg(h, F, E, k, grouped), ProcessGroups.single(), 0, False, torch.float32, None)
+    layer = MoELayer(layer_cfg(h, F, E, k, grouped), BuildContext(ProcessGroups.single(), RNGTracker()), 0)
     with torch.no_grad():
         for p in layer.parameters():
             p.normal_(0, 0.02)

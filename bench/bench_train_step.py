@@ -31,6 +31,7 @@ from megalite.config.training import OptimizerConfig  # noqa: E402
 from megalite.model.gpt import GPTModel  # noqa: E402
 from megalite.parallel.groups import ProcessGroups  # noqa: E402
 from megalite.planning.flops import training_flops  # noqa: E402
+from megalite.tensor_parallel.context import BuildContext  # noqa: E402
 from megalite.tensor_parallel.init import initialize_parameters  # noqa: E402
 from megalite.tensor_parallel.random import model_parallel_seed  # noqa: E402
 
@@ -81,7 +82,7 @@ def megalite_step(compile_model: bool, device: torch.device, dtype: torch.dtype)
     cfg = ModelConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, seq_length=SEQ,
                       hidden_dropout=0.0, attention_dropout=0.0)
     pg = ProcessGroups.single()
-    model = GPTModel(cfg, pg, VOCAB, model_parallel_seed(1234, 0, 0), dtype=dtype, device=device)
+    model = GPTModel(cfg, BuildContext(pg, model_parallel_seed(1234, 0, 0), dtype, device), VOCAB)
     initialize_parameters(model, pg, 1234, cfg.init_method_std, cfg.num_layers)
     model.train()
     opt = adamw(model)

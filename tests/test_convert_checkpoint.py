@@ -27,6 +27,7 @@ from megalite.config.arguments import MegaliteConfig
 from megalite.config.model import ModelConfig
 from megalite.model.gpt import GPTModel
 from megalite.parallel.groups import ProcessGroups
+from megalite.tensor_parallel.context import BuildContext
 from megalite.tensor_parallel.param_meta import param_meta
 from megalite.tensor_parallel.random import RNGTracker
 from megalite.training.loop import pretrain
@@ -160,7 +161,7 @@ def test_reshard_errors_name_the_flag_or_file(runs, tmp_path, capsys):
 def test_to_hf_rejects_a_model_without_hf_equivalent(tmp_path, capsys):
     """Written offline from random tensors: RoPE with LayerNorm is neither GPT-2 nor Llama."""
     cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, position_embedding_type="rope")
-    meta_model = GPTModel(cfg, ProcessGroups.single(), VOCAB, RNGTracker(), device=torch.device("meta"))
+    meta_model = GPTModel(cfg, BuildContext(ProcessGroups.single(), RNGTracker(), device=torch.device("meta")), VOCAB)
     shapes = {n: param_meta(p).full_shape for n, p in meta_model.named_parameters()}
     ckpt = str(tmp_path / "ck")
     write_checkpoint(ckpt, config_dict(cfg, VOCAB), lambda key: torch.randn(shapes[key]), tp=2, pp=2)

@@ -20,6 +20,7 @@ from megalite.config.model import ModelConfig
 from megalite.model.build import build_model
 from megalite.model.gpt import GPTModel
 from megalite.optimizer.optimizer import param_groups
+from megalite.tensor_parallel.context import BuildContext
 from megalite.tensor_parallel.param_meta import param_meta
 from megalite.tensor_parallel.random import RNGTracker, model_parallel_seed
 from megalite.training.loop import pretrain
@@ -55,9 +56,9 @@ def test_only_word_embedding_and_output_layer_are_decoupled(tied):
     cfg = ModelConfig(**{**MODEL, "untie_embeddings_and_output_weights": not tied})
     meta = torch.device("meta")
     pg = groups_for(1, 0)
-    whole = GPTModel(cfg, pg, VOCAB, RNGTracker(), device=meta)
+    whole = GPTModel(cfg, BuildContext(pg, RNGTracker(), device=meta), VOCAB)
     assert marked(whole) == {"embedding.word.weight"} | (set() if tied else {"output_layer.weight"})
-    last = GPTModel(cfg, pg, VOCAB, RNGTracker(), pre_process=False, layer_numbers=[1], device=meta)
+    last = GPTModel(cfg, BuildContext(pg, RNGTracker(), device=meta), VOCAB, pre_process=False, layer_numbers=[1])
     assert marked(last) == {"output_layer.weight"}  # a later stage's copy of a tied embedding too
     slices = [(p, p) for p in whole.parameters()]
     o = make_cfg(**DECOUPLED).optimizer

@@ -29,10 +29,11 @@ from megalite.model.norm import Norm
 from megalite.optimizer.adam import build_adamw
 from megalite.parallel.groups import ProcessGroups
 from megalite.tensor_parallel import fused_cross_entropy
+from megalite.tensor_parallel.context import BuildContext
 from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megalite.tensor_parallel.fused_cross_entropy import fused_linear_cross_entropy
 from megalite.tensor_parallel.init import initialize_parameters
-from megalite.tensor_parallel.random import model_parallel_seed
+from megalite.tensor_parallel.random import RNGTracker, model_parallel_seed
 from tests.cli_utils import losses, run_pretrain
 from tests.harness import run_ranks
 from tests.tp_utils import GPT2, LLAMA_GQA, build, groups_for
@@ -139,7 +140,8 @@ def test_function_matches_unfused_at_tp2_with_a_padding_only_rank():
 
 def _model_outputs(kw: dict, pg, sp: bool, fused: bool) -> tuple[torch.Tensor, dict]:
     cfg = ModelConfig(**kw, cross_entropy_loss_fusion=fused)
-    model = GPTModel(cfg, pg, VOCAB, model_parallel_seed(1234, pg.tp_rank, pg.pp_rank), sequence_parallel=sp)
+    ctx = BuildContext(pg, model_parallel_seed(1234, pg.tp_rank, pg.pp_rank), sequence_parallel=sp)
+    model = GPTModel(cfg, ctx, VOCAB)
     initialize_parameters(model, pg, 1234, cfg.init_method_std, cfg.num_layers)
     gen = torch.Generator().manual_seed(7)
     tokens = torch.randint(0, VOCAB, (3, cfg.seq_length + 1), generator=gen)
@@ -333,7 +335,8 @@ def test_norm_calls_apex_with_its_argument_order(monkeypatch, kind):
         fn = fln.fused_layer_norm_affine if k == "LayerNorm" else fln.fused_rms_norm_affine
         return lambda *a: calls.append(k) or fn(*a)
 
-    norm = Norm(8, kind, 1e-5)
+    norm = Norm(ModelConfig(hidden_size=8, normalization=kind, norm_epsilon=1e-5),
+                BuildContext(ProcessGroups.single(), RNGTracker()))
     with torch.no_grad():
         norm.weight.uniform_(0.5, 1.5)
     x = torch.randn(4, 2, 8)

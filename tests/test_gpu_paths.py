@@ -42,6 +42,7 @@ import torch.distributed as dist
 from megalite import compat, device
 from megalite.config import validate
 from megalite.config.arguments import MegaliteConfig
+from megalite.config.model import ModelConfig
 from megalite.context_parallel import blockwise, ring
 from megalite.context_parallel.attention import context_parallel_attention
 from megalite.launch import rendezvous
@@ -52,6 +53,8 @@ from megalite.moe.experts import grouped_linear
 from megalite.optimizer.adam import build_adamw
 from megalite.parallel.groups import ProcessGroups
 from megalite.parallel.layout import RankLayout
+from megalite.tensor_parallel.context import BuildContext
+from megalite.tensor_parallel.random import RNGTracker
 from megalite.training.loop import TrainResult, pretrain
 from tests.asserts import assert_rel_close
 from tests.cli_utils import losses, run_pretrain
@@ -212,7 +215,8 @@ def _norm_pass(kind: str, dev: torch.device) -> dict[str, torch.Tensor]:
     """megalite's Norm forward and backward on ``dev`` (the path apex would replace), fixed inputs."""
     g = torch.Generator().manual_seed(5)
     x, dout = torch.randn(6, 3, 64, generator=g), torch.randn(6, 3, 64, generator=g)
-    norm = Norm(64, kind, 1e-5, device=dev)
+    norm = Norm(ModelConfig(hidden_size=64, normalization=kind, norm_epsilon=1e-5),
+                BuildContext(ProcessGroups.single(), RNGTracker(), device=dev))
     with torch.no_grad():
         for p in norm.parameters():
             p.copy_(torch.randn(p.shape, generator=g))

@@ -27,6 +27,7 @@ from megalite.config import validate
 from megalite.config.arguments import MegaliteConfig
 from megalite.model.build import build_model
 from megalite.model.gpt import GPTModel
+from megalite.tensor_parallel.context import BuildContext
 from megalite.tensor_parallel.param_meta import param_meta
 from megalite.tensor_parallel.random import RNGTracker, model_parallel_seed
 from megalite.training.loop import pretrain
@@ -268,7 +269,7 @@ def test_name_table_round_trips_every_tensor(model, bias):
              "add_qkv_bias": bias == "qkv"}
     cfg = make_cfg(flags, 1, 1).model
     conf = config_dict(cfg, VOCAB)
-    meta = GPTModel(cfg, groups_for(1, 0), VOCAB, RNGTracker(), device=torch.device("meta"))
+    meta = GPTModel(cfg, BuildContext(groups_for(1, 0), RNGTracker(), device=torch.device("meta")), VOCAB)
     g = torch.Generator().manual_seed(0)
     full = {k: torch.randn(param_meta(p).full_shape, generator=g) for n, k, p in named_params([meta])
             if n == k}

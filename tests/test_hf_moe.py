@@ -30,6 +30,7 @@ from megalite.model.gpt import GPTModel
 from megalite.parallel.groups import ProcessGroups
 from megalite.parallel.layout import RankLayout
 from megalite.pipeline.partition import chunk_layers
+from megalite.tensor_parallel.context import BuildContext
 from megalite.tensor_parallel.param_meta import local_shard, param_meta
 from megalite.tensor_parallel.random import RNGTracker
 from tests.cli_utils import load_tool
@@ -111,7 +112,7 @@ def test_from_hf_single_process_gives_the_hf_logits(models, name):
     _, want, config, full = models[name]
     cfg, vocab = model_config(config)
     pg = ProcessGroups.single()
-    model = GPTModel(cfg, pg, vocab, RNGTracker()).eval()
+    model = GPTModel(cfg, BuildContext(pg, RNGTracker()), vocab).eval()
     fill(model, full, pg)
     with torch.no_grad():
         assert_close(model(TOKENS), want, name)
@@ -123,7 +124,7 @@ def _layout_logits(rank: int, world: int, cases: dict) -> dict:
     out = {}
     for name, (config, full) in cases.items():
         cfg, vocab = model_config(config)
-        model = GPTModel(cfg, pg, vocab, RNGTracker(), sequence_parallel=True,
+        model = GPTModel(cfg, BuildContext(pg, RNGTracker(), sequence_parallel=True), vocab,
                          layer_numbers=chunk_layers(cfg.num_layers, 2, 1, pg.pp_rank, 0),
                          pre_process=pg.is_first_stage, post_process=pg.is_last_stage).eval()
         fill(model, full, pg)
@@ -306,7 +307,7 @@ def test_megalite_model_exports_to_the_same_logits(models, name, flags, tmp_path
     config = {**models[name][2], **flags}
     cfg, vocab = model_config(config)
     pg = ProcessGroups.single()
-    model = perturbed(GPTModel(cfg, pg, vocab, RNGTracker()))
+    model = perturbed(GPTModel(cfg, BuildContext(pg, RNGTracker()), vocab))
     with torch.no_grad():
         want = model(TOKENS)
     params = dict(model.named_parameters())

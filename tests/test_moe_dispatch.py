@@ -32,7 +32,9 @@ from megalite.moe.layer import MoELayer
 from megalite.moe.router import Routing, capacity
 from megalite.parallel.groups import Group, ProcessGroups
 from megalite.parallel.layout import RankLayout
+from megalite.tensor_parallel.context import BuildContext
 from megalite.tensor_parallel.param_meta import local_shard, param_meta
+from megalite.tensor_parallel.random import RNGTracker
 from tests.harness import run_ranks
 from tests.layouts import p2p_mode
 
@@ -122,7 +124,7 @@ def sequence_part(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _reference(layout: RankLayout, tp_group: list[int], kind: str) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """The single-process layer on one TP group's whole sequences: output, input grad, weight grads."""
-    layer = MoELayer(layer_cfg(kind, False), ProcessGroups.single(), 0, False, torch.float32, None)
+    layer = MoELayer(layer_cfg(kind, False), BuildContext(ProcessGroups.single(), RNGTracker()), 0)
     with torch.no_grad():
         full = full_weights(layer)
         for n, p in layer.named_parameters():
@@ -138,7 +140,7 @@ def _layer(pg: ProcessGroups, kind: str, grouped: bool, rank: int) -> dict:
     """This rank's errors against the reference, and its output and input gradient (for the comparison of
     the dispatchers)."""
     layout, tp = pg.layout, pg.tp_size
-    layer = MoELayer(layer_cfg(kind, grouped), pg, 0, tp > 1, torch.float32, None)
+    layer = MoELayer(layer_cfg(kind, grouped), BuildContext(pg, RNGTracker(), sequence_parallel=tp > 1), 0)
     with torch.no_grad():
         full = full_weights(layer)
         for n, p in layer.named_parameters():

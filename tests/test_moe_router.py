@@ -30,6 +30,8 @@ from megalite.moe.balance import update_expert_bias, window_metrics
 from megalite.moe.layer import MoELayer
 from megalite.moe.router import Router, capacity, load_balancing_loss
 from megalite.parallel.groups import ProcessGroups
+from megalite.tensor_parallel.context import BuildContext
+from megalite.tensor_parallel.random import RNGTracker
 
 P = torch.tensor([[.4, .3, .2, .1], [.1, .2, .3, .4], [.5, .1, .3, .1], [.15, .35, .4, .1]], dtype=torch.float64)
 SHIFT = torch.tensor([1.0, -2.0, 0.5, 3.0], dtype=torch.float64)
@@ -38,11 +40,15 @@ TOP2 = [[0, 1], [3, 2], [0, 2], [2, 1]]
 COEFF = 0.01
 
 
+def single_ctx() -> BuildContext:
+    return BuildContext(ProcessGroups.single(), RNGTracker())
+
+
 def router(s: int = 4, b: int = 1, **flags) -> tuple[Router, torch.Tensor]:
     """A router whose logits are LOGITS, and its input [s, b, 4] (tokens in LOGITS' order)."""
     cfg = ModelConfig(num_layers=1, hidden_size=4, num_attention_heads=1, num_experts=4, moe_router_topk=2,
                       disable_bias_linear=True, **flags)
-    r = Router(cfg, ProcessGroups.single(), False, torch.float32, None)
+    r = Router(cfg, single_ctx())
     with torch.no_grad():
         r.weight.copy_(torch.eye(4))
     return r, LOGITS.reshape(s, b, 4)
@@ -158,7 +164,7 @@ def test_expert_bias_update_direction():
     cfg = ModelConfig(num_layers=1, hidden_size=4, num_attention_heads=1, ffn_hidden_size=8, num_experts=4,
                       moe_router_topk=2, disable_bias_linear=True, moe_router_score_function="sigmoid",
                       moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.1)
-    layer = MoELayer(cfg, ProcessGroups.single(), 0, False, torch.float32, None)
+    layer = MoELayer(cfg, single_ctx(), 0)
     layer.stats.step_counts.copy_(torch.tensor([10.0, 4.0, 1.0, 1.0]))  # mean 4
     update_expert_bias([layer], ProcessGroups.single())
     assert torch.allclose(layer.router.expert_bias, torch.tensor([-0.1, 0.0, 0.1, 0.1]))
@@ -170,7 +176,7 @@ def test_training_forward_counts_for_the_bias():
     """The layer's training forward feeds the step counts the update reads."""
     cfg = ModelConfig(num_layers=1, hidden_size=4, num_attention_heads=1, ffn_hidden_size=8, num_experts=4,
                       moe_router_topk=2, disable_bias_linear=True, swiglu=True)
-    layer = MoELayer(cfg, ProcessGroups.single(), 0, False, torch.float32, None)
+    layer = MoELayer(cfg, single_ctx(), 0)
     with torch.no_grad():
         layer.router.weight.copy_(torch.eye(4))
         for p in (layer.experts.fc1_weight, layer.experts.fc2_weight):
@@ -196,7 +202,7 @@ def test_window_metrics_log_line_and_per_layer_scalars():
 
     cfg = ModelConfig(num_layers=2, hidden_size=4, num_attention_heads=1, ffn_hidden_size=8, num_experts=4,
                       moe_router_topk=2, disable_bias_linear=True, swiglu=True, moe_aux_loss_coeff=COEFF)
-    layer = MoELayer(cfg, ProcessGroups.single(), 1, False, torch.float32, None)
+    layer = MoELayer(cfg, single_ctx(), 1)
     with torch.no_grad():
         layer.router.weight.copy_(torch.eye(4))
     for _ in range(2):

@@ -11,6 +11,7 @@ from megalite.distributed.finalize import finalize_grads
 from megalite.distributed.grad_buffer import GradBuffer
 from megalite.model.gpt import TIED_EMBEDDING, GPTModel
 from megalite.optimizer.clip import global_grad_norm
+from megalite.tensor_parallel.context import BuildContext
 from megalite.tensor_parallel.param_meta import param_meta
 from megalite.tensor_parallel.random import RNGTracker
 from megalite.tensor_parallel.sharding import VocabShardSpec
@@ -86,7 +87,8 @@ def test_tp_matches_serial_logits_loss_and_grads(reports, case, tp):
 def test_param_meta_declared_once_with_defaults():
     """Every parameter's metadata is read through param_meta(); the model amends the tie and the fused QKV."""
     cfg = ModelConfig(**{**GPT2, "untie_embeddings_and_output_weights": False})
-    last = GPTModel(cfg, groups_for(1, 0), VOCAB, RNGTracker(), pre_process=False, device=torch.device("meta"))
+    last = GPTModel(cfg, BuildContext(groups_for(1, 0), RNGTracker(), device=torch.device("meta")), VOCAB,
+                    pre_process=False)
     out = param_meta(last.output_layer.weight)
     assert (out.copy_of, out.tied_embedding, out.full_shape) == (TIED_EMBEDDING, True, (VOCAB, cfg.hidden_size))
     assert isinstance(out.spec, VocabShardSpec)

@@ -12,6 +12,7 @@ from megalite.data.mock import MockGPTDataset
 from megalite.model.gpt import GPTModel
 from megalite.parallel.groups import ProcessGroups
 from megalite.parallel.layout import RankLayout
+from megalite.tensor_parallel.context import BuildContext
 from megalite.tensor_parallel.init import initialize_parameters
 from megalite.tensor_parallel.param_meta import param_meta
 from megalite.tensor_parallel.random import model_parallel_seed
@@ -34,7 +35,7 @@ def groups_for(world: int, rank: int, tp: int = 1, pp: int = 1) -> ProcessGroups
 
 def build(cfg: ModelConfig, pg: ProcessGroups, vocab: int, seed: int = 1234) -> GPTModel:
     tracker = model_parallel_seed(seed, pg.tp_rank, pg.pp_rank)
-    model = GPTModel(cfg, pg, vocab, tracker)
+    model = GPTModel(cfg, BuildContext(pg, tracker), vocab)
     initialize_parameters(model, pg, seed, cfg.init_method_std, cfg.num_layers)
     return model
 

@@ -18,6 +18,7 @@ from megalite.model.gpt import GPTModel
 from megalite.parallel.groups import ProcessGroups
 from megalite.parallel.layout import RankLayout
 from megalite.pipeline.partition import chunk_layers, virtual_stage
+from megalite.tensor_parallel.context import BuildContext
 from megalite.tensor_parallel.param_meta import param_meta
 from megalite.tensor_parallel.random import RNGTracker
 from megalite.tensor_parallel.sharding import ShardSpec
@@ -48,15 +49,14 @@ def stage_params(config: dict[str, Any], tp: int, pp: int, vp: int = 1) -> list[
     order a training run stores them. A tied output layer on the last stage is not stored."""
     cfg, vocab = model_config(config)
     pg = ProcessGroups.unconnected(RankLayout(tp * pp, tp, pp), 0)
-    tracker = RNGTracker()
+    ctx = BuildContext(pg, RNGTracker(), device=torch.device("meta"))
     last = pp * vp - 1
     stages = []
     for rank in range(pp):
         chunks = []
         for c in range(vp):
             stage = virtual_stage(rank, c, pp)
-            chunks.append(GPTModel(cfg, pg, vocab, tracker, device=torch.device("meta"),
-                                   layer_numbers=chunk_layers(cfg.num_layers, pp, vp, rank, c),
+            chunks.append(GPTModel(cfg, ctx, vocab, layer_numbers=chunk_layers(cfg.num_layers, pp, vp, rank, c),
                                    pre_process=stage == 0, post_process=stage == last))
         stages.append([StoredParam(k, param_meta(p).spec, param_meta(p).expert, p.requires_grad)
                        for n, k, p in named_params(chunks) if n == k])

@@ -10,6 +10,7 @@ import torch
 from megalite.config.model import ModelConfig
 from megalite.model.gpt import GPTModel
 from megalite.parallel.groups import ProcessGroups
+from megalite.tensor_parallel.context import BuildContext
 from megalite.tensor_parallel.init import initialize_parameters
 from megalite.tensor_parallel.random import model_parallel_seed
 
@@ -40,8 +41,9 @@ def bytes_per_layer(cfg: ModelConfig, pg: ProcessGroups, micro_batch: int, vocab
     out = []
     for layers in (1, 2):
         c = ModelConfig(**{**cfg.__dict__, "num_layers": layers})
-        tracker = model_parallel_seed(1, pg.tp_rank, pg.pp_rank)
-        model = GPTModel(c, pg, vocab, tracker, sequence_parallel=sequence_parallel, dtype=dtype)
+        ctx = BuildContext(pg, model_parallel_seed(1, pg.tp_rank, pg.pp_rank), dtype,
+                           sequence_parallel=sequence_parallel)
+        model = GPTModel(c, ctx, vocab)
         initialize_parameters(model, pg, 1, c.init_method_std, layers)
         model.train()
         tokens = torch.randint(0, vocab, (micro_batch, c.seq_length), generator=torch.Generator().manual_seed(0))

@@ -9,6 +9,7 @@ from megalite.config.arguments import MegaliteConfig
 from megalite.model.gpt import GPTModel
 from megalite.parallel.groups import ProcessGroups
 from megalite.pipeline.partition import chunk_layers, num_chunks, virtual_stage
+from megalite.tensor_parallel.context import BuildContext
 from megalite.tensor_parallel.init import initialize_parameters
 from megalite.tensor_parallel.random import RNGTracker
 
@@ -20,13 +21,12 @@ def build_model(cfg: MegaliteConfig, pg: ProcessGroups, vocab_size: int, tracker
     m, p = cfg.model, cfg.parallel
     vp = num_chunks(m.num_layers, pg.pp_size, p.num_layers_per_virtual_pipeline_stage)
     last = pg.pp_size * vp - 1
+    ctx = BuildContext(pg, tracker, dtype, device.current_device(), p.sequence_parallel, p.cp_comm_type)
     chunks = []
     for c in range(vp):
         stage = virtual_stage(pg.pp_rank, c, pg.pp_size)
-        chunk = GPTModel(m, pg, vocab_size, tracker, sequence_parallel=p.sequence_parallel, dtype=dtype,
-                         device=device.current_device(),
-                         layer_numbers=chunk_layers(m.num_layers, pg.pp_size, vp, pg.pp_rank, c),
-                         pre_process=stage == 0, post_process=stage == last, cp_comm_type=p.cp_comm_type)
+        chunk = GPTModel(m, ctx, vocab_size, layer_numbers=chunk_layers(m.num_layers, pg.pp_size, vp, pg.pp_rank, c),
+                         pre_process=stage == 0, post_process=stage == last)
         initialize_parameters(chunk, pg, cfg.training.seed, m.init_method_std, m.num_layers)
         chunks.append(chunk)
     return chunks

@@ -30,4 +30,4 @@ def lm_forward_step(chunk: nn.Module, mb: dict[str, torch.Tensor], hidden: torch
 def hidden_shape(chunk: GPTModel, tokens: torch.Tensor, tp_size: int) -> tuple[int, int, int]:
     """[s, b, h] of the hidden states between stages for ``tokens`` [b, s] (s / tp with sequence parallelism)."""
     b, s = tokens.shape
-    return (s // (tp_size if chunk.sequence_parallel else 1), b, chunk.cfg.hidden_size)
+    return (s // (tp_size if chunk.ctx.sequence_parallel else 1), b, chunk.cfg.hidden_size)

@@ -17,7 +17,7 @@ from megalite.config.model import ModelConfig
 from megalite.model.norm import Norm
 from megalite.model.rope import rope_frequencies
 from megalite.model.transformer import TransformerLayer
-from megalite.parallel.groups import ProcessGroups
+from megalite.tensor_parallel.context import BuildContext
 from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megalite.tensor_parallel.fused_cross_entropy import fused_linear_cross_entropy
 from megalite.tensor_parallel.layers import (
@@ -29,7 +29,7 @@ from megalite.tensor_parallel.layers import (
 )
 from megalite.tensor_parallel.mappings import copy_to_tp, gather_from_tp, scatter_to_sp
 from megalite.tensor_parallel.param_meta import amend_param
-from megalite.tensor_parallel.random import RNGTracker, hidden_dropout
+from megalite.tensor_parallel.random import hidden_dropout
 from megalite.tensor_parallel.recompute import recompute
 from megalite.tensor_parallel.sharding import VocabShardSpec
 
@@ -45,13 +45,12 @@ def _run(layers: list[nn.Module], x: torch.Tensor, angles: torch.Tensor | None) 
 class Embedding(nn.Module):
     """Token embedding (vocab-parallel) plus learned absolute positions, then dropout. -> [s, b, h]"""
 
-    def __init__(self, cfg: ModelConfig, pg: ProcessGroups, vocab_size: int, padded_vocab: int,
-                 sequence_parallel: bool, tracker: RNGTracker, dtype: torch.dtype, device: torch.device | None):
+    def __init__(self, cfg: ModelConfig, ctx: BuildContext, vocab_size: int, padded_vocab: int) -> None:
         super().__init__()
-        self.cfg, self.pg, self.sequence_parallel, self.tracker = cfg, pg, sequence_parallel, tracker
-        self.word = VocabParallelEmbedding(vocab_size, padded_vocab, cfg.hidden_size, pg, dtype=dtype,
-                                           device=device)
-        self.position = (ReplicatedEmbedding(cfg.max_position_embeddings, cfg.hidden_size, dtype, device)
+        self.cfg, self.ctx = cfg, ctx
+        self.word = VocabParallelEmbedding(vocab_size, padded_vocab, cfg.hidden_size, ctx.pg, dtype=ctx.dtype,
+                                           device=ctx.device)
+        self.position = (ReplicatedEmbedding(cfg.max_position_embeddings, cfg.hidden_size, ctx.dtype, ctx.device)
                          if cfg.position_embedding_type == "learned_absolute" else None)
 
     def forward(self, tokens: torch.Tensor, position_offset: int = 0,
@@ -62,39 +61,36 @@ class Embedding(nn.Module):
             pos = (self.position.weight[position_offset: position_offset + tokens.shape[1]] if position_ids is None
                    else self.position.weight[position_ids])
             x = x + pos.unsqueeze(1)
-        if self.sequence_parallel:
-            x = scatter_to_sp(x, self.pg)
-        return hidden_dropout(x, self.cfg.hidden_dropout if self.training else 0.0, self.tracker,
-                              self.sequence_parallel)
+        ctx = self.ctx
+        if ctx.sequence_parallel:
+            x = scatter_to_sp(x, ctx.pg)
+        return hidden_dropout(x, self.cfg.hidden_dropout if self.training else 0.0, ctx.tracker,
+                              ctx.sequence_parallel)
 
 
 class GPTModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, pg: ProcessGroups, vocab_size: int, tracker: RNGTracker, *,
-                 layer_numbers: Sequence[int] | None = None, pre_process: bool = True, post_process: bool = True,
-                 sequence_parallel: bool = False, dtype: torch.dtype = torch.float32,
-                 device: torch.device | None = None, cp_comm_type: str = "p2p") -> None:
+    def __init__(self, cfg: ModelConfig, ctx: BuildContext, vocab_size: int, *,
+                 layer_numbers: Sequence[int] | None = None, pre_process: bool = True,
+                 post_process: bool = True) -> None:
+        """``layer_numbers``: the global numbers of this chunk's layers (default all); ``pre_process`` /
+        ``post_process``: this chunk holds the embedding / the final norm, output layer and loss."""
         super().__init__()
-        self.cfg, self.pg, self.vocab_size, self.tracker = cfg, pg, vocab_size, tracker
-        self.pre_process, self.post_process, self.sequence_parallel = pre_process, post_process, sequence_parallel
-        self.padded_vocab = padded_vocab_size(vocab_size, cfg.make_vocab_size_divisible_by, pg.tp_size)
+        self.cfg, self.ctx, self.pg, self.vocab_size = cfg, ctx, ctx.pg, vocab_size
+        self.pre_process, self.post_process = pre_process, post_process
+        self.padded_vocab = padded_vocab_size(vocab_size, cfg.make_vocab_size_divisible_by, ctx.pg.tp_size)
         layer_numbers = list(range(cfg.num_layers)) if layer_numbers is None else list(layer_numbers)
         if pre_process:
-            self.embedding = Embedding(cfg, pg, vocab_size, self.padded_vocab, sequence_parallel, tracker,
-                                       dtype, device)
-        self.layers = nn.ModuleDict({
-            str(i): TransformerLayer(cfg, pg, tracker, sequence_parallel, dtype, device, cp_comm_type, i)
-            for i in layer_numbers
-        })
+            self.embedding = Embedding(cfg, ctx, vocab_size, self.padded_vocab)
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, ctx, i) for i in layer_numbers})
         if post_process:
-            self.final_norm = Norm(cfg.hidden_size, cfg.normalization, cfg.norm_epsilon, sequence_parallel,
-                                   dtype, device, zero_centered=cfg.apply_layernorm_1p)
+            self.final_norm = Norm(cfg, ctx)
             if cfg.tied_embeddings and pre_process:
                 self.output_layer = None  # use the embedding's weight
             else:
                 self.output_layer = ColumnParallelLinear(
-                    cfg.hidden_size, self.padded_vocab, pg, bias=False, sequence_parallel=sequence_parallel,
+                    cfg.hidden_size, self.padded_vocab, ctx.pg, bias=False, sequence_parallel=ctx.sequence_parallel,
                     spec=VocabShardSpec(dim=0, vocab_size=vocab_size, padded_vocab=self.padded_vocab),
-                    dtype=dtype, device=device)
+                    dtype=ctx.dtype, device=ctx.device)
                 amend_param(self.output_layer.weight, full_shape=(vocab_size, cfg.hidden_size))
                 if cfg.tied_embeddings:  # the last stage's copy of the tied embedding
                     amend_param(self.output_layer.weight, copy_of=TIED_EMBEDDING, tied_embedding=True)
@@ -130,17 +126,17 @@ class GPTModel(nn.Module):
         if cfg.recompute_method in (None, "uniform"):
             for i in range(0, len(layers), n):
                 group = layers[i:i + n]
-                x = recompute(lambda h, a, g=group: _run(g, h, a), self.tracker, x, angles)
+                x = recompute(lambda h, a, g=group: _run(g, h, a), self.ctx.tracker, x, angles)
             return x
         for i, layer in enumerate(layers):
-            x = recompute(layer, self.tracker, x, angles) if i < n else layer(x, angles)
+            x = recompute(layer, self.ctx.tracker, x, angles) if i < n else layer(x, angles)
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """This rank's vocab columns of the logits, [s, b, v_pad/tp], from final hidden states."""
         hidden = self.final_norm(hidden)
         if self.output_layer is None:
-            if self.sequence_parallel:
+            if self.ctx.sequence_parallel:
                 return linear_gathering_sequence(hidden, self.embedding.word.weight, None, self.pg)
             return F.linear(copy_to_tp(hidden, self.pg), self.embedding.word.weight)
         return self.output_layer(hidden)
@@ -158,7 +154,7 @@ class GPTModel(nn.Module):
         offset = 0 if kv_cache is None else kv_cache.offset
         x = self.embedding(tokens, offset, position_ids) if self.pre_process else hidden
         if position_ids is None:
-            seq_len = x.shape[0] * (self.pg.tp_size if self.sequence_parallel else 1)
+            seq_len = x.shape[0] * (self.pg.tp_size if self.ctx.sequence_parallel else 1)
             angles = self._rope(seq_len, x.device, offset)
         else:
             angles = self._rope(self.cfg.seq_length, x.device)
@@ -173,7 +169,7 @@ class GPTModel(nn.Module):
         if labels is not None and self.cfg.cross_entropy_loss_fusion:  # never the full fp32 logits
             weight = self.embedding.word.weight if self.output_layer is None else self.output_layer.weight
             return fused_linear_cross_entropy(self.final_norm(x), weight, labels.t(), self.pg, self.vocab_size,
-                                              self.sequence_parallel).t()
+                                              self.ctx.sequence_parallel).t()
         logits = self.logits(x)
         if labels is None:
             full = gather_from_tp(logits, self.pg, dim=-1)[..., : self.vocab_size]

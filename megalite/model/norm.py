@@ -15,24 +15,27 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite import device
+from megalite.config.model import ModelConfig
+from megalite.tensor_parallel.context import BuildContext
 from megalite.tensor_parallel.param_meta import declare_param
 from megalite.tensor_parallel.sharding import ShardSpec
 
 
 class Norm(nn.Module):
-    def __init__(self, hidden: int, kind: str, eps: float, sequence_parallel: bool = False,
-                 dtype: torch.dtype = torch.float32, device: torch.device | None = None,
-                 zero_centered: bool = False) -> None:
+    """The model's norm over the hidden size: --normalization, --norm-epsilon, --apply-layernorm-1p."""
+
+    def __init__(self, cfg: ModelConfig, ctx: BuildContext) -> None:
         super().__init__()
+        kind, hidden, zero_centered = cfg.normalization, cfg.hidden_size, cfg.apply_layernorm_1p
         if kind not in ("LayerNorm", "RMSNorm"):
             raise ValueError(f"--normalization must be LayerNorm or RMSNorm, got {kind}")
-        self.kind, self.eps, self.hidden, self.zero_centered = kind, eps, hidden, zero_centered
-        spec = ShardSpec(partial_grad=sequence_parallel)
+        self.kind, self.eps, self.hidden, self.zero_centered = kind, cfg.norm_epsilon, hidden, zero_centered
+        spec = ShardSpec(partial_grad=ctx.sequence_parallel)
         init = torch.zeros if zero_centered else torch.ones
-        self.weight = nn.Parameter(init(hidden, dtype=dtype, device=device))
+        self.weight = nn.Parameter(init(hidden, dtype=ctx.dtype, device=ctx.device))
         declare_param(self.weight, spec, (hidden,), "zeros" if zero_centered else "ones")
         if kind == "LayerNorm":
-            self.bias = nn.Parameter(torch.zeros(hidden, dtype=dtype, device=device))
+            self.bias = nn.Parameter(torch.zeros(hidden, dtype=ctx.dtype, device=ctx.device))
             declare_param(self.bias, spec, (hidden,), "zeros")
         else:
             self.register_parameter("bias", None)

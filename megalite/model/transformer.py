@@ -19,10 +19,10 @@ from megalite.context_parallel import context_parallel_attention
 from megalite.model.norm import Norm
 from megalite.model.rope import apply_rope
 from megalite.moe.layer import MoELayer
-from megalite.parallel.groups import ProcessGroups
+from megalite.tensor_parallel.context import BuildContext
 from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megalite.tensor_parallel.param_meta import amend_param
-from megalite.tensor_parallel.random import RNGTracker, hidden_dropout
+from megalite.tensor_parallel.random import hidden_dropout
 from megalite.tensor_parallel.recompute import recompute
 from megalite.tensor_parallel.sharding import QKVShardSpec, ShardSpec
 
@@ -59,11 +59,10 @@ def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p:
 class Attention(nn.Module):
     """Self-attention with one fused QKV GEMM in Megatron's per-group layout, heads split over TP."""
 
-    def __init__(self, cfg: ModelConfig, pg: ProcessGroups, tracker: RNGTracker, sequence_parallel: bool,
-                 dtype: torch.dtype, device: torch.device | None, cp_comm_type: str = "p2p") -> None:
+    def __init__(self, cfg: ModelConfig, ctx: BuildContext) -> None:
         super().__init__()
-        tp = pg.tp_size
-        self.cfg, self.tracker, self.pg, self.cp_comm_type = cfg, tracker, pg, cp_comm_type
+        pg, tp = ctx.pg, ctx.pg.tp_size
+        self.cfg, self.ctx = cfg, ctx
         self.head_dim = cfg.kv_channels
         self.heads_local = cfg.num_attention_heads // tp
         groups = cfg.num_query_groups
@@ -74,19 +73,20 @@ class Attention(nn.Module):
         out_local = (self.heads_local + 2 * self.groups_local) * self.head_dim
         self.qkv = ColumnParallelLinear(cfg.hidden_size, out_local * tp, pg,
                                         bias=cfg.add_bias_linear or cfg.add_qkv_bias, spec=spec,
-                                        sequence_parallel=sequence_parallel, dtype=dtype, device=device)
+                                        sequence_parallel=ctx.sequence_parallel, dtype=ctx.dtype, device=ctx.device)
         # The layer was sized for out_local * tp rows; record the true full shape of the fused layout.
         amend_param(self.qkv.weight, full_shape=(out_full, cfg.hidden_size))
         if self.qkv.bias is not None:
             amend_param(self.qkv.bias, full_shape=(out_full,))
         self.proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size, pg,
-                                      bias=cfg.add_bias_linear, sequence_parallel=sequence_parallel,
-                                      dtype=dtype, device=device)
+                                      bias=cfg.add_bias_linear, sequence_parallel=ctx.sequence_parallel,
+                                      dtype=ctx.dtype, device=ctx.device)
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float) -> torch.Tensor:
-        with self.tracker.fork() if p > 0 else contextlib.nullcontext():
-            if self.pg.cp_size > 1:  # this rank's two sequence chunks against the whole sequence's keys
-                return context_parallel_attention(q, k, v, self.pg, self.cp_comm_type, dropout_p=p)
+        ctx = self.ctx
+        with ctx.tracker.fork() if p > 0 else contextlib.nullcontext():
+            if ctx.pg.cp_size > 1:  # this rank's two sequence chunks against the whole sequence's keys
+                return context_parallel_attention(q, k, v, ctx.pg, ctx.cp_comm_type, dropout_p=p)
             return core_attention(q, k, v, p, self.cfg.attention_backend)
 
     def forward(self, x: torch.Tensor, rope_angles: torch.Tensor | None, kv_cache=None) -> torch.Tensor:
@@ -107,27 +107,28 @@ class Attention(nn.Module):
             k, v = kv_cache.update(k, v)  # [b, groups_local, past + s, d]
         p = self.cfg.attention_dropout if self.training else 0.0
         if self.cfg.recompute_granularity == "selective":  # the s^2 attention activations dominate memory
-            ctx = recompute(self._core, self.tracker, q, k, v, p)
+            out = recompute(self._core, self.ctx.tracker, q, k, v, p)
         else:
-            ctx = self._core(q, k, v, p)
-        ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.heads_local * self.head_dim)
-        return self.proj(ctx)
+            out = self._core(q, k, v, p)
+        out = out.permute(2, 0, 1, 3).reshape(s, b, self.heads_local * self.head_dim)
+        return self.proj(out)
 
 
 class MLP(nn.Module):
     """fc1 (column-parallel) -> GeLU or SwiGLU -> fc2 (row-parallel)."""
 
-    def __init__(self, cfg: ModelConfig, pg: ProcessGroups, sequence_parallel: bool, dtype: torch.dtype,
-                 device: torch.device | None, ffn_hidden_size: int | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, ctx: BuildContext, ffn_hidden_size: int | None = None) -> None:
+        """``ffn_hidden_size``: this instance's width when it is not --ffn-hidden-size (the shared expert)."""
         super().__init__()
         self.swiglu = cfg.swiglu
         ffn = ffn_hidden_size or cfg.ffn_hidden_size
+        pg, sp, dtype, device = ctx.pg, ctx.sequence_parallel, ctx.dtype, ctx.device
         # SwiGLU's fc1 is [gate; up] stacked; each rank keeps its slice of both halves.
         self.fc1 = ColumnParallelLinear(cfg.hidden_size, 2 * ffn if cfg.swiglu else ffn, pg,
                                         bias=cfg.add_bias_linear, spec=ShardSpec(dim=0, chunks=2 if cfg.swiglu else 1),
-                                        sequence_parallel=sequence_parallel, dtype=dtype, device=device)
+                                        sequence_parallel=sp, dtype=dtype, device=device)
         self.fc2 = RowParallelLinear(ffn, cfg.hidden_size, pg, bias=cfg.add_bias_linear,
-                                     sequence_parallel=sequence_parallel, dtype=dtype, device=device)
+                                     sequence_parallel=sp, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc1(x)
@@ -140,26 +141,22 @@ class MLP(nn.Module):
 
 
 class TransformerLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, pg: ProcessGroups, tracker: RNGTracker, sequence_parallel: bool = False,
-                 dtype: torch.dtype = torch.float32, device: torch.device | None = None,
-                 cp_comm_type: str = "p2p", layer_number: int = 0) -> None:
+    def __init__(self, cfg: ModelConfig, ctx: BuildContext, layer_number: int = 0) -> None:
+        """``layer_number``: the global (0-based) number, which picks an MoE or a dense MLP."""
         super().__init__()
-        self.cfg, self.tracker, self.sequence_parallel = cfg, tracker, sequence_parallel
-        norm = dict(kind=cfg.normalization, eps=cfg.norm_epsilon, sequence_parallel=sequence_parallel,
-                    dtype=dtype, device=device, zero_centered=cfg.apply_layernorm_1p)
-        self.input_norm = Norm(cfg.hidden_size, **norm)
-        self.attention = Attention(cfg, pg, tracker, sequence_parallel, dtype, device, cp_comm_type)
-        self.pre_mlp_norm = Norm(cfg.hidden_size, **norm)
+        self.cfg, self.ctx = cfg, ctx
+        self.input_norm = Norm(cfg, ctx)
+        self.attention = Attention(cfg, ctx)
+        self.pre_mlp_norm = Norm(cfg, ctx)
         if cfg.is_moe and cfg.moe_layers()[layer_number]:
             shared = cfg.moe_shared_expert_intermediate_size
-            self.mlp = MoELayer(cfg, pg, layer_number, sequence_parallel, dtype, device,
-                                MLP(cfg, pg, sequence_parallel, dtype, device, shared) if shared else None)
+            self.mlp = MoELayer(cfg, ctx, layer_number, MLP(cfg, ctx, shared) if shared else None)
         else:
-            self.mlp = MLP(cfg, pg, sequence_parallel, dtype, device)
+            self.mlp = MLP(cfg, ctx)
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
-        return hidden_dropout(x, self.cfg.hidden_dropout if self.training else 0.0, self.tracker,
-                              self.sequence_parallel)
+        return hidden_dropout(x, self.cfg.hidden_dropout if self.training else 0.0, self.ctx.tracker,
+                              self.ctx.sequence_parallel)
 
     def forward(self, x: torch.Tensor, rope_angles: torch.Tensor | None = None, kv_cache=None) -> torch.Tensor:
         x = x + self._dropout(self.attention(self.input_norm(x), rope_angles, kv_cache))

@@ -14,7 +14,8 @@ from torch import nn
 
 from megalite import compat
 from megalite.config.model import ModelConfig
-from megalite.parallel.groups import Group, ProcessGroups
+from megalite.parallel.groups import Group
+from megalite.tensor_parallel.context import BuildContext
 from megalite.tensor_parallel.param_meta import amend_param, declare_param
 from megalite.tensor_parallel.sharding import ShardSpec
 
@@ -52,10 +53,11 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int], gro
 
 
 class Experts(nn.Module):
-    def __init__(self, cfg: ModelConfig, pg: ProcessGroups, dtype: torch.dtype, device: torch.device | None) -> None:
+    def __init__(self, cfg: ModelConfig, ctx: BuildContext) -> None:
         super().__init__()
         E, h, ffn = cfg.num_experts, cfg.hidden_size, cfg.expert_ffn_hidden_size
-        etp, local = pg.size(Group.ETP), cfg.num_experts // pg.size(Group.EP)
+        etp, local = ctx.pg.size(Group.ETP), cfg.num_experts // ctx.pg.size(Group.EP)
+        dtype, device = ctx.dtype, ctx.device
         self.swiglu, self.grouped = cfg.swiglu, cfg.moe_grouped_gemm
         rows = 2 * ffn if cfg.swiglu else ffn
         self.fc1_weight = nn.Parameter(torch.empty((local, rows // etp, h), dtype=dtype, device=device))

@@ -19,7 +19,7 @@ from megalite.config.model import ModelConfig
 from megalite.moe.dispatch import make_dispatcher
 from megalite.moe.experts import Experts
 from megalite.moe.router import Router, Routing
-from megalite.parallel.groups import ProcessGroups
+from megalite.tensor_parallel.context import BuildContext
 from megalite.tensor_parallel.param_meta import declare_param
 from megalite.tensor_parallel.sharding import ShardSpec
 
@@ -67,17 +67,19 @@ class MoEStats:
 
 
 class MoELayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, pg: ProcessGroups, layer_number: int, sequence_parallel: bool,
-                 dtype: torch.dtype, device: torch.device | None, shared_expert: nn.Module | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, ctx: BuildContext, layer_number: int,
+                 shared_expert: nn.Module | None = None) -> None:
+        """``shared_expert``: the dense MLP every token also goes through (built by the caller, which owns MLP)."""
         super().__init__()
+        pg, dtype, device = ctx.pg, ctx.dtype, ctx.device
         self.cfg, self.pg, self.layer_number = cfg, pg, layer_number
-        self.router = Router(cfg, pg, sequence_parallel, dtype, device)
-        self.experts = Experts(cfg, pg, dtype, device)
+        self.router = Router(cfg, ctx)
+        self.experts = Experts(cfg, ctx)
         self.shared_expert = shared_expert
         self.shared_expert_gate: nn.Parameter | None = None
         if shared_expert is not None and cfg.moe_shared_expert_gate:
             self.shared_expert_gate = nn.Parameter(torch.empty((1, cfg.hidden_size), dtype=dtype, device=device))
-            declare_param(self.shared_expert_gate, ShardSpec(partial_grad=sequence_parallel), (1, cfg.hidden_size),
+            declare_param(self.shared_expert_gate, ShardSpec(partial_grad=ctx.sequence_parallel), (1, cfg.hidden_size),
                           "normal")
         pad = cfg.moe_expert_capacity_factor if cfg.moe_pad_expert_input_to_capacity else None
         self.dispatcher = make_dispatcher(cfg.moe_token_dispatcher_type, cfg.num_experts, pg, cfg.moe_router_topk, pad)

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.config.model import ModelConfig
-from megalite.parallel.groups import Group, ProcessGroups
+from megalite.parallel.groups import Group
+from megalite.tensor_parallel.context import BuildContext
 from megalite.tensor_parallel.param_meta import declare_param
 from megalite.tensor_parallel.sharding import ShardSpec
 
@@ -51,14 +52,13 @@ def load_balancing_loss(scores: torch.Tensor, counts: torch.Tensor, tokens: int,
 class Router(nn.Module):
     """Linear scores over the experts (weight [E, h], replicated), top-k and capacity."""
 
-    def __init__(self, cfg: ModelConfig, pg: ProcessGroups, sequence_parallel: bool, dtype: torch.dtype,
-                 device: torch.device | None) -> None:
+    def __init__(self, cfg: ModelConfig, ctx: BuildContext) -> None:
         super().__init__()
-        self.cfg, self.pg = cfg, pg
-        E = cfg.num_experts
-        self.weight = nn.Parameter(torch.empty((E, cfg.hidden_size), dtype=dtype, device=device))
+        self.cfg, self.pg = cfg, ctx.pg
+        E, device = cfg.num_experts, ctx.device
+        self.weight = nn.Parameter(torch.empty((E, cfg.hidden_size), dtype=ctx.dtype, device=device))
         # each TP rank routes its own sequence part: its weight gradient is a partial sum
-        declare_param(self.weight, ShardSpec(partial_grad=sequence_parallel), (E, cfg.hidden_size), "normal")
+        declare_param(self.weight, ShardSpec(partial_grad=ctx.sequence_parallel), (E, cfg.hidden_size), "normal")
         self.expert_bias: nn.Parameter | None = None
         if cfg.moe_router_enable_expert_bias:  # stored with the model; moved by the step, never by the optimizer
             self.expert_bias = nn.Parameter(torch.zeros(E, dtype=torch.float32, device=device), requires_grad=False)
