@@ -82,7 +82,7 @@ def model_families(moe: bool) -> list[ParamFamily]:
 @dataclass(frozen=True)
 class ParamMeta:
     full_shape: tuple[int, ...]  # the layout-free shape this rank's tensor is a shard of
-    spec: ShardSpec = REPLICATED  # how the full tensor maps to this TP rank's shard
+    spec: ShardSpec = REPLICATED  # how the full tensor maps to this rank's shard (over its family's shard group)
     init: str = "normal"  # 'normal' (std), 'output' (std / sqrt(2 * layers)), 'zeros' or 'ones'
     # Layout-free name of the parameter this one is a copy of (the last stage's output layer tied to the
     # first stage's embedding): it is initialized from that tensor and stored under that name.
