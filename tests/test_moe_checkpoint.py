@@ -4,6 +4,8 @@
   TP2 x EP2 with sequence parallelism and at PP2 x EP2: every EP rank's experts, their expert-DP-sharded
   optimizer state and the router's expert bias are saved and restored; each pipeline stage saves its own;
 - the same through pretrain_gpt.py: torchrun EP2 saves, one process resumes;
+- with ZeRO-3 (experts sharded over expert-DP, dense weights over DP) a run loads that checkpoint and
+  continues the curve, and its own save holds the same tensors and resumes at EP4 without sharding;
 - an offline reshard to another EP / expert-TP / PP layout holds the same full tensors (weights and
   optimizer state) and resumes on the same curve;
 - dense checkpoints keep their files (no expert folders), and mismatched MoE flags are refused by name;
@@ -51,6 +53,8 @@ LAYOUTS = {
     "tp2_ep2_sp": (4, 2, 1, 2, None, {"sequence_parallel": True, "use_distributed_optimizer": True}),
     "pp2_ep2_distopt": (4, 1, 2, 2, None, {"use_distributed_optimizer": True}),  # also saves, per stage
     "ep2_etp2": (4, 1, 1, 2, 2, {}),  # loads the offline reshard (EP2 x expert-TP 2)
+    # ZeRO-3: expert weights and state sharded over expert-DP 2, dense ones over DP 4
+    "ep2_zero3": (4, 1, 1, 2, None, {"data_parallel_sharding_strategy": "optim_grads_params"}),
 }
 
 
@@ -83,13 +87,17 @@ def _runs(rank: int, world: int, root: str) -> dict:
         reshard(src, offline, tp=1, pp=2, ep=2, etp=2)
     dist.barrier()
     out["offline"] = _run(rank, "ep2_etp2", load=offline)
+    zero3 = os.path.join(root, "zero3")
+    out["zero3_loaded"] = _run(rank, "ep2_zero3", load=src)
+    _run(rank, "ep2_zero3", exit_interval=SAVED_AT, save=zero3)
+    out["from_zero3_ep4"] = _run(rank, "ep4", load=zero3)
     return out
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     root = str(tmp_path_factory.mktemp("moe_ckpt"))
-    results = run_ranks(_runs, 4, root, timeout=400)
+    results = run_ranks(_runs, 4, root, timeout=600)
     return {"root": root, "ranks": results, "src": os.path.join(root, "src"),
             "offline": os.path.join(root, "offline")}
 
@@ -104,6 +112,28 @@ def test_resume_at_another_expert_layout_continues_the_curve(runs, name):
     r = runs["ranks"][0]
     assert len(r[name]) == ITERS - SAVED_AT
     assert_rel_close(r[name], r["straight"][SAVED_AT:], 1e-5, f"resumed at {name}")
+
+
+def test_zero3_loads_saves_and_reshards_on_the_curve(runs):
+    """MoE with ZeRO-3 (--data-parallel-sharding-strategy optim_grads_params) resumes a distributed
+    optimizer's checkpoint on the curve; its own save holds the distributed optimizer run's full tensors,
+    its expert state in one file per expert-DP rank, and resumes at EP4 without sharding on the curve."""
+    r = runs["ranks"][0]
+    for name in ("zero3_loaded", "from_zero3_ep4"):
+        assert_rel_close(r[name], r["straight"][SAVED_AT:], 1e-5, name)
+    zero3 = os.path.join(runs["root"], "zero3")
+    it = os.path.join(zero3, iter_dirname(SAVED_AT))
+    for ep in range(2):
+        files = sorted(os.listdir(os.path.join(it, f"expert_rank_00_{ep:03d}_000")))
+        assert files == ["model.safetensors", "optim_dp_000.safetensors", "optim_dp_001.safetensors"], files
+    assert len(os.listdir(os.path.join(it, "mp_rank_00_000"))) == 1 + 4  # dense state over DP 4
+    a, b = FullCheckpoint(zero3), FullCheckpoint(runs["src"])
+    assert sorted(a.keys()) == sorted(b.keys())
+    for key in a.keys():
+        torch.testing.assert_close(a.param(key), b.param(key), rtol=1e-5, atol=1e-6, msg=key)
+        if not key.endswith("expert_bias"):
+            torch.testing.assert_close(a.optim(key, "exp_avg_sq"), b.optim(key, "exp_avg_sq"), rtol=1e-4,
+                                       atol=1e-12, msg=key)
 
 
 def test_every_ep_ranks_experts_and_their_sharded_optimizer_state_are_stored(runs):

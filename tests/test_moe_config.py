@@ -33,6 +33,9 @@ def check(extra: list[str], world: int = 1, local_world: int | None = None):
     ([*MOE, "--moe-shared-expert-intermediate-size", "32", "--moe-shared-expert-gate"], 1),
     ([*MOE, "--moe-layer-freq", "([0]*1+[1]*3)"], 1),
     ([*MOE, "--expert-model-parallel-size", "2", "--data-parallel-sharding-strategy", "optim_grads"], 4),
+    # ZeRO-3: expert weights sharded over expert-DP, dense ones over DP x CP (their ParamMeta families)
+    ([*MOE, "--expert-model-parallel-size", "2", "--data-parallel-sharding-strategy", "optim_grads_params"], 4),
+    ([*MOE, "--expert-model-parallel-size", "2", "--use-megatron-fsdp"], 2),
     ([*MOE, "--hierarchical-dp-reduce"], 4),  # EP 1: expert-DP is the dense DP group
     ([*MOE, "--expert-model-parallel-size", "2", "--grad-compression", "int8"], 2),
 ], ids=lambda x: " ".join(x) if isinstance(x, list) else str(x))
@@ -76,9 +79,6 @@ def test_valid_moe_configs(extra, world):
       "--sequence-parallel"], 4, ["--tensor-model-parallel-size (4) must divide --moe-shared-expert-intermediate-size "
                                   "(30)"]),
     # what the code does not support with routed experts
-    ([*MOE, "--data-parallel-sharding-strategy", "optim_grads_params"], 2,
-     ["--num-experts is not supported with --data-parallel-sharding-strategy optim_grads_params"]),
-    ([*MOE, "--use-megatron-fsdp"], 2, ["optim_grads_params (--use-megatron-fsdp)"]),
     ([*MOE, "--expert-model-parallel-size", "2", "--hierarchical-dp-reduce"], 4,
      ["--hierarchical-dp-reduce is not supported with --expert-model-parallel-size > 1"]),
     ([*MOE, "--expert-tensor-parallel-size", "2", "--hierarchical-dp-reduce"], 4,

@@ -33,7 +33,7 @@ from megalite.moe.router import Routing, capacity
 from megalite.parallel.groups import Group, ProcessGroups
 from megalite.parallel.layout import RankLayout
 from megalite.tensor_parallel.context import BuildContext
-from megalite.tensor_parallel.param_meta import local_shard, param_meta
+from megalite.tensor_parallel.param_meta import EXPERT, local_shard, param_meta
 from megalite.tensor_parallel.random import RNGTracker
 from tests.harness import run_ranks
 from tests.layouts import p2p_mode
@@ -158,7 +158,7 @@ def _layer(pg: ProcessGroups, kind: str, grouped: bool, rank: int) -> dict:
     errs = {"out": float((out.detach() - ref_out[part]).abs().max() / ref_out.abs().max()),
             "dx": float((x.grad - ref_dx[part]).abs().max() / ref_dx.abs().max())}
     for name, p in layer.named_parameters():
-        if not param_meta(p).expert:
+        if param_meta(p).family is not EXPERT:
             continue
         want = local_shard(param_meta(p), sum(refs[g][2][name] for g in groups), pg)
         errs[name] = float((p.grad - want).abs().max() / want.abs().max())

@@ -6,7 +6,8 @@ Model A (the MoE defaults: softmax top-2, aux loss, a loop over experts), 10 ite
 single-process run: EP 2 (the default allgather dispatcher); EP 4 with full recompute; EP 2 x TP 2
 (sequence parallel, expert-TP 2, alltoall); EP 2 x PP 2 (alltoall), also under MEGALITE_NCCL_SEMANTICS=1
 (its pipeline messages under NCCL's rules); the allgather dispatcher at EP 2 x TP 2 with expert-TP 1 and
-ZeRO-2; CP 2 x EP 2 with the distributed optimizer (expert state sharded over expert-DP 2). Model B (a
+ZeRO-2; CP 2 x EP 2 with the distributed optimizer (expert state sharded over expert-DP 2); ZeRO-3 at
+EP 2 x DP 2 and at EP 2 x expert-DP 2 (expert weights sharded over expert-DP, dense ones over DP). Model B (a
 gated shared expert, sigmoid scores with expert bias, seq_aux_loss and z-loss, layer 0 dense by
 --moe-layer-freq), 5 iterations, against its own single-process run: EP 2 x TP 2 with grouped GEMMs.
 The variants are merged into few 4-rank runs to keep the file short.
@@ -53,6 +54,12 @@ CASES_A = {
     # DP 2 x CP 2: dense state sharded over 4 ranks, the experts' over expert-DP 2
     "cp2_ep2_dp2_distributed_optimizer": (4, ["--context-parallel-size", "2", "--expert-model-parallel-size", "2",
                                               "--use-distributed-optimizer", *A2A], {}),
+    # ZeRO-3: EP 2 x DP 2 (expert-DP 1: experts whole on each rank, dense weights sharded over DP 2), and DP 4
+    # = EP 2 x expert-DP 2 (expert weights sharded over expert-DP 2, dense ones over DP 4)
+    "ep2_dp2_zero3": (2, ["--expert-model-parallel-size", "2", *A2A, "--data-parallel-sharding-strategy",
+                          "optim_grads_params"], {}),
+    "ep2_edp2_zero3": (4, ["--expert-model-parallel-size", "2", *A2A, "--data-parallel-sharding-strategy",
+                           "optim_grads_params"], {}),
 }
 CASES_B = {
     "ep2_tp2_sp_grouped_gemm": (4, ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2",

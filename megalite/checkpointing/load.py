@@ -19,7 +19,7 @@ from megalite.checkpointing.paths import rng_filename
 from megalite.checkpointing.reader import CheckpointError, CheckpointReader
 from megalite.checkpointing.stored import named_params
 from megalite.parallel.groups import ProcessGroups
-from megalite.tensor_parallel.param_meta import local_shard, param_meta, shard_coords
+from megalite.tensor_parallel.param_meta import local_shard, param_meta
 
 # Model fields that change what the weights mean; the rest (dropout, init, padding) may differ.
 SHAPE_FIELDS = ["num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
@@ -98,21 +98,22 @@ def load_checkpoint(load_dir: str, chunks: list[nn.Module], optimizer: Any, pg: 
 
 
 def _check_kind(reader: CheckpointReader, key: str, p: nn.Parameter) -> None:
-    """A parameter stored as a routed experts' weight must be one in the model, and the other way round."""
-    if reader.has(key) and reader.is_expert(key) != param_meta(p).expert:
-        kind = "a routed experts' weight" if reader.is_expert(key) else "a dense weight"
-        raise CheckpointError(f"checkpoint {reader.dir} stores {key} as {kind}, the model does not")
+    """A parameter is stored in the folders of the family the model declares it in (e.g. a routed
+    experts' weight is one in the model, and the other way round)."""
+    if reader.has(key) and reader.family(key) != param_meta(p).family:
+        raise CheckpointError(f"checkpoint {reader.dir} stores {key} as a {reader.family(key).name} weight, the "
+                              f"model as a {param_meta(p).family.name} one")
 
 
 def _saved_as_is(reader: CheckpointReader, key: str, p: nn.Parameter, pg: ProcessGroups, read) -> torch.Tensor | None:
-    """This rank's shard straight from its file (``read(key, tp, ep)``) when the checkpoint was cut as this
-    run cuts ``key`` (same TP, or same expert-TP and EP for an expert weight); else None."""
-    meta = param_meta(p)
-    cut, size = shard_coords(meta, pg)
-    ep = pg.ep_rank if meta.expert else 0
-    if reader.grid(key) != (size, pg.ep_size if meta.expert else 1):
+    """This rank's shard straight from its file (``read(key, shard rank, split rank)``) when the checkpoint was
+    cut as this run cuts ``key`` (same sizes of its family's shard and split groups: TP, or expert-TP and EP
+    for an expert weight); else None."""
+    family = param_meta(p).family
+    (cut, size), (block, blocks) = family.coords(pg), family.split_coords(pg)
+    if reader.grid(key) != (size, blocks):
         return None
-    return read(key, cut, ep)
+    return read(key, cut, block)
 
 
 def _load_optimizer(reader: CheckpointReader, chunks: list[nn.Module], optimizer: Any, pg: ProcessGroups) -> None:

@@ -6,6 +6,7 @@ import os
 import shutil
 
 from megalite.checkpointing.errors import CheckpointError, CheckpointNotFoundError
+from megalite.tensor_parallel.param_meta import ParamFamily
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -18,9 +19,12 @@ def shard_dirname(tp_rank: int, pp_rank: int) -> str:
     return f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
 
 
-def expert_dirname(etp_rank: int, ep_rank: int, pp_rank: int) -> str:
-    """The routed experts' files of expert-TP rank ``etp_rank``, EP rank ``ep_rank`` and PP rank ``pp_rank``."""
-    return f"expert_rank_{etp_rank:02d}_{ep_rank:03d}_{pp_rank:03d}"
+def family_dirname(family: ParamFamily, shard_rank: int, split_rank: int, pp_rank: int) -> str:
+    """The folder of a parameter family's files at rank ``shard_rank`` of the group its spec cuts over,
+    block ``split_rank`` of its split dim (named only for families that split) and stage ``pp_rank``:
+    mp_rank_TT_PPP (dense) or expert_rank_TT_EEE_PPP (routed experts)."""
+    split = [f"{split_rank:03d}"] if family.split is not None else []
+    return "_".join([family.folder, f"{shard_rank:02d}", *split, f"{pp_rank:03d}"])
 
 
 def optim_filename(dp_rank: int) -> str:

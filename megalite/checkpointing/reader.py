@@ -19,8 +19,12 @@ from safetensors import safe_open
 
 from megalite.checkpointing.checksum import file_checksum
 from megalite.checkpointing.errors import CheckpointError
-from megalite.checkpointing.paths import expert_dirname, iter_dirname, optim_filename, read_tracker, shard_dirname
+from megalite.checkpointing.paths import family_dirname, iter_dirname, optim_filename, read_tracker, shard_dirname
+from megalite.parallel.groups import Group
+from megalite.tensor_parallel.param_meta import DENSE, FAMILIES, ParamFamily
 from megalite.tensor_parallel.sharding import ShardSpec
+
+GROUP_NAMES = {Group.TP: "TP", Group.ETP: "expert-TP", Group.EP: "EP"}  # in error messages
 
 
 class CheckpointReader:
@@ -42,16 +46,18 @@ class CheckpointReader:
         self._handles: dict[str, Any] = {}
         self._regions: dict[str, dict[str, list]] = {}
         self._stage_of: dict[str, int] = {}
-        self._expert: set[str] = set()
+        # the sizes of the groups parameter families are cut and split over, as saved
+        self.sizes = {Group.TP: self.tp, Group.ETP: self.etp, Group.EP: self.ep}
+        self._family: dict[str, ParamFamily] = {}
         for pp in range(self.pp):
-            for key in self._open(self._model_path(0, pp)).keys():
-                self._stage_of[key] = pp
-            experts = os.path.join(self.dir, expert_dirname(0, 0, pp), "model.safetensors")
-            # only stages holding MoE layers have expert files; one metadata.json lists must be there
-            if os.path.isfile(experts) or os.path.relpath(experts, self.dir) in self.checksums:
-                for key in self._open(experts).keys():
-                    self._stage_of[key] = pp
-                    self._expert.add(key)
+            for family in FAMILIES.values():
+                path = os.path.join(self.dir, family_dirname(family, 0, 0, pp), "model.safetensors")
+                # every stage has dense files; only stages holding e.g. MoE layers have expert files (then
+                # metadata.json lists them: a listed file must be there)
+                if family == DENSE or os.path.isfile(path) or os.path.relpath(path, self.dir) in self.checksums:
+                    for key in self._open(path).keys():
+                        self._stage_of[key] = pp
+                        self._family[key] = family
 
     @property
     def config(self) -> dict[str, Any]:
@@ -70,19 +76,20 @@ class CheckpointReader:
     def has(self, key: str) -> bool:
         return key in self._stage_of
 
-    def is_expert(self, key: str) -> bool:
-        """Whether ``key`` is a routed experts' weight (stored per expert-TP x EP rank)."""
-        return key in self._expert
+    def family(self, key: str) -> ParamFamily:
+        """The parameter family whose folders store ``key`` (e.g. routed experts' weights, per expert-TP x EP
+        rank)."""
+        self.stage_of(key)
+        return self._family[key]
 
     def grid(self, key: str) -> tuple[int, int]:
-        """(ranks its spec cut it over, EP blocks): (expert-TP, EP) for expert weights, else (TP, 1)."""
-        return (self.etp, self.ep) if key in self._expert else (self.tp, 1)
+        """(ranks its spec cut it over, split blocks) as saved: (expert-TP, EP) for expert weights, else (TP, 1)."""
+        family = self.family(key)
+        return self.sizes[family.shard], self.sizes[family.split] if family.split is not None else 1
 
     def _shard_dir(self, key: str, tp: int, ep: int = 0) -> str:
-        """The folder of ``key``'s shard ``tp`` (expert-TP rank for expert weights) of EP block ``ep``."""
-        pp = self.stage_of(key)
-        name = expert_dirname(tp, ep, pp) if key in self._expert else shard_dirname(tp, pp)
-        return os.path.join(self.dir, name)
+        """The folder of ``key``'s shard ``tp`` (of its family's shard group) of split block ``ep``."""
+        return os.path.join(self.dir, family_dirname(self.family(key), tp, ep, self.stage_of(key)))
 
     def verify(self, path: str) -> None:
         """Check a file of this checkpoint against the checksum metadata.json recorded when it was saved
@@ -100,15 +107,23 @@ class CheckpointReader:
     def _open(self, path: str):
         if path not in self._handles:
             if not os.path.isfile(path):
-                experts = f", EP={self.ep}, expert-TP={self.etp}" if "expert_rank_" in path else ""
                 raise CheckpointError(f"checkpoint shard {path} is missing (saved with TP={self.tp}, PP={self.pp}"
-                                      f"{experts})")
+                                      f"{self._grid_note(path)})")
             self.verify(path)
             try:
                 self._handles[path] = safe_open(path, framework="pt")
             except Exception as e:  # noqa: BLE001 - safetensors raises several kinds
                 raise CheckpointError(f"checkpoint shard {path} is corrupt or truncated: {e}") from None
         return self._handles[path]
+
+    def _grid_note(self, path: str) -> str:
+        """The split and shard sizes of the family whose folder holds ``path`` (none for dense files)."""
+        folder = os.path.basename(os.path.dirname(path))
+        for family in FAMILIES.values():
+            if family.split is not None and folder.startswith(family.folder + "_"):
+                return (f", {GROUP_NAMES[family.split]}={self.sizes[family.split]}, "
+                        f"{GROUP_NAMES[family.shard]}={self.sizes[family.shard]}")
+        return ""
 
     def _get(self, path: str, key: str) -> torch.Tensor:
         try:
@@ -127,7 +142,7 @@ class CheckpointReader:
         """Full tensor from ``local(tp, ep)`` shards: unsharded over (expert-)TP, EP blocks stacked on dim 0."""
         cut, blocks = self.grid(key)
         parts = [spec.unshard([local(t, e) for t in range(cut)]) for e in range(blocks)]
-        return torch.cat(parts, dim=0) if key in self._expert else parts[0]
+        return torch.cat(parts, dim=0) if self.family(key).split is not None else parts[0]
 
     def full_param(self, key: str, spec: ShardSpec) -> torch.Tensor:
         """The full tensor of parameter ``key``, from the (expert-)TP and EP shards it was saved in."""

@@ -17,22 +17,21 @@ from megalite.checkpointing.metadata import OPTIM_FIELDS, layout_meta, save_tens
 from megalite.checkpointing.paths import (
     TRACKER,
     commit,
-    expert_dirname,
+    family_dirname,
     optim_filename,
     rng_filename,
-    shard_dirname,
     staging_dir,
 )
 from megalite.checkpointing.reader import CheckpointError
 from megalite.checkpointing.stored import named_params
-from megalite.parallel.groups import Group, ProcessGroups
-from megalite.tensor_parallel.param_meta import param_meta
+from megalite.parallel.groups import ProcessGroups
+from megalite.tensor_parallel.param_meta import FAMILIES, ParamFamily, param_meta
 
 
-def optimizer_tensors(chunks: list[nn.Module], optimizer: Any, expert: bool | None = None
+def optimizer_tensors(chunks: list[nn.Module], optimizer: Any, family: ParamFamily | None = None
                       ) -> tuple[dict[str, torch.Tensor], dict]:
     """fp32 main params and Adam moments of the flat slices this rank owns, with their regions (only the
-    routed experts' weights with ``expert`` True, only the others with False)."""
+    parameters of ``family`` when given)."""
     key_of = {id(p): k for n, k, p in named_params(chunks) if n == k}
     slices, step = optimizer.state_tensors()
     tensors: dict[str, torch.Tensor] = {}
@@ -41,7 +40,7 @@ def optimizer_tensors(chunks: list[nn.Module], optimizer: Any, expert: bool | No
         key = key_of.get(id(s.param))
         if key is None:  # the tied copy: its state equals the embedding's, stored by the first stage
             continue
-        if expert is not None and param_meta(s.param).expert != expert:
+        if family is not None and param_meta(s.param).family != family:
             continue
         tensors.update({f"{key}/{field}": s.tensors[field] for field in OPTIM_FIELDS})
         regions[key] = [s.lo, s.hi, list(s.param.shape)]
@@ -138,22 +137,21 @@ def _write_rank_files(staged: str, chunks: list[nn.Module], optimizer: Any, pg: 
                       rng_states: dict[str, torch.Tensor]) -> dict[str, str]:
     """This rank's tensor files; returns their checksums by path relative to ``staged``.
 
-    Dense weights (and unsharded optimizer state) are identical over DP and CP and are written by DP rank 0
-    into mp_rank_TT_PPP; routed experts' weights are identical over expert-DP and are written by expert-DP
-    rank 0 into expert_rank_TT_EEE_PPP (TT the expert-TP rank), their optimizer slices beside them."""
+    Each parameter family's weights (and unsharded optimizer state) are identical over the family's DP
+    group and are written by its rank 0 into the family's folder: dense ones over DP x CP into
+    mp_rank_TT_PPP, routed experts' over expert-DP into expert_rank_TT_EEE_PPP (TT the expert-TP rank);
+    sharded optimizer slices beside them, one file per rank of that group."""
     stored = [(k, p) for n, k, p in named_params(chunks) if n == k]
     dist_opt = optimizer is not None and optimizer.distributed
     files: dict[str, tuple[dict, dict | None]] = {}
-    for expert in (False, True):
-        mine = {k: p for k, p in stored if param_meta(p).expert == expert}
-        if expert and not mine:
-            continue  # a stage without MoE layers has no expert folder
-        if expert:
-            folder, rank = expert_dirname(pg.etp_rank, pg.ep_rank, pg.pp_rank), pg.index(Group.EDP)
-        else:
-            folder, rank = shard_dirname(pg.tp_rank, pg.pp_rank), pg.grad_rank
+    for family in FAMILIES.values():
+        mine = {k: p for k, p in stored if param_meta(p).family == family}
+        if not mine:
+            continue  # e.g. a stage without MoE layers has no expert folder
+        folder = family_dirname(family, family.coords(pg)[0], family.split_coords(pg)[0], pg.pp_rank)
+        rank = pg.index(family.dp_kind(pg))
         first = rank == 0  # the replica that writes the weights (and the optimizer state unless sharded)
-        optim = (optimizer_tensors(chunks, optimizer, expert)
+        optim = (optimizer_tensors(chunks, optimizer, family)
                  if optimizer is not None and (dist_opt or first) else None)
         files.update(_shard_files(folder, mine if first else None, optim, rank if dist_opt else 0))
     files[rng_filename(pg.rank)] = (rng_states, None)

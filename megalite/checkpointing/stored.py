@@ -19,7 +19,7 @@ from megalite.parallel.groups import ProcessGroups
 from megalite.parallel.layout import RankLayout
 from megalite.pipeline.partition import chunk_layers, virtual_stage
 from megalite.tensor_parallel.context import BuildContext
-from megalite.tensor_parallel.param_meta import param_meta
+from megalite.tensor_parallel.param_meta import DENSE, ParamFamily, param_meta
 from megalite.tensor_parallel.random import RNGTracker
 from megalite.tensor_parallel.sharding import ShardSpec
 
@@ -39,8 +39,8 @@ def named_params(chunks: list[nn.Module]) -> list[tuple[str, str, nn.Parameter]]
 @dataclass(frozen=True)
 class StoredParam:
     key: str  # layout-free name, e.g. "layers.3.attention.qkv.weight"
-    spec: ShardSpec  # how the full tensor is cut over TP (at this layout's TP size), expert-TP for experts
-    expert: bool = False  # a routed experts' weight: dim 0 counts the experts, split over EP in blocks
+    spec: ShardSpec  # how the full tensor is cut over its family's shard group (TP, or expert-TP for experts)
+    family: ParamFamily = DENSE  # the groups it is cut and split over, and its checkpoint folders
     optimized: bool = True  # has optimizer state (not e.g. the router's expert bias, set by its own rule)
 
 
@@ -58,7 +58,7 @@ def stage_params(config: dict[str, Any], tp: int, pp: int, vp: int = 1) -> list[
             stage = virtual_stage(rank, c, pp)
             chunks.append(GPTModel(cfg, ctx, vocab, layer_numbers=chunk_layers(cfg.num_layers, pp, vp, rank, c),
                                    pre_process=stage == 0, post_process=stage == last))
-        stages.append([StoredParam(k, param_meta(p).spec, param_meta(p).expert, p.requires_grad)
+        stages.append([StoredParam(k, param_meta(p).spec, param_meta(p).family, p.requires_grad)
                        for n, k, p in named_params(chunks) if n == k])
     return stages
 

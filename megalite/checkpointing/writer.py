@@ -16,17 +16,19 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from megalite.checkpointing.metadata import OPTIM_FIELDS, layout_meta, model_config, save_tensors, write_metadata
-from megalite.checkpointing.paths import commit, expert_dirname, optim_filename, shard_dirname, staging_dir
+from megalite.checkpointing.paths import commit, family_dirname, optim_filename, staging_dir
 from megalite.checkpointing.stored import StoredParam, stage_params
 from megalite.config.validate import layout_errors
+from megalite.parallel.groups import Group
 from megalite.pipeline.partition import num_chunks
+from megalite.tensor_parallel.param_meta import FAMILIES, ParamFamily
 
 STATE_KEYS = ("iteration", "consumed_samples", "valid_consumed", "skipped_iterations", "nan_iterations")
 
@@ -74,6 +76,7 @@ def write_checkpoint(save_dir: str, config: dict[str, Any], get_param: Callable[
     if errors:
         raise ValueError(f"cannot write {save_dir} at TP={tp} PP={pp}:\n  " + "\n  ".join(errors))
     vp = num_chunks(cfg.num_layers, pp, layers_per_virtual_stage)
+    sizes = {Group.TP: tp, Group.ETP: etp, Group.EP: ep}  # the groups families cut and split over
     stages = stage_params(config, tp, pp, vp)
     created = not os.path.exists(save_dir)
     staged = staging_dir(save_dir, iteration)
@@ -82,11 +85,10 @@ def write_checkpoint(save_dir: str, config: dict[str, Any], get_param: Callable[
     checksums: dict[str, str] = {}
     try:
         for pp_rank, stored in enumerate(stages):
-            dense = [p for p in stored if not p.expert]
-            checksums.update(_write_stage(staged, pp_rank, dense, tp, get_param, optimizer, dtype))
-            experts = [p for p in stored if p.expert]
-            if experts:
-                checksums.update(_write_experts(staged, pp_rank, experts, (etp, ep), get_param, optimizer, dtype))
+            for family in FAMILIES.values():
+                mine = [p for p in stored if p.family == family]
+                if mine:
+                    checksums.update(_write_family(staged, pp_rank, mine, family, sizes, get_param, optimizer, dtype))
         layout = layout_meta(world_size=None, tp=tp, pp=pp, dp=1, vp=vp, order="tp-cp-dp-pp",
                              distributed_optimizer=False, ep=ep, etp=etp)
         write_metadata(staged, iteration=iteration, layout=layout, config=config,
@@ -101,17 +103,14 @@ def write_checkpoint(save_dir: str, config: dict[str, Any], get_param: Callable[
 
 
 def _cut(full: torch.Tensor, p: StoredParam, r: int, cut: int, e: int, blocks: int) -> torch.Tensor:
-    """Shard (r of ``cut``) of EP block (e of ``blocks``) of a full tensor; blocks = 1 for dense weights."""
-    if p.expert:
-        n = full.shape[0] // blocks
-        full = full[e * n:(e + 1) * n]
-    return p.spec.shard(full, r, cut)
+    """Shard (r of ``cut``) of split block (e of ``blocks``) of a full tensor; blocks = 1 when not split."""
+    return p.spec.shard(p.family.block(full, e, blocks), r, cut)
 
 
 def _write_folders(staged: str, folders: dict[tuple[int, int], str], stored: list[StoredParam],
                    get_param: Callable[[str], torch.Tensor], optimizer: OptimizerSource | None,
                    dtype: torch.dtype | None) -> dict[str, str]:
-    """Write ``stored``'s shards: ``folders[(r, e)]`` is the folder of shard r of EP block e (the grid's
+    """Write ``stored``'s shards: ``folders[(r, e)]`` is the folder of shard r of split block e (the grid's
     sizes are the largest indices + 1). Returns the checksums of the files written."""
     cut, blocks = max(r for r, _ in folders) + 1, max(e for _, e in folders) + 1
     sums: dict[str, str] = {}
@@ -145,18 +144,11 @@ def _write_folders(staged: str, folders: dict[tuple[int, int], str], stored: lis
     return sums
 
 
-def _write_stage(staged: str, pp_rank: int, stored: Iterable[StoredParam], tp: int,
-                 get_param: Callable[[str], torch.Tensor], optimizer: OptimizerSource | None,
-                 dtype: torch.dtype | None) -> dict[str, str]:
-    """Write one pipeline stage's dense files for every TP rank; returns their checksums (relative paths)."""
-    folders = {(r, 0): shard_dirname(r, pp_rank) for r in range(tp)}
-    return _write_folders(staged, folders, list(stored), get_param, optimizer, dtype)
-
-
-def _write_experts(staged: str, pp_rank: int, stored: list[StoredParam], grid: tuple[int, int],
-                   get_param: Callable[[str], torch.Tensor], optimizer: OptimizerSource | None,
-                   dtype: torch.dtype | None) -> dict[str, str]:
-    """Write one pipeline stage's routed experts' files for every (expert-TP, EP) rank of ``grid``."""
-    etp, ep = grid
-    folders = {(r, e): expert_dirname(r, e, pp_rank) for e in range(ep) for r in range(etp)}
+def _write_family(staged: str, pp_rank: int, stored: list[StoredParam], family: ParamFamily, sizes: dict[str, int],
+                  get_param: Callable[[str], torch.Tensor], optimizer: OptimizerSource | None,
+                  dtype: torch.dtype | None) -> dict[str, str]:
+    """Write one pipeline stage's files of ``family`` for every rank of its shard x split groups (their
+    ``sizes``): every TP rank's dense files, every (expert-TP, EP) rank's routed experts' files."""
+    cut, blocks = sizes[family.shard], sizes[family.split] if family.split is not None else 1
+    folders = {(r, e): family_dirname(family, r, e, pp_rank) for e in range(blocks) for r in range(cut)}
     return _write_folders(staged, folders, stored, get_param, optimizer, dtype)

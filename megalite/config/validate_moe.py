@@ -65,9 +65,6 @@ def moe_errors(cfg: MegaliteConfig) -> list[str]:
 def _unsupported_with_moe(cfg: MegaliteConfig, ep: int, etp: int, tp: int) -> list[str]:
     """Features whose machinery does not know routed experts yet."""
     errors = []
-    if cfg.ddp.sharding == "optim_grads_params":  # the layer units would gather expert weights as dense ones
-        errors.append("--num-experts is not supported with --data-parallel-sharding-strategy optim_grads_params "
-                      "(--use-megatron-fsdp); use optim_grads or --use-distributed-optimizer")
     if cfg.parallel.hierarchical_dp_reduce and (ep > 1 or etp != tp):  # its node groups are the dense DP's
         errors.append("--hierarchical-dp-reduce is not supported with --expert-model-parallel-size > 1 or "
                       "--expert-tensor-parallel-size != --tensor-model-parallel-size (expert gradients are "

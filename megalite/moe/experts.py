@@ -16,7 +16,7 @@ from megalite import compat
 from megalite.config.model import ModelConfig
 from megalite.parallel.groups import Group
 from megalite.tensor_parallel.context import BuildContext
-from megalite.tensor_parallel.param_meta import amend_param, declare_param
+from megalite.tensor_parallel.param_meta import EXPERT, amend_param, declare_param
 from megalite.tensor_parallel.sharding import ShardSpec
 
 
@@ -65,7 +65,7 @@ class Experts(nn.Module):
         self.fc2_weight = nn.Parameter(torch.empty((local, h, ffn // etp), dtype=dtype, device=device))
         declare_param(self.fc2_weight, ShardSpec(dim=2), (E, h, ffn), "output")
         for p in (self.fc1_weight, self.fc2_weight):
-            amend_param(p, expert=True)
+            amend_param(p, family=EXPERT)
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """``x`` [n, h] sorted by local expert, ``counts`` rows each: [n, h] (partial sums over expert-TP)."""

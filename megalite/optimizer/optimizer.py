@@ -32,8 +32,8 @@ from megalite.optimizer.adam import build_adamw
 from megalite.optimizer.clip import counted_ranges
 from megalite.optimizer.loss_scaler import ConstantLossScaler, DynamicLossScaler
 from megalite.optimizer.offload import HostPool, offloaded_count
-from megalite.parallel.groups import Group, ProcessGroups
-from megalite.tensor_parallel.param_meta import param_meta
+from megalite.parallel.groups import ProcessGroups
+from megalite.tensor_parallel.param_meta import DENSE, ParamFamily, model_families, param_meta
 
 
 @dataclass
@@ -47,7 +47,7 @@ class Entry:
     weight: torch.Tensor  # the model weights of the slice (a view; in the shard storage with ZeRO-3)
     grad: torch.Tensor  # its reduced gradient (a view into the gradient buffer, or shard with ZeRO-2/3)
     host: dict[str, torch.Tensor] | None = None  # offloaded: this slice's rows of the host pool
-    expert: bool = False  # a routed expert's weight (reduced over expert-DP, counted over its own groups)
+    family: ParamFamily = DENSE  # the groups its partial sums are reduced over
 
 
 @dataclass
@@ -93,8 +93,9 @@ class MegaliteOptimizer:
     def __init__(self, buffers: list[GradBuffer], cfg: MegaliteConfig, pg: ProcessGroups) -> None:
         self.buffers, self.pg, self.cfg = buffers, pg, cfg
         self.distributed = cfg.ddp.shards_optimizer and pg.grad_size > 1
-        self.has_experts = cfg.model.is_moe  # the same on every rank: the expert reductions are collective
-        self.experts_sharded = cfg.ddp.shards_optimizer and pg.size(Group.EDP) > 1
+        # the same on every rank (each family's reductions are collective), with its reduction groups
+        self.families = {f: f.reduced_over(pg, cfg.ddp.shards_optimizer and pg.size(f.dp_kind(pg)) > 1)
+                         for f in model_families(cfg.model.is_moe)}
         self.scaler = make_loss_scaler(cfg)
         regions = [(buf, p, *buf.owned_region(p)) for buf in buffers for p in buf.ranges if buf.owned_region(p)]
         n_host = offloaded_count([hi - lo for _, _, lo, hi in regions], cfg.ddp.optimizer_offload_fraction) \
@@ -111,7 +112,7 @@ class MegaliteOptimizer:
             else:
                 main = flat if alias else flat.detach().to(torch.float32, copy=True)
             self.entries.append(Entry(p, lo, hi, main, alias, counted_ranges(p, pg, lo, hi), flat,
-                                      buf.grad_slice(p, lo, hi), host, param_meta(p).expert))
+                                      buf.grad_slice(p, lo, hi), host, param_meta(p).family))
         self.adam = self._build([e for e in self.entries if e.host is None], on_gpu=device.has_cuda())
         self.host_adam = self._build([e for e in self.entries if e.host is not None], on_gpu=False)
         self._reset_host_state(0.0)
@@ -142,29 +143,17 @@ class MegaliteOptimizer:
         for b in self.buffers:
             b.zero_grad()
 
-    def _reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-        """Over the model-parallel group, and over DP too when each DP rank holds a different shard."""
-        self.pg.all_reduce(t, Group.MP, op=op)
-        if self.distributed:
-            self.pg.all_reduce(t, self.pg.grad_kind, op=op)
-        return t
-
-    def _reduce_experts(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-        """Routed experts: a stage's experts are spread over its expert-TP x EP ranks (and sharded over
-        expert-DP with the distributed optimizer); then over the stages."""
-        if self.experts_sharded:
-            self.pg.all_reduce(t, Group.EDP, op=op)
-        self.pg.all_reduce(t, Group.EMP, op=op)
-        self.pg.all_reduce(t, Group.PP, op=op)
-        return t
-
-    def _combine(self, local: dict[bool, torch.Tensor], op=dist.ReduceOp.SUM) -> torch.Tensor:
-        """The global value of per-entry quantities kept apart for dense (False) and expert (True) entries."""
-        dense = self._reduce(local[False], op)
-        if not self.has_experts:
-            return dense
-        expert = self._reduce_experts(local[True], op)
-        return dense + expert if op == dist.ReduceOp.SUM else torch.maximum(dense, expert)
+    def _combine(self, local: dict[ParamFamily, torch.Tensor], op=dist.ReduceOp.SUM) -> torch.Tensor:
+        """The global value of per-entry quantities kept apart per parameter family: each family's partial
+        reduced over its groups (e.g. dense: TP x PP, and DP when each DP rank holds a different shard),
+        then the families summed (or maxed) in their order."""
+        total = None
+        for family, groups in self.families.items():
+            t = local[family]
+            for kind in groups:
+                self.pg.all_reduce(t, kind, op=op)
+            total = t if total is None else (total + t if op == dist.ReduceOp.SUM else torch.maximum(total, t))
+        return total
 
     def _grads(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Every owned slice's fp32 gradient, set as its main param's ``.grad``: (device slices, offloaded
@@ -191,19 +180,19 @@ class MegaliteOptimizer:
         return dev, host
 
     def _found_inf(self) -> bool:
-        found = {k: torch.zeros(1, device=device.current_device()) for k in (False, True)}
+        found = {f: torch.zeros(1, device=device.current_device()) for f in self.families}
         for e in self.entries:
-            found[e.expert] = torch.maximum(found[e.expert], (~torch.isfinite(e.main.grad)).any().float().reshape(1)
-                                            .to(found[e.expert].device))
+            found[e.family] = torch.maximum(found[e.family], (~torch.isfinite(e.main.grad)).any().float().reshape(1)
+                                            .to(found[e.family].device))
         return bool(self._combine(found, dist.ReduceOp.MAX).item())
 
     def _grad_norm(self) -> float:
         """The true global norm: each counted element once, summed in entry order (offloaded or not)."""
         where = self.entries[0].main.device if self.entries else None
-        sq = {k: torch.zeros(1, dtype=torch.float32, device=where) for k in (False, True)}
+        sq = {f: torch.zeros(1, dtype=torch.float32, device=where) for f in self.families}
         for e in self.entries:
             for s, t in e.counted:
-                sq[e.expert] += e.main.grad[s:t].square().sum().to(sq[e.expert].device)
+                sq[e.family] += e.main.grad[s:t].square().sum().to(sq[e.family].device)
         return float(self._combine({k: v.to(device.current_device()) for k, v in sq.items()}).sqrt())
 
     @torch.no_grad()

@@ -158,19 +158,38 @@ def optimizer_bytes(sh: RunShape, n: int, shards: int | None = None) -> float:
     return n * per / shards
 
 
-def expert_grad_bytes(sh: RunShape, n: int) -> float:
+def _expert_layer(sh: RunShape, n: int, stage: int) -> int:
+    """One MoE layer's routed-expert parameters on this rank (ZeRO-3's expert unit)."""
+    layers = sh.moe_layers_in(stage)
+    return n // layers if layers else 0
+
+
+def expert_weight_bytes(sh: RunShape, n: int, stage: int = 0) -> float:
+    """The E/ep experts' weights; with optim_grads_params their shard over expert-DP, plus two layers'
+    experts gathered at once (the one computing, the one prefetched), or all of them with
+    --fsdp-keep-params-across-microbatches."""
+    dd = sh.cfg.ddp
+    if not dd.shards_params or sh.edp == 1:
+        return n * sh.param_bytes
+    gathered = n if dd.fsdp_keep_params_across_microbatches else min(n, 2 * _expert_layer(sh, n, stage))
+    return (n / sh.edp + gathered) * sh.param_bytes
+
+
+def expert_grad_bytes(sh: RunShape, n: int, stage: int = 0) -> float:
     """The routed experts' gradient buffer, over expert-DP: whole, or with optim_grads / optim_grads_params
-    its shard plus one bucket in full (their weights are never sharded: ZeRO-3 gathers dense units only)."""
+    its shard plus one bucket in full (ZeRO-3: one layer's experts)."""
     if not sh.cfg.ddp.shards_grads or sh.edp == 1:
         return n * sh.grad_bytes
-    return n * sh.grad_bytes / sh.edp + _bucket_numel(sh, n, sh.edp) * (sh.grad_bytes + sh.param_bytes)
+    bucket = _expert_layer(sh, n, stage) if sh.cfg.ddp.shards_params else _bucket_numel(sh, n, sh.edp)
+    return n * sh.grad_bytes / sh.edp + bucket * (sh.grad_bytes + sh.param_bytes)
 
 
 def expert_state_terms(sh: RunShape, stage: int) -> dict[str, float]:
-    """The report's expert lines: the E/ep experts' weights (each cut over expert-TP), gradients and
-    optimizer state (sharded over expert-DP by the distributed optimizer and ZeRO)."""
+    """The report's expert lines: the E/ep experts' weights (each cut over expert-TP; sharded over
+    expert-DP by ZeRO-3), gradients and optimizer state (sharded over expert-DP by the distributed
+    optimizer and ZeRO)."""
     n = stage_expert_params(sh, stage)
-    return {"expert weights": n * sh.param_bytes, "expert gradients": expert_grad_bytes(sh, n),
+    return {"expert weights": expert_weight_bytes(sh, n, stage), "expert gradients": expert_grad_bytes(sh, n, stage),
             "expert optimizer state": optimizer_bytes(sh, n, sh.edp)}
 
 

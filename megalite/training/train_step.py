@@ -30,34 +30,36 @@ from megalite.parallel.groups import Group, ProcessGroups
 from megalite.parallel.loss_scaling import LossScaling
 from megalite.pipeline.executor import PipelinePass, PipelineRecord
 from megalite.pipeline.schedules import forward_backward
-from megalite.tensor_parallel.param_meta import param_meta
+from megalite.tensor_parallel.param_meta import FAMILIES, param_meta
 from megalite.training.batches import RunData, global_batch
 from megalite.training.resume import TrainState
 from megalite.training.timers import Timers
 
 
 def build_buffers(chunks: list[nn.Module], cfg: MegaliteConfig, pg: ProcessGroups) -> list[GradBuffer]:
-    """One contiguous gradient buffer per model chunk (a tied embedding in a bucket of its own), in chunk
-    order; then, for chunks with routed experts, one buffer of their weights reduced over expert-DP. With
-    sharded parameters, one bucket per layer and a ParamGatherer on the chunk."""
+    """Per parameter family (param_meta.FAMILIES: dense, then routed experts), one contiguous gradient
+    buffer per model chunk holding that family's parameters, reduced over the family's DP group, in chunk
+    order (a tied embedding in a bucket of its own). With sharded parameters (ZeRO-3) each buffer shards
+    its family over that group, one bucket per layer, gathered by a ParamGatherer of its own."""
     dd = cfg.ddp
     grad_dtype = torch.bfloat16 if dd.grad_reduce_in_bf16 else torch.float32
     common = dict(grad_dtype=grad_dtype, bucket_size=dd.ddp_bucket_size, distributed=dd.shards_optimizer,
                   overlap=dd.overlap_grad_reduce, shard_grads=dd.shards_grads)
-    buffers, experts = [], []
+    buffers: dict[str, list[GradBuffer]] = {name: [] for name in FAMILIES}
     for i, c in enumerate(chunks):
-        dense = [p for p in c.parameters() if not param_meta(p).expert]
-        buf = GradBuffer(dense, pg, separate=tied_embedding_params([c]),
-                         units=param_units(c) if dd.shards_params else None,
-                         compressor=make_compressor(dd.grad_compression, pg, dd.powersgd_rank,
-                                                    dd.grad_compression_warmup_steps), chunk=i, **common)
-        if buf.shard_params:
-            ParamGatherer(c, buf, pg, keep=dd.fsdp_keep_params_across_microbatches)
-        buffers.append(buf)
-        routed = [p for p in c.parameters() if param_meta(p).expert]
-        if routed:
-            experts.append(GradBuffer(routed, pg, kind=Group.EDP, chunk=i, **common))
-    return buffers + experts
+        for name, family in FAMILIES.items():
+            params = [p for p in c.parameters() if param_meta(p).family == family]
+            if not params:
+                continue
+            units = [[p for p in unit if param_meta(p).family == family] for unit in param_units(c)]
+            compressor = make_compressor(dd.grad_compression, pg, dd.powersgd_rank,
+                                         dd.grad_compression_warmup_steps) if family.compress else None
+            buf = GradBuffer(params, pg, separate=tied_embedding_params([c]), kind=family.dp_kind(pg),
+                             units=units if dd.shards_params else None, compressor=compressor, chunk=i, **common)
+            if buf.shard_params:
+                ParamGatherer(c, buf, pg, keep=dd.fsdp_keep_params_across_microbatches)
+            buffers[name].append(buf)
+    return [b for family_buffers in buffers.values() for b in family_buffers]
 
 
 def run_microbatches(chunks: list[nn.Module], microbatches: list[dict], pg: ProcessGroups,
