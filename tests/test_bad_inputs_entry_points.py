@@ -98,8 +98,9 @@ CASES = [
          "stage (1 = TP 1 x CP 1 x DP 1)"),
     case("pretrain-moe-dispatcher", "pretrain", f"{TINY} --mock-data {NULL} {MOE} --moe-token-dispatcher-type a2a",
          "--moe-token-dispatcher-type", "'a2a'"),
-    case("pretrain-moe-fsdp", "pretrain", f"{TINY} --mock-data {NULL} {MOE} --use-megatron-fsdp",
-         "--num-experts is not supported with --data-parallel-sharding-strategy optim_grads_params"),
+    case("pretrain-moe-pad-without-capacity", "pretrain",
+         f"{TINY} --mock-data {NULL} {MOE} --moe-pad-expert-input-to-capacity",
+         "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor"),
     # ---- tools/preprocess_data.py --------------------------------------------------------------------------
     case("preprocess-input-missing", "preprocess", f"--input {{d}}/nope.jsonl --output-prefix {{new}} {NULL}",
          "--input {d}/nope.jsonl: no such file"),
