@@ -1,4 +1,5 @@
-"""Run pretrain_gpt.py as users do (python or torchrun) and read the losses from its log lines; check that a
+"""Run pretrain_gpt.py as users do (python or torchrun) and read the losses from its log lines; hold a
+parallel run's log to the single-process run's (trained once per session for each command); check that a
 refused command failed by name and left the files it was given as they were."""
 
 from __future__ import annotations
@@ -9,7 +10,10 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Callable, Iterable
 from pathlib import Path
+
+from tests.asserts import assert_rel_close
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACEBACK = "Traceback (most recent call last)"
@@ -48,6 +52,38 @@ def moe_losses(proc: subprocess.CompletedProcess) -> dict[int, dict[str, float |
                          "grad_norm": float(m[5]) if m[5] else None} for m in MOE_LOG.finditer(proc.stdout)}
     assert found, f"no MoE log lines in:\n{proc.stdout[-2000:]}"
     return found
+
+
+Log = dict[int, tuple[float, float | None]] | dict[int, dict[str, float | None]]
+_SERIAL: dict[tuple, Log] = {}
+
+
+def serial_losses(args: list[str], parse: Callable[[subprocess.CompletedProcess], Log] = losses) -> Log:
+    """The log (``losses`` or ``moe_losses``) of the single-process run of ``args``, run once per session
+    however many layouts compare against it; it must hold every iteration 1..--train-iters."""
+    key = (tuple(args), parse.__name__)
+    if key not in _SERIAL:
+        log = parse(run_pretrain(args))
+        iters = int(args[max(i for i, a in enumerate(args) if a == "--train-iters") + 1])  # the last one counts
+        assert sorted(log) == list(range(1, iters + 1)), f"serial run logged iterations {sorted(log)}"
+        _SERIAL[key] = log
+    return _SERIAL[key]
+
+
+def _fields(entry: tuple | dict) -> dict[str, float | None]:
+    return entry if isinstance(entry, dict) else {"lm loss": entry[0], "grad norm": entry[1]}
+
+
+def assert_same_log_curves(parallel: Log, serial: Log, iters: Iterable[int], what: str, rtol: float = 1e-5) -> None:
+    """``parallel`` logged exactly the iterations ``iters``, and each of its fields (lm loss and grad norm;
+    an MoE log's load-balancing and z loss too) equals ``serial``'s there within ``rtol``."""
+    its = list(iters)
+    assert sorted(parallel) == its, f"{what}: logged iterations {sorted(parallel)}, not {its}"
+    missing = [i for i in its if i not in serial]
+    assert not missing, f"{what}: the serial run did not log iterations {missing}"
+    for name in _fields(serial[its[0]]):
+        assert_rel_close([_fields(parallel[i])[name] for i in its], [_fields(serial[i])[name] for i in its], rtol,
+                         f"{what} {name}")
 
 
 def load_tool(name: str):

@@ -4,7 +4,9 @@ A test names its runs as flat configs (``MegaliteConfig.from_flat`` keys, the la
 mock data. The single-process reference of a config is trained once per pytest session, in the test
 process, however many modules and point-to-point modes compare against it; the layouts train on real
 ranks, many per launch (one set of processes runs them one after another). ``assert_matches_serial``
-then holds every rank's loss and grad-norm curve to the reference.
+then holds every rank's loss and grad-norm curve to the reference. Where a test needs more of a run than its
+curves (bytes moved, what a rank holds), a per-run ``extract`` (a module-level function, so the ranks can
+unpickle it) reads it from the run's result and groups into ``Curve.extra``.
 """
 
 from __future__ import annotations
@@ -22,68 +24,88 @@ from megalite.config import validate
 from megalite.config.arguments import MegaliteConfig
 from megalite.launch.run import build_groups
 from megalite.parallel.groups import NCCL_SEMANTICS_ENV, ProcessGroups
-from megalite.training.loop import pretrain
+from megalite.training.loop import TrainResult, pretrain
 from tests.asserts import assert_rel_close
 from tests.harness import run_ranks
 from tests.tp_utils import mock_data
 
 P2P_MODES = ("gloo", "nccl_semantics")  # plain gloo, and NCCL's point-to-point rules emulated on gloo
+Extract = Callable[[TrainResult, ProcessGroups], Any]  # what else a test reads from a run
 
 
 @dataclass(frozen=True)
 class Curve:
     losses: list[float]
-    grad_norms: list[float]
+    grad_norms: list[float | None]
     valid_losses: list[tuple[int, float]]
+    extra: Any = None  # what the run's ``extract`` returned
 
 
 def _quiet(_: str) -> None:
     pass
 
 
-def train(flat: Mapping[str, Any], pg: ProcessGroups, world: int) -> Curve:
-    """Train the flat config on ``pg`` over mock data of its vocab, sequence, seed and length."""
+def train(flat: Mapping[str, Any], pg: ProcessGroups, world: int, extract: Extract | None = None,
+          local_world: int | None = None) -> Curve:
+    """Train the flat config on ``pg`` over mock data of its vocab, sequence, seed and length (validated
+    for ``world`` ranks, ``local_world`` of them per node)."""
     cfg = MegaliteConfig.from_flat(dict(flat))
-    validate(cfg, world)
+    validate(cfg, world, local_world_size=local_world)
     t = cfg.training
     data = mock_data(flat["vocab_size"], cfg.model.seq_length, t.seed, t.train_iters * t.global_batch_size)
     res = pretrain(cfg, pg, data=data, log=_quiet)
-    return Curve(list(res.losses), list(res.grad_norms), list(res.valid_losses))
+    extra = extract(res, pg) if extract is not None else None
+    return Curve(list(res.losses), list(res.grad_norms), list(res.valid_losses), extra)
 
 
 _SERIAL: dict[str, Curve] = {}
 
 
-def serial_curve(flat: Mapping[str, Any]) -> Curve:
+def serial_curve(flat: Mapping[str, Any], extract: Extract | None = None) -> Curve:
     """The single-process run of ``flat`` (its parallel flags are the caller's to leave out), trained once
-    per session in this process on one thread, as a rank trains."""
-    key = repr(sorted(flat.items()))
+    per session in this process on one thread, as a rank trains; ``extract`` fills ``Curve.extra``."""
+    key = repr((sorted(flat.items()), extract and f"{extract.__module__}.{extract.__qualname__}"))
     if key not in _SERIAL:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            _SERIAL[key] = train(flat, ProcessGroups.single(), 1)
+            _SERIAL[key] = train(flat, ProcessGroups.single(), 1, extract)
         finally:
             torch.set_num_threads(threads)
     return _SERIAL[key]
 
 
-def _train_all(rank: int, world: int, runs: dict[Any, dict[str, Any]], modes: dict[Any, str]) -> dict[Any, Curve]:
+def _train_all(rank: int, world: int, runs: dict[Any, dict[str, Any]], modes: dict[Any, str],
+               extract: dict[Any, Extract], prepare: Callable[[], None] | None,
+               local_world: int | None) -> dict[Any, Curve]:
+    if prepare is not None:
+        prepare()
+    launch_mode = os.environ.get(NCCL_SEMANTICS_ENV)
     out = {}
     for name, flat in runs.items():
         if name in modes:  # read when the run's groups are built
             os.environ[NCCL_SEMANTICS_ENV] = "1" if modes[name] == "nccl_semantics" else "0"
+        elif launch_mode is None:
+            os.environ.pop(NCCL_SEMANTICS_ENV, None)
+        else:
+            os.environ[NCCL_SEMANTICS_ENV] = launch_mode
         cfg = MegaliteConfig.from_flat(dict(flat))
-        out[name] = train(flat, build_groups(cfg, world, rank), world)
+        pg = build_groups(cfg, world, rank, local_world)
+        out[name] = train(flat, pg, world, extract.get(name), local_world)
     return out
 
 
 def layout_curves(world: int, runs: dict[Any, dict[str, Any]], modes: Mapping[Any, str] | None = None,
-                  timeout: float = 400.0) -> list[dict[Any, Curve]]:
+                  timeout: float = 400.0, *, extract: Mapping[Any, Extract] | None = None,
+                  prepare: Callable[[], None] | None = None, local_world: int | None = None
+                  ) -> list[dict[Any, Curve]]:
     """Every run of ``runs`` (name -> flat config) trained on the same ``world`` ranks, one after another;
     per rank, name -> Curve. ``modes`` gives a run its point-to-point mode (P2P_MODES); the others run in
-    the mode of the launch."""
-    return run_ranks(_train_all, world, runs, dict(modes or {}), timeout=timeout)
+    the mode of the launch. ``extract`` gives a run what to read into ``Curve.extra``; ``prepare`` runs
+    once in each rank before the runs (e.g. to make the process look like another torch); ``local_world``
+    ranks share a node (default: all)."""
+    return run_ranks(_train_all, world, runs, dict(modes or {}), dict(extract or {}), prepare, local_world,
+                     timeout=timeout)
 
 
 @contextlib.contextmanager

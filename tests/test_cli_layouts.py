@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.asserts import assert_rel_close
-from tests.cli_utils import losses, run_pretrain
+from tests.cli_utils import assert_same_log_curves, losses, run_pretrain, serial_losses
 
 COMMON = ["--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "8", "--lr", "1e-3",
           "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000", "--hidden-dropout", "0",
@@ -41,9 +40,6 @@ CASES = {
     "ep2_alltoall": (MOE, ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"], 2),
     "ep2_allgather": (MOE, ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "allgather"], 2),
 }
-_serial: dict[tuple, dict] = {}
-
-
 PIPELINE_CASES = [c for c in sorted(CASES) if "--pipeline-model-parallel-size" in CASES[c][1]]
 
 
@@ -61,11 +57,6 @@ def test_torchrun_pipelines_match_under_nccl_semantics(case):
 
 def _check(case: str, env: dict | None = None) -> None:
     model, layout, nproc = CASES[case]
-    if tuple(model) not in _serial:  # one single-process run per model serves every layout
-        _serial[tuple(model)] = losses(run_pretrain(COMMON + model))
-    serial = _serial[tuple(model)]
     parallel = losses(run_pretrain(COMMON + model + layout, nproc=nproc, env=env))
-    assert sorted(parallel) == sorted(serial) == list(range(1, 9))
-    its = sorted(serial)
-    for i, what in enumerate(("lm loss", "grad norm")):
-        assert_rel_close([parallel[it][i] for it in its], [serial[it][i] for it in its], 1e-5, f"{case} {what}")
+    # one single-process run per model serves every layout
+    assert_same_log_curves(parallel, serial_losses(COMMON + model), range(1, 9), case)

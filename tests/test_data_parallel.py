@@ -9,16 +9,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megalite.config import validate
 from megalite.config.arguments import MegaliteConfig
 from megalite.config.model import ModelConfig
 from megalite.distributed.finalize import finalize_grads
 from megalite.distributed.grad_buffer import GradBuffer
 from megalite.optimizer.optimizer import MegaliteOptimizer
-from megalite.training.loop import pretrain
-from tests.asserts import assert_rel_close
+from megalite.parallel.groups import ProcessGroups
+from megalite.training.loop import TrainResult
 from tests.harness import run_ranks
-from tests.tp_utils import GPT2, LLAMA_GQA, build, groups_for, layout_cfg, mock_data
+from tests.layouts import assert_matches_serial, layout_curves, serial_curve
+from tests.tp_utils import GPT2, LLAMA_GQA, build, groups_for, layout_cfg, layout_flat
 
 VOCAB = 500
 ITERS = 10
@@ -41,47 +41,40 @@ def make_cfg(tp: int = 1, pp: int = 1, **extra) -> MegaliteConfig:
     return layout_cfg(MODEL, vocab=VOCAB, iters=ITERS, tp=tp, pp=pp, **extra)
 
 
-def _run(rank: int, world: int) -> dict:
-    data = mock_data(VOCAB, MODEL["seq_length"], 1234, ITERS * 8)
-    quiet = lambda s: None  # noqa: E731
-    cfg = make_cfg()
-    validate(cfg, 1)
-    ref = pretrain(cfg, groups_for(1, 0), data=data, log=quiet)
-    out = {"serial": (ref.losses, ref.grad_norms)}
-    for name, (tp, pp, extra) in LAYOUTS.items():
-        cfg = make_cfg(tp, pp, **extra)
-        validate(cfg, world)
-        pg = groups_for(world, rank, tp=tp, pp=pp)
-        res = pretrain(cfg, pg, data=data, log=quiet)
-        out[name] = (res.losses, res.grad_norms)
-        if name == "dp4":
-            grad_bytes = sum(b.grad_data.numel() * 4 for b in res.optimizer.buffers)
-            out["dp_bytes"] = (pg.comm_bytes[("dp", "grad_all_reduce")], grad_bytes * ITERS)
-        if name == "dp4_distopt":
-            param_bytes = sum(b.param_data.numel() * 4 for b in res.optimizer.buffers)
-            moved = pg.comm_bytes[("dp", "grad_reduce_scatter")] + pg.comm_bytes[("dp", "param_all_gather")]
-            out["dp_bytes_distopt"] = (moved, 2 * param_bytes * ITERS)
-    return out
+def flat(tp: int = 1, pp: int = 1, **extra) -> dict:
+    return layout_flat(MODEL, vocab=VOCAB, iters=ITERS, tp=tp, pp=pp, **extra)
+
+
+def _all_reduce_bytes(res: TrainResult, pg: ProcessGroups) -> tuple[int, int]:
+    """(DP bytes all-reduced, the gradient buffer's bytes once per step)."""
+    grad_bytes = sum(b.grad_data.numel() * 4 for b in res.optimizer.buffers)
+    return pg.comm_bytes[("dp", "grad_all_reduce")], grad_bytes * ITERS
+
+
+def _distopt_bytes(res: TrainResult, pg: ProcessGroups) -> tuple[int, int]:
+    """(DP bytes reduce-scattered and all-gathered, the parameter buffer's bytes twice per step)."""
+    param_bytes = sum(b.param_data.numel() * 4 for b in res.optimizer.buffers)
+    moved = pg.comm_bytes[("dp", "grad_reduce_scatter")] + pg.comm_bytes[("dp", "param_all_gather")]
+    return moved, 2 * param_bytes * ITERS
 
 
 @pytest.fixture(scope="module")
 def curves() -> list[dict]:
-    return run_ranks(_run, 4, timeout=400)
+    runs = {name: flat(tp, pp, **extra) for name, (tp, pp, extra) in LAYOUTS.items()}
+    return layout_curves(4, runs, extract={"dp4": _all_reduce_bytes, "dp4_distopt": _distopt_bytes})
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_dp_loss_curve_and_grad_norm_match_serial(curves, layout):
-    for rank, c in enumerate(curves):
-        for i, name in enumerate(("loss", "grad norm")):
-            assert_rel_close(c[layout][i], c["serial"][i], 1e-5, f"rank {rank} {layout} {name} vs serial")
+    assert_matches_serial(curves, layout, serial_curve(flat()), ITERS)
 
 
 def test_gradient_buffer_reduced_once_per_step(curves):
     # 8 micro-batches per step at DP=1, 2 per DP rank at DP=4: still one reduction of the buffer per step.
     for c in curves:
-        measured, expected = c["dp_bytes"]
+        measured, expected = c["dp4"].extra
         assert measured == expected
-        measured, expected = c["dp_bytes_distopt"]
+        measured, expected = c["dp4_distopt"].extra
         assert measured == expected  # reduce-scatter + all-gather move the same volume as one all-reduce
 
 

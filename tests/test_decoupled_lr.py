@@ -9,8 +9,6 @@ schedule every other parameter follows (tests/test_lr_schedule.py checks the rat
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -20,12 +18,13 @@ from megalite.config.model import ModelConfig
 from megalite.model.build import build_model
 from megalite.model.gpt import GPTModel
 from megalite.optimizer.optimizer import param_groups
+from megalite.parallel.groups import ProcessGroups
 from megalite.tensor_parallel.context import BuildContext
 from megalite.tensor_parallel.param_meta import param_meta
 from megalite.tensor_parallel.random import RNGTracker, model_parallel_seed
-from megalite.training.loop import pretrain
+from megalite.training.loop import TrainResult, pretrain
 from tests.asserts import assert_rel_close
-from tests.harness import run_ranks
+from tests.layouts import layout_curves, serial_curve
 from tests.tp_utils import GPT2, groups_for, mock_data
 
 VOCAB = 200
@@ -35,11 +34,14 @@ DECOUPLED = {"decoupled_lr": 1e-2, "decoupled_min_lr": 1e-3}
 QUIET = lambda s: None  # noqa: E731
 
 
-def make_cfg(iters: int = 6, dp: int = 1, **extra) -> MegaliteConfig:
-    return MegaliteConfig.from_flat(dict(
-        MODEL, micro_batch_size=1, global_batch_size=4, train_iters=iters, lr=3e-3, min_lr=3e-4, lr_warmup_iters=2,
-        lr_decay_iters=8, log_interval=5, eval_iters=0, eval_interval=1000, mock_data=True, vocab_size=VOCAB,
-        seed=1234, **extra))
+def flat(iters: int = 6, **extra) -> dict:
+    return dict(MODEL, micro_batch_size=1, global_batch_size=4, train_iters=iters, lr=3e-3, min_lr=3e-4,
+                lr_warmup_iters=2, lr_decay_iters=8, log_interval=5, eval_iters=0, eval_interval=1000, mock_data=True,
+                vocab_size=VOCAB, seed=1234, **extra)
+
+
+def make_cfg(iters: int = 6, **extra) -> MegaliteConfig:
+    return MegaliteConfig.from_flat(flat(iters, **extra))
 
 
 def train(cfg: MegaliteConfig, world: int = 1, rank: int = 0):
@@ -79,32 +81,25 @@ def test_decoupled_lr_zero_freezes_embedding_and_output_only():
     assert frozen == {"embedding.word.weight", "output_layer.weight"}, frozen
 
 
-def _dp2(rank: int, world: int, root: str) -> dict:
-    out = {}
-    if rank == 0:
-        res = train(make_cfg(**DECOUPLED))
-        out["serial"] = (res.losses, res.grad_norms)
-        out["plain"] = train(make_cfg()).losses
-    dist = dict(DECOUPLED, use_distributed_optimizer=True)
-    res = train(make_cfg(**dist), world, rank)
-    out["dp2"] = (res.losses, res.grad_norms)
-    out["groups"] = {g["is_decoupled_lr"] for g in res.optimizer.adam.param_groups if g["params"]}
-    ck = os.path.join(root, "ck")
-    train(make_cfg(exit_interval=3, save=ck, **dist), world, rank)
-    out["resumed"] = train(make_cfg(load=ck, **dist), world, rank).losses
-    return out
+def _group_kinds(res: TrainResult, pg: ProcessGroups) -> set[bool]:
+    """Whether this rank's optimizer shard holds decoupled parameters, plain ones, or both."""
+    return {g["is_decoupled_lr"] for g in res.optimizer.adam.param_groups if g["params"]}
 
 
 def test_dp2_distributed_optimizer_matches_serial_and_resumes(tmp_path):
-    runs = run_ranks(_dp2, 2, str(tmp_path), timeout=300)
-    serial, serial_norms = runs[0]["serial"]
-    assert any(abs(a - b) > 1e-6 for a, b in zip(runs[0]["plain"], serial)), "the decoupled rate changed nothing"
-    for rank, r in enumerate(runs):
-        losses, norms = r["dp2"]
-        assert_rel_close(losses, serial, 1e-5, f"rank {rank}: DP2 distributed optimizer vs serial")
-        assert_rel_close(norms, serial_norms, 1e-5, f"rank {rank}: grad norm vs serial")
-        assert r["groups"] == {True, False}, f"rank {rank}: its shard should span both kinds of parameter"
-        assert r["resumed"] == losses[3:], f"rank {rank}: resumed run differs from the uninterrupted one"
+    dist = dict(DECOUPLED, use_distributed_optimizer=True)
+    ck = str(tmp_path / "ck")
+    runs = {"dp2": flat(**dist), "save": flat(exit_interval=3, save=ck, **dist), "resumed": flat(load=ck, **dist)}
+    curves = layout_curves(2, runs, extract={"dp2": _group_kinds}, timeout=300)
+    serial = serial_curve(flat(**DECOUPLED))
+    assert any(abs(a - b) > 1e-6 for a, b in zip(serial_curve(flat()).losses, serial.losses)), \
+        "the decoupled rate changed nothing"
+    for rank, r in enumerate(curves):
+        losses, norms = r["dp2"].losses, r["dp2"].grad_norms
+        assert_rel_close(losses, serial.losses, 1e-5, f"rank {rank}: DP2 distributed optimizer vs serial")
+        assert_rel_close(norms, serial.grad_norms, 1e-5, f"rank {rank}: grad norm vs serial")
+        assert r["dp2"].extra == {True, False}, f"rank {rank}: its shard should span both kinds of parameter"
+        assert r["resumed"].losses == losses[3:], f"rank {rank}: resumed run differs from the uninterrupted one"
 
 
 @pytest.mark.parametrize("flags,message", [

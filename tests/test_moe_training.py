@@ -21,7 +21,7 @@ from __future__ import annotations
 import pytest
 
 from tests.asserts import assert_rel_close
-from tests.cli_utils import moe_losses, run_pretrain
+from tests.cli_utils import assert_same_log_curves, moe_losses, run_pretrain, serial_losses
 
 MODEL = ("--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
          "--global-batch-size 8 --mock-data --vocab-size 128 --tokenizer-type NullTokenizer --hidden-dropout 0 "
@@ -71,44 +71,42 @@ def curves(log: dict, keys=("lm", "lb", "z", "grad_norm")) -> dict[str, list]:
     return {k: [log[i][k] for i in sorted(log)] for k in keys}
 
 
+def args(flags: list[str], iters: int) -> list[str]:
+    return [*MODEL, "--train-iters", str(iters), *flags]
+
+
 def run(flags: list[str], iters: int, nproc: int = 1, env: dict | None = None) -> dict:
-    log = moe_losses(run_pretrain([*MODEL, "--train-iters", str(iters), *flags], nproc=nproc, env=env))
+    log = moe_losses(run_pretrain(args(flags, iters), nproc=nproc, env=env))
     assert sorted(log) == list(range(1, iters + 1)), sorted(log)
     return log
 
 
-@pytest.fixture(scope="module")
 def serial_a() -> dict:
-    return run([], ITERS_A)
+    return serial_losses(args([], ITERS_A), moe_losses)
 
 
-@pytest.fixture(scope="module")
 def serial_b() -> dict:
-    return run(MODEL_B, ITERS_B)
-
-
-def check(got: dict, want: dict, rtol: float = 1e-5) -> None:
-    for key, w in curves(want).items():
-        assert_rel_close(curves(got)[key], w, rtol, what=key)
+    return serial_losses(args(MODEL_B, ITERS_B), moe_losses)
 
 
 @pytest.mark.parametrize("case", list(CASES_A))
-def test_model_a_equals_single_process(serial_a, case):
+def test_model_a_equals_single_process(case):
     nproc, flags, env = CASES_A[case]
-    check(run(flags, ITERS_A, nproc, env), serial_a)
+    assert_same_log_curves(run(flags, ITERS_A, nproc, env), serial_a(), range(1, ITERS_A + 1), case)
 
 
 @pytest.mark.parametrize("case", list(CASES_B))
-def test_model_b_equals_single_process(serial_b, case):
-    assert all(serial_b[i]["z"] is not None for i in serial_b)  # the z loss is logged
+def test_model_b_equals_single_process(case):
+    serial = serial_b()
+    assert all(serial[i]["z"] is not None for i in serial)  # the z loss is logged
     nproc, flags, env = CASES_B[case]
-    check(run([*MODEL_B, *flags], ITERS_B, nproc, env), serial_b)
+    assert_same_log_curves(run([*MODEL_B, *flags], ITERS_B, nproc, env), serial, range(1, ITERS_B + 1), case)
 
 
-def test_grad_compression_keeps_expert_gradients_exact(serial_a):
+def test_grad_compression_keeps_expert_gradients_exact():
     """int8 compresses the dense DP all-reduce only; the run stays close to fp32."""
     got = run(["--expert-model-parallel-size", "2", "--grad-compression", "int8", *A2A], 3, nproc=2)
-    want = {i: serial_a[i] for i in range(1, 4)}
+    want = {i: serial_a()[i] for i in range(1, 4)}
     assert_rel_close(curves(got)["lm"], curves(want)["lm"], 1e-3, what="lm")
 
 

@@ -23,11 +23,13 @@ import torch
 from megalite.config import validate
 from megalite.config.arguments import MegaliteConfig
 from megalite.config.validate import ConfigError
-from megalite.training.loop import pretrain
+from megalite.parallel.groups import ProcessGroups
+from megalite.training.loop import TrainResult, pretrain
 from tests.asserts import assert_rel_close
-from tests.cli_utils import losses, run_pretrain
+from tests.cli_utils import assert_same_log_curves, losses, run_pretrain, serial_losses
 from tests.harness import run_ranks
-from tests.tp_utils import LLAMA_GQA, groups_for, layout_cfg, mock_data
+from tests.layouts import assert_matches_serial, layout_curves, serial_curve
+from tests.tp_utils import LLAMA_GQA, groups_for, layout_cfg, layout_flat, mock_data
 
 VOCAB = 500
 ITERS = 10
@@ -60,12 +62,14 @@ def make_cfg(tp: int = 1, pp: int = 1, **extra) -> MegaliteConfig:
     return layout_cfg(MODEL, vocab=VOCAB, iters=ITERS, tp=tp, pp=pp, **extra)
 
 
-def with_eval(cfg: MegaliteConfig) -> MegaliteConfig:
-    cfg.training.eval_iters, cfg.training.eval_interval = 2, 5
-    return cfg
+def flat(tp: int = 1, pp: int = 1, **extra) -> dict:
+    return layout_flat(MODEL, vocab=VOCAB, iters=ITERS, tp=tp, pp=pp, **extra)
 
 
-def _held(res, pg) -> dict:
+EVAL = {"eval_iters": 2, "eval_interval": 5}  # forward-only passes gather and free layers too
+
+
+def _held(res: TrainResult, pg: ProcessGroups) -> dict:
     """What this rank holds after the last step, and the DP bytes of a step against the formula."""
     bufs = res.optimizer.buffers
     numel = sum(b.numel for b in bufs)
@@ -85,49 +89,28 @@ def _held(res, pg) -> dict:
         dp_formula=(m * g, gathers * p))
 
 
-def _run(rank: int, world: int) -> dict:
-    data = mock_data(VOCAB, MODEL["seq_length"], 1234, ITERS * 8)
-    cfg = make_cfg()
-    validate(cfg, 1)
-    ref = pretrain(cfg, groups_for(1, 0), data=data, log=QUIET)
-    out = {"serial": (ref.losses, ref.grad_norms)}
-    for name, (tp, pp, extra) in LAYOUTS.items():
-        cfg = make_cfg(tp, pp, **extra)
-        validate(cfg, world)
-        pg = groups_for(world, rank, tp=tp, pp=pp)
-        res = pretrain(cfg, pg, data=data, log=QUIET)
-        out[name] = (res.losses, res.grad_norms)
-        out[f"{name}/held"] = _held(res, pg)
-    cfg = with_eval(make_cfg())  # forward-only passes gather and free layers too
-    validate(cfg, 1)
-    out["serial_eval"] = pretrain(cfg, groups_for(1, 0), data=data, log=QUIET).valid_losses
-    cfg = with_eval(make_cfg(2, 1, **Z3))
-    validate(cfg, world)
-    out["tp2_dp2_z3_eval"] = pretrain(cfg, groups_for(world, rank, tp=2), data=data, log=QUIET).valid_losses
-    for name, extra in LOW_PRECISION.items():
-        cfg = make_cfg(**extra)
-        validate(cfg, world)
-        res = pretrain(cfg, groups_for(world, rank), data=data, log=QUIET)
-        out[name] = (res.losses, res.skipped_iterations)
-    return out
+def _skipped(res: TrainResult, pg: ProcessGroups) -> int:
+    return res.skipped_iterations
 
 
 @pytest.fixture(scope="module")
 def curves() -> list[dict]:
-    return run_ranks(_run, 4, timeout=600)
+    runs = {name: flat(tp, pp, **extra) for name, (tp, pp, extra) in LAYOUTS.items()}
+    runs["tp2_dp2_z3_eval"] = flat(2, 1, **Z3, **EVAL)
+    runs.update({name: flat(**extra) for name, extra in LOW_PRECISION.items()})
+    extract = {**{name: _held for name in LAYOUTS}, **{name: _skipped for name in LOW_PRECISION}}
+    return layout_curves(4, runs, extract=extract, timeout=600)
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_sharded_loss_curve_and_grad_norm_match_serial(curves, layout):
-    for rank, c in enumerate(curves):
-        for i, what in enumerate(("loss", "grad norm")):
-            assert_rel_close(c[layout][i], c["serial"][i], 1e-5, f"rank {rank} {layout} {what} vs serial")
+    assert_matches_serial(curves, layout, serial_curve(flat()), ITERS)
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_rank_holds_only_its_shards_and_dp_bytes_follow_the_formula(curves, layout):
     for rank, c in enumerate(curves):
-        h = c[f"{layout}/held"]
+        h = c[layout].extra
         assert h["grad_numel"] * h["dp"] == h["numel"], f"rank {rank}: gradient storage is not the 1/d shard"
         assert h["no_grads"], f"rank {rank}: a full .grad outlived the step"
         if h["param_shard"] is not None:
@@ -137,19 +120,21 @@ def test_rank_holds_only_its_shards_and_dp_bytes_follow_the_formula(curves, layo
 
 
 def test_sharded_evaluation_matches_serial(curves):
+    serial_eval = serial_curve(flat(**EVAL)).valid_losses
     for rank, c in enumerate(curves):
-        assert [i for i, _ in c["tp2_dp2_z3_eval"]] == [i for i, _ in c["serial_eval"]] == [5, 10]
-        assert_rel_close([v for _, v in c["tp2_dp2_z3_eval"]], [v for _, v in c["serial_eval"]], 1e-5,
-                         f"rank {rank} validation loss")
+        got = c["tp2_dp2_z3_eval"].valid_losses
+        assert [i for i, _ in got] == [i for i, _ in serial_eval] == [5, 10]
+        assert_rel_close([v for _, v in got], [v for _, v in serial_eval], 1e-5, f"rank {rank} validation loss")
 
 
 @pytest.mark.parametrize("name", sorted(LOW_PRECISION))
 def test_low_precision_sharded_loss_falls(curves, name):
+    serial = serial_curve(flat())
     for rank, c in enumerate(curves):
-        loss, skipped = c[name]
+        loss, skipped = c[name].losses, c[name].extra
         assert skipped < ITERS // 2, f"rank {rank} {name}: {skipped} skipped steps"
         assert sum(loss[-3:]) / 3 < sum(loss[:3]) / 3, f"rank {rank} {name}: loss does not fall: {loss}"
-        assert_rel_close(loss, c["serial"][0], 5e-2, f"rank {rank} {name} near the fp32 curve")
+        assert_rel_close(loss, serial.losses, 5e-2, f"rank {rank} {name} near the fp32 curve")
 
 
 # ---- checkpoints reshard between strategies and DP sizes ----------------------------------------
@@ -171,7 +156,7 @@ def _ckpt_run(rank: int, world: int, name: str, **kw) -> list[float] | None:
 
 
 def _resume(rank: int, world: int, root: str) -> dict:
-    out = {"straight": _ckpt_run(rank, world, "serial")}
+    out = {}
     for src in {s for s, _ in RESUMES}:
         _ckpt_run(rank, world, src, exit_interval=5, save=os.path.join(root, src))
     for src, dst in RESUMES:
@@ -186,7 +171,7 @@ def resumed(tmp_path_factory) -> list[dict]:
 
 @pytest.mark.parametrize("src,dst", RESUMES)
 def test_checkpoint_reshards_between_strategies_and_dp_sizes(resumed, src, dst):
-    want = resumed[0]["straight"][5:]
+    want = serial_curve(flat()).losses[5:]  # the uninterrupted run
     got = resumed[0 if dst == "serial" else 3][(src, dst)]
     assert len(got) == 5
     assert_rel_close(got, want, 1e-5, f"saved {src}, resumed {dst}")
@@ -226,19 +211,11 @@ CLI = {  # name -> (flags, ranks)
 }
 
 
-@pytest.fixture(scope="module")
-def serial_cli() -> dict:
-    return losses(run_pretrain(COMMON))
-
-
 @pytest.mark.parametrize("case", sorted(CLI))
-def test_torchrun_sharded_matches_single_process(serial_cli, case):
+def test_torchrun_sharded_matches_single_process(case):
     flags, nproc = CLI[case]
     parallel = losses(run_pretrain(COMMON + flags, nproc=nproc))
-    assert sorted(parallel) == sorted(serial_cli) == list(range(1, ITERS + 1))
-    for i, what in enumerate(("lm loss", "grad norm")):
-        assert_rel_close([parallel[it][i] for it in range(1, ITERS + 1)],
-                         [serial_cli[it][i] for it in range(1, ITERS + 1)], 1e-5, f"{case} {what}")
+    assert_same_log_curves(parallel, serial_losses(COMMON), range(1, ITERS + 1), case)
 
 
 def test_placeholder_poisons_a_use_of_an_ungathered_weight():

@@ -18,14 +18,14 @@ import sys
 import pytest
 
 from megalite.config import ConfigError, parse_args, validate
-from megalite.config.arguments import MegaliteConfig
 from megalite.parallel.groups import ProcessGroups
 from megalite.parallel.layout import RankLayout
 from megalite.parallel.report import announce_layout, placement_warnings
-from megalite.training.loop import pretrain
+from megalite.training.loop import TrainResult
 from tests.asserts import assert_rel_close
 from tests.harness import run_ranks
-from tests.tp_utils import LLAMA_GQA, layout_cfg, mock_data
+from tests.layouts import layout_curves, serial_curve
+from tests.tp_utils import LLAMA_GQA, layout_flat
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -171,57 +171,50 @@ LAYOUTS = {
 }
 
 
-def make_cfg(tp: int = 1, pp: int = 1, **extra) -> MegaliteConfig:
-    return layout_cfg(MODEL, vocab=VOCAB, iters=ITERS, tp=tp, pp=pp, **extra)
+def flat(tp: int = 1, pp: int = 1, **extra) -> dict:
+    return layout_flat(MODEL, vocab=VOCAB, iters=ITERS, tp=tp, pp=pp, **extra)
 
 
-def _run(rank: int, world: int) -> dict:
-    data = mock_data(VOCAB, MODEL["seq_length"], 1234, ITERS * 8)
-    quiet = lambda s: None  # noqa: E731
-    cfg = make_cfg()
-    validate(cfg, 1)
-    out = {"serial": pretrain(cfg, ProcessGroups.single(), data=data, log=quiet).losses}
-    for name, (tp, pp, order, hier, extra) in LAYOUTS.items():
-        cfg = make_cfg(tp, pp, hierarchical_dp_reduce=hier, use_tp_pp_dp_mapping=order == "tp-cp-pp-dp", **extra)
-        validate(cfg, world, local_world_size=2)
-        layout = RankLayout(world, tp, pp, order=cfg.parallel.layout_order, local_world_size=2)
-        pg = ProcessGroups.build(layout, rank, hierarchical_dp=hier)
-        res = pretrain(cfg, pg, data=data, log=quiet)
-        out[name] = res.losses
-        if name == "dp4_hier":
-            buffer_bytes = sum(b.grad_data.numel() * 4 for b in res.optimizer.buffers) * ITERS
-            out["hier_bytes"] = {k: v for k, v in pg.comm_bytes.items() if k[1].startswith("grad")}, buffer_bytes
-    # Start-up report: rank 0 prints the table; a TP group over both "nodes" and a cyclic placement warn.
-    printed: list[str] = []
-    pg = ProcessGroups.build(RankLayout(world, 4, local_world_size=2), rank)
-    os.environ["GROUP_RANK"] = str(rank % 2)  # as if the launcher dealt ranks round-robin over 2 nodes
-    out["warnings"] = announce_layout(pg, print_layout=True, say=printed.append)
-    out["printed"] = printed
-    return out
+def _grad_bytes(res: TrainResult, pg: ProcessGroups) -> tuple[dict, int]:
+    """(bytes of each gradient collective, the gradient buffer's bytes over the run)."""
+    buffer_bytes = sum(b.grad_data.numel() * 4 for b in res.optimizer.buffers) * ITERS
+    return {k: v for k, v in pg.comm_bytes.items() if k[1].startswith("grad")}, buffer_bytes
 
 
 @pytest.fixture(scope="module")
 def curves() -> list[dict]:
-    return run_ranks(_run, 4, timeout=400)
+    runs = {name: flat(tp, pp, hierarchical_dp_reduce=hier, use_tp_pp_dp_mapping=order == "tp-cp-pp-dp", **extra)
+            for name, (tp, pp, order, hier, extra) in LAYOUTS.items()}
+    return layout_curves(4, runs, extract={"dp4_hier": _grad_bytes}, local_world=2)
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_hierarchical_dp_and_tp_pp_dp_mapping_match_serial(curves, layout):
+    serial = serial_curve(flat()).losses
     for rank, c in enumerate(curves):
-        for ref in ("serial", "dp4_flat"):
-            assert len(c[layout]) == ITERS
-            assert_rel_close(c[layout], c[ref], 1e-5, f"rank {rank} {layout} vs {ref}")
+        for ref, want in (("serial", serial), ("dp4_flat", c["dp4_flat"].losses)):
+            assert len(c[layout].losses) == ITERS
+            assert_rel_close(c[layout].losses, want, 1e-5, f"rank {rank} {layout} vs {ref}")
 
 
 def test_hierarchical_sends_one_kth_across_nodes(curves):
     for c in curves:
-        moved, buffer_bytes = c["hier_bytes"]
+        moved, buffer_bytes = c["dp4_hier"].extra
         assert moved == {("dp_intra", "grad_reduce_scatter"): buffer_bytes,
                          ("dp_inter", "grad_all_reduce"): buffer_bytes // 2,  # k = 2 DP ranks per node
                          ("dp_intra", "grad_all_gather"): buffer_bytes}
 
 
-def test_startup_report_prints_layout_and_warns(curves):
+def _report(rank: int, world: int) -> dict:
+    """Start-up report: rank 0 prints the table; a TP group over both "nodes" and a cyclic placement warn."""
+    printed: list[str] = []
+    pg = ProcessGroups.build(RankLayout(world, 4, local_world_size=2), rank)
+    os.environ["GROUP_RANK"] = str(rank % 2)  # as if the launcher dealt ranks round-robin over 2 nodes
+    return {"warnings": announce_layout(pg, print_layout=True, say=printed.append), "printed": printed}
+
+
+def test_startup_report_prints_layout_and_warns():
+    curves = run_ranks(_report, 4)
     text = "\n".join(curves[0]["printed"])
     assert "tp groups: 1 of 4 ranks" in text and "ranks [0, 1, 2, 3] on nodes [0, 1]   <- crosses nodes" in text
     assert "WARNING: tensor-parallel group [0, 1, 2, 3] spans nodes [0, 1]" in text

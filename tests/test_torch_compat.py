@@ -10,8 +10,6 @@ has no attribute all_gather_single'."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -19,12 +17,10 @@ import torch.nn.functional as F
 
 from megalite import compat
 from megalite.config import validate
-from megalite.parallel.groups import NCCL_SEMANTICS_ENV, ProcessGroups
-from megalite.parallel.layout import RankLayout
-from megalite.training.loop import pretrain
 from tests.asserts import assert_rel_close
 from tests.harness import run_ranks
-from tests.tp_utils import LLAMA_GQA, layout_cfg, mock_data
+from tests.layouts import layout_curves, serial_curve
+from tests.tp_utils import LLAMA_GQA, layout_cfg, layout_flat
 
 VOCAB, ITERS = 128, 4
 DENSE = {**LLAMA_GQA, "seq_length": 32}
@@ -75,49 +71,35 @@ def hide_newer_apis() -> None:
     compat.reset()
 
 
-def _curve(cfg, pg: ProcessGroups, model: str) -> tuple[list, list]:
-    data = mock_data(VOCAB, cfg.model.seq_length, 1234, ITERS * 8)
-    res = pretrain(cfg, pg, data=data, log=lambda s: None)
-    return res.losses, res.grad_norms
-
-
-def _train(rank: int, world: int) -> dict:
-    out = {}
-    for model, kw in MODELS.items():  # the reference: one process, every API present
-        cfg = layout_cfg(kw, vocab=VOCAB, iters=ITERS)
-        validate(cfg, 1)
-        out[("serial", model)] = _curve(cfg, ProcessGroups.single(), model)
+def _older_torch() -> None:
+    """Each rank, before its runs: the newer APIs hidden, and compat seeing them gone."""
     hide_newer_apis()
     assert not compat.grouped_mm_supported("cpu", torch.float32) and compat.cpu_flash_attention() is None
     assert not compat.sdpa_has_gqa()
-    for name, (model, tp, pp, cp, ep, extra, nccl) in LAYOUTS.items():
-        cfg = layout_cfg(MODELS[model], vocab=VOCAB, iters=ITERS, tp=tp, pp=pp, context_parallel_size=cp,
-                         expert_model_parallel_size=ep, **extra)
-        validate(cfg, world)
-        if nccl:
-            os.environ[NCCL_SEMANTICS_ENV] = "1"
-        try:
-            pg = ProcessGroups.build(RankLayout(world, tp, pp, cp, ep=ep), rank)
-            out[name] = _curve(cfg, pg, model)
-        finally:
-            os.environ.pop(NCCL_SEMANTICS_ENV, None)
-    return out
+
+
+def flat(model: str, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, **extra) -> dict:
+    return layout_flat(MODELS[model], vocab=VOCAB, iters=ITERS, tp=tp, pp=pp, context_parallel_size=cp,
+                       expert_model_parallel_size=ep, **extra)
 
 
 @pytest.fixture(scope="module")
 def curves() -> list[dict]:
-    return run_ranks(_train, 2, timeout=400)
+    runs = {name: flat(model, tp, pp, cp, ep, **extra) for name, (model, tp, pp, cp, ep, extra, _) in LAYOUTS.items()}
+    modes = {name: "nccl_semantics" if nccl else "gloo" for name, (*_, nccl) in LAYOUTS.items()}
+    return layout_curves(2, runs, modes, prepare=_older_torch)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_older_torch_api_trains_the_serial_curve(curves, layout):
-    model = LAYOUTS[layout][0]
+    # the reference: one process (this one, which hides nothing), every API present
+    assert not any(isinstance(where, _Without) for where, _ in compat.OPTIONAL_APIS.values())
+    ref = serial_curve(layout_flat(MODELS[LAYOUTS[layout][0]], vocab=VOCAB, iters=ITERS))
+    assert len(set(ref.losses)) == ITERS
     for rank, c in enumerate(curves):
-        ref_loss, ref_norm = c[("serial", model)]
-        assert len(set(ref_loss)) == ITERS
-        loss, norm = c[layout]
-        assert_rel_close(loss, ref_loss, 1e-5, f"{layout} rank {rank}: loss vs serial (newer APIs hidden)")
-        assert_rel_close(norm, ref_norm, 1e-5, f"{layout} rank {rank}: grad norm vs serial")
+        assert_rel_close(c[layout].losses, ref.losses, 1e-5,
+                         f"{layout} rank {rank}: loss vs serial (newer APIs hidden)")
+        assert_rel_close(c[layout].grad_norms, ref.grad_norms, 1e-5, f"{layout} rank {rank}: grad norm vs serial")
 
 
 # ---- each fallback against the API it replaces, in one process ----------------------------------------
