@@ -4,8 +4,10 @@ refused command failed by name and left the files it was given as they were."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
+import io
 import os
 import re
 import subprocess
@@ -29,6 +31,36 @@ def run_pretrain(args: list[str], nproc: int = 1, timeout: float = 300, env: dic
                str(ROOT / "pretrain_gpt.py"), *args]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=full_env)
+
+
+def _pretrain_rank(rank: int, world: int, args: list[str], env: dict[str, str]) -> tuple[int, str, str]:
+    """pretrain_gpt.main on one harness rank: (exit code, stdout, stderr)."""
+    os.environ.update(env)
+    spec = importlib.util.spec_from_file_location("pretrain_gpt", ROOT / "pretrain_gpt.py")
+    entry = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(entry)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = entry.main(list(args))
+        except SystemExit as e:  # a flag error: argparse exits
+            code = e.code if isinstance(e.code, int) else 1
+    return code or 0, out.getvalue(), err.getvalue()
+
+
+def launch_pretrain(args: list[str], nproc: int = 1, timeout: float = 300, env: dict | None = None
+                    ) -> subprocess.CompletedProcess:
+    """pretrain_gpt.py's ``main`` on ``nproc`` ranks of the test harness: the whole entry point (flags,
+    validation, the ranks' process group, training, the log lines, every rank's output in rank order)
+    without starting an interpreter and torchrun per run, for the many layout comparisons. torchrun
+    itself: ``run_pretrain`` (each file comparing layouts keeps one case through it)."""
+    from tests.harness import run_ranks
+
+    env = {"OMP_NUM_THREADS": "1", "MEGALITE_NCCL_SEMANTICS": os.environ.get("MEGALITE_NCCL_SEMANTICS", "0"),
+           **(env or {})}
+    ranks = run_ranks(_pretrain_rank, nproc, list(args), env, timeout=timeout)
+    code = next((c for c, _, _ in ranks if c), 0)
+    return subprocess.CompletedProcess(args, code, "".join(o for _, o, _ in ranks), "".join(e for _, _, e in ranks))
 
 
 def losses(proc: subprocess.CompletedProcess) -> dict[int, tuple[float, float]]:
@@ -63,7 +95,7 @@ def serial_losses(args: list[str], parse: Callable[[subprocess.CompletedProcess]
     however many layouts compare against it; it must hold every iteration 1..--train-iters."""
     key = (tuple(args), parse.__name__)
     if key not in _SERIAL:
-        log = parse(run_pretrain(args))
+        log = parse(launch_pretrain(args))
         iters = int(args[max(i for i, a in enumerate(args) if a == "--train-iters") + 1])  # the last one counts
         assert sorted(log) == list(range(1, iters + 1)), f"serial run logged iterations {sorted(log)}"
         _SERIAL[key] = log

@@ -1,13 +1,17 @@
-"""Promise, end to end through pretrain_gpt.py and torchrun: the log's lm loss equals the
+"""Promise, end to end through pretrain_gpt.py's entry point on real ranks (and one case through torchrun
+itself): the log's lm loss equals the
 single-process run's within 1e-5 relative at every iteration, and so does the grad norm (the issues'
 acceptance commands: TP, GQA with groups < TP, interleaved PP, TP x PP, the distributed optimizer, TP with
 SP, ZeRO-3, CP's a2a and allgather, EP with each dispatcher; with scripts/test_torch.sh, on each torch release)."""
 
 from __future__ import annotations
 
+import subprocess
+from collections.abc import Callable
+
 import pytest
 
-from tests.cli_utils import assert_same_log_curves, losses, run_pretrain, serial_losses
+from tests.cli_utils import assert_same_log_curves, launch_pretrain, losses, run_pretrain, serial_losses
 
 COMMON = ["--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "8", "--lr", "1e-3",
           "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000", "--hidden-dropout", "0",
@@ -44,19 +48,25 @@ PIPELINE_CASES = [c for c in sorted(CASES) if "--pipeline-model-parallel-size" i
 
 
 @pytest.mark.parametrize("case", [c for c in sorted(CASES) if c not in PIPELINE_CASES])
-def test_torchrun_matches_single_process(case):
+def test_entry_point_matches_single_process(case):
     _check(case)
 
 
 @pytest.mark.parametrize("case", PIPELINE_CASES)
-def test_torchrun_pipelines_match_under_nccl_semantics(case):
+def test_entry_point_pipelines_match_under_nccl_semantics(case):
     """The pipelined runs with MEGALITE_NCCL_SEMANTICS=1: the pipeline's messages under NCCL's rules (plain
     gloo pipelines: tests/test_pipeline_parallel.py)."""
     _check(case, {"MEGALITE_NCCL_SEMANTICS": "1"})
 
 
-def _check(case: str, env: dict | None = None) -> None:
+def test_torchrun_matches_single_process():
+    """The same through torchrun itself (its processes, environment and rendezvous), TP x PP on 4 ranks."""
+    _check("tp2_pp2", {"MEGALITE_NCCL_SEMANTICS": "1"}, run_pretrain)
+
+
+def _check(case: str, env: dict | None = None, launch: Callable[..., subprocess.CompletedProcess] = launch_pretrain
+           ) -> None:
     model, layout, nproc = CASES[case]
-    parallel = losses(run_pretrain(COMMON + model + layout, nproc=nproc, env=env))
+    parallel = losses(launch(COMMON + model + layout, nproc=nproc, env=env))
     # one single-process run per model serves every layout
     assert_same_log_curves(parallel, serial_losses(COMMON + model), range(1, 9), case)
