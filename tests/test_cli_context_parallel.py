@@ -1,4 +1,5 @@
-"""Promise, through torchrun pretrain_gpt.py: with --context-parallel-size the logged lm loss and grad
+"""Promise, through pretrain_gpt.py's entry point on real ranks (the CP2 save through torchrun itself): with
+--context-parallel-size the logged lm loss and grad
 norm of 10 iterations equal the single-process run's (relative 1e-5) for CP2, CP4, CP2 x TP2 with sequence
 parallelism, CP2 x PP2 interleaved and CP2 x DP2 with the distributed optimizer, for GPT-2 and Llama GQA;
 a checkpoint saved at one CP size resumes at another on the same curve."""
@@ -8,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from tests.asserts import assert_rel_close
-from tests.cli_utils import assert_same_log_curves, losses, run_pretrain, serial_losses
+from tests.cli_utils import assert_same_log_curves, launch_pretrain, losses, run_pretrain, serial_losses
 
 ITERS = 10
 COMMON = ["--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", str(ITERS), "--lr", "1e-3",
@@ -38,7 +39,7 @@ def serial(model: str) -> dict:
 @pytest.mark.parametrize("model", sorted(MODELS))
 def test_torchrun_context_parallel_matches_single_process(model, layout):
     flags, nproc = LAYOUTS[layout]
-    got = losses(run_pretrain(COMMON + MODELS[model] + flags, nproc=nproc))
+    got = losses(launch_pretrain(COMMON + MODELS[model] + flags, nproc=nproc))
     assert_same_log_curves(got, serial(model), range(1, ITERS + 1), f"{model} {layout}")
 
 
@@ -51,7 +52,7 @@ def test_checkpoint_saved_at_cp2_resumes_at_cp4_and_cp1(tmp_path):
     losses(run_pretrain(first + ["--context-parallel-size", "2", "--use-distributed-optimizer"], nproc=4))
     ref = serial("llama")
     for flags, nproc in ((["--context-parallel-size", "4", "--use-distributed-optimizer"], 4), ([], 1)):
-        got = losses(run_pretrain(base + ["--load", ck, *flags], nproc=nproc))
+        got = losses(launch_pretrain(base + ["--load", ck, *flags], nproc=nproc))
         assert_same_log_curves(got, ref, range(7, ITERS + 1), f"resume {flags or 'serial'}")
 
 
@@ -62,7 +63,7 @@ def test_bf16_ring_and_a2a_follow_the_bf16_single_process_run():
     ref = serial_losses(base)
     its = sorted(ref)
     for comm in ("p2p", "a2a"):
-        got = losses(run_pretrain(base + ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2",
+        got = losses(launch_pretrain(base + ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2",
                                           "--sequence-parallel", "--cp-comm-type", comm], nproc=4))
         assert sorted(got) == its
         assert_rel_close([got[i][0] for i in its], [ref[i][0] for i in its], 1e-2, f"bf16 {comm} lm loss")
