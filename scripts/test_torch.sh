@@ -53,5 +53,6 @@ if [ $# -eq 0 ]; then
 elif [ "$1" = --subset ]; then
   shift
   set -- "${SUBSET[@]}" "$@"
+  export MEGALITE_TESTS_TORCHRUN=1  # the entry-point layout comparisons through torchrun itself
 fi
 "$py" -m pytest -q -p no:cacheprovider "$@"

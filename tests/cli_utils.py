@@ -19,6 +19,7 @@ from tests.asserts import assert_rel_close
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACEBACK = "Traceback (most recent call last)"
+TORCHRUN_ENV = "MEGALITE_TESTS_TORCHRUN"
 LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.E+-]+) \|(?:.*?grad norm: ([0-9.]+))?")
 
 
@@ -53,9 +54,12 @@ def launch_pretrain(args: list[str], nproc: int = 1, timeout: float = 300, env: 
     """pretrain_gpt.py's ``main`` on ``nproc`` ranks of the test harness: the whole entry point (flags,
     validation, the ranks' process group, training, the log lines, every rank's output in rank order)
     without starting an interpreter and torchrun per run, for the many layout comparisons. torchrun
-    itself: ``run_pretrain`` (each file comparing layouts keeps one case through it)."""
+    itself: ``run_pretrain`` (each file comparing layouts keeps one case through it; with
+    MEGALITE_TESTS_TORCHRUN=1 every call goes through it, as scripts/test_torch.sh --subset runs them)."""
     from tests.harness import run_ranks
 
+    if os.environ.get(TORCHRUN_ENV) == "1":  # scripts/test_torch.sh --subset: every case through torchrun
+        return run_pretrain(args, nproc, timeout, env)
     env = {"OMP_NUM_THREADS": "1", "MEGALITE_NCCL_SEMANTICS": os.environ.get("MEGALITE_NCCL_SEMANTICS", "0"),
            **(env or {})}
     ranks = run_ranks(_pretrain_rank, nproc, list(args), env, timeout=timeout)
