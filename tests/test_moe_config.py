@@ -1,4 +1,4 @@
-"""Promise: every MoE rule of config/moe.py (moe_errors, expert_layout_errors) refuses a bad combination
+"""Promise: every MoE rule of config/validate_moe.py (moe_errors, expert_layout_errors) refuses a bad combination
 before any process group exists, naming the flags and the rule; the combinations the code does not
 support (ZeRO-3, hierarchical DP reduction over expert-data-parallel groups, padding with the allgather
 dispatcher) are refused by name. Bad MoE input through pretrain_gpt.py itself: tests/
