@@ -21,7 +21,7 @@ import pytest
 
 from megalite.checkpointing import guard
 from megalite.checkpointing.paths import TRACKER, staging_dir
-from tests.cli_utils import ROOT, refused, run_pretrain, tree_hash
+from tests.cli_utils import ROOT, launch_pretrain, refused, run_pretrain, tree_hash
 
 TOOL = str(ROOT / "tools" / "convert_checkpoint.py")
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
@@ -36,7 +36,7 @@ def base(tmp_path_factory) -> str:
     """A 2-iteration checkpoint of the TINY model, saved by pretrain_gpt.py."""
     root = tmp_path_factory.mktemp("bad_ckpt")
     save = str(root / "base")
-    proc = run_pretrain([*TINY, "--train-iters", "2", "--save", save])
+    proc = launch_pretrain([*TINY, "--train-iters", "2", "--save", save])
     assert proc.returncode == 0, proc.stderr[-3000:]
     return save
 

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from tests.cli_utils import ROOT, run_pretrain
+from tests.cli_utils import ROOT, launch_pretrain, run_pretrain
 
 # main() run in-process under capsys: torch's @record cannot attach its fault handler there.
 pytestmark = pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
@@ -145,7 +145,7 @@ def test_good_config_file_is_typed(tmp_path):
     assert isinstance(cfg.optimizer.lr, float)
 
 
-# Through the real entry point as a user runs it.
+# Through the real entry point (its main on a rank; the YAML case as a user runs it, a process).
 SUBPROCESS_CASES = {
     "misspelled flag": (["--num-layer", "2"], "did you mean --num-layers?"),
     "zero size": (["--kv-channels", "0"], "--kv-channels must be positive"),
@@ -156,7 +156,7 @@ SUBPROCESS_CASES = {
 @pytest.mark.parametrize("case", SUBPROCESS_CASES)
 def test_bad_flag_subprocess(case):
     extra, expected = SUBPROCESS_CASES[case]
-    proc = run_pretrain(BASE + extra, timeout=120)
+    proc = launch_pretrain(BASE + extra)
     assert proc.returncode != 0
     assert expected in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr + proc.stdout

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from tests.cli_utils import ROOT, losses, run_pretrain
+from tests.cli_utils import ROOT, launch_pretrain, losses
 from tests.data_fixtures import random_indexed
 
 TINY = ["--vocab-size", "64", "--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2",
@@ -28,7 +28,7 @@ def _failed(proc, *named: str, launcher: bool = False) -> str:
 
 def test_diverged_loss_stops_by_default_before_saving(tmp_path):
     save = str(tmp_path / "ck")
-    proc = run_pretrain(["--mock-data", *TINY, "--train-iters", "4", "--lr", "1e30", "--save", save,
+    proc = launch_pretrain(["--mock-data", *TINY, "--train-iters", "4", "--lr", "1e30", "--save", save,
                          "--save-interval", "2"])
     _failed(proc, "is not finite at iteration 2", "--no-check-for-nan-in-loss-and-grad")
     assert not os.path.exists(os.path.join(save, "latest_checkpointed_iteration.txt"))
@@ -37,7 +37,7 @@ def test_diverged_loss_stops_by_default_before_saving(tmp_path):
 
 def test_non_finite_weights_are_never_saved(tmp_path):
     save = str(tmp_path / "ck")
-    proc = run_pretrain(["--mock-data", *TINY, "--train-iters", "3", "--lr", "1e30", "--save", save,
+    proc = launch_pretrain(["--mock-data", *TINY, "--train-iters", "3", "--lr", "1e30", "--save", save,
                          "--no-check-for-nan-in-loss-and-grad"])
     _failed(proc, "refusing to save iteration 3: parameter ", "is not finite")
     assert not os.path.exists(os.path.join(save, "latest_checkpointed_iteration.txt"))
@@ -50,7 +50,7 @@ def _data(tmp_path, vocab: int, name: str = "corpus") -> str:
 
 
 def _run_on(prefix: str, vocab: int, *extra: str, nproc: int = 1):
-    return run_pretrain(["--data-path", prefix, "--split", "1,0,0", "--tokenizer-type", "NullTokenizer",
+    return launch_pretrain(["--data-path", prefix, "--split", "1,0,0", "--tokenizer-type", "NullTokenizer",
                          "--vocab-size", str(vocab), *TINY[2:], "--train-iters", "2", "--eval-iters", "0", *extra],
                         nproc=nproc)
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli_utils import load_tool, refused, run_pretrain, tree_hash
+from tests.cli_utils import launch_pretrain, load_tool, refused, tree_hash
 from tests.data_fixtures import random_indexed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -357,7 +357,7 @@ def paths(tmp_path_factory) -> dict:
         ("hf_malformed", "hf_malformed"), ("jsonl", "docs.jsonl"), ("text", "notes.txt"), ("words", "words.jsonl"),
         ("latin1", "latin1.txt"), ("ids", "ids.txt"), ("big_ids", "big_ids.txt"), ("out", "out")]}
     p["d"] = str(d)
-    proc = run_pretrain([*TINY.split(), "--mock-data", *NULL.split(), "--save", p["ck"]], timeout=120)
+    proc = launch_pretrain([*TINY.split(), "--mock-data", *NULL.split(), "--save", p["ck"]])
     assert proc.returncode == 0, proc.stderr[-3000:]
     shutil.copytree(p["ck"], p["ck_copy"])
     random_indexed(p["data"], 30, seed=0, max_len=30, vocab=100)

@@ -1,4 +1,4 @@
-"""Promise (docs/parallelism.md, "Context parallelism"): 10 iterations with the sequence split over CP
+"""Promise (docs/parallelism.md, "Context parallelism"): 5 iterations with the sequence split over CP
 ranks give the single-process loss curve and grad norms (fp32, relative 1e-5) for CP 4, CP2 x TP2 with
 sequence parallelism, CP2 x PP2 interleaved, CP2 x DP2 with the distributed optimizer, each comm type,
 GPT-2 and Llama GQA, every layout under NCCL's point-to-point rules and one also on plain gloo. (torchrun
@@ -12,7 +12,7 @@ from tests.layouts import P2P_MODES, ModeCache, assert_matches_serial, layout_cu
 from tests.tp_utils import GPT2, LLAMA_GQA, layout_flat
 
 VOCAB = 256
-ITERS = 10
+ITERS = 5
 MODELS = {"gpt2": {**GPT2, "seq_length": 32}, "llama": {**LLAMA_GQA, "seq_length": 32, "num_layers": 4}}
 # name -> (tp, pp, cp, extra flags)
 LAYOUTS = {

@@ -21,7 +21,7 @@ from tests.layouts import assert_matches_serial, layout_curves, serial_curve
 from tests.tp_utils import GPT2, LLAMA_GQA, build, groups_for, layout_cfg, layout_flat
 
 VOCAB = 500
-ITERS = 10
+ITERS = 5
 MODEL = {**LLAMA_GQA, "num_layers": 4, "hidden_size": 32, "untie_embeddings_and_output_weights": False}
 # name -> (tp, pp, extra flags)
 LAYOUTS = {

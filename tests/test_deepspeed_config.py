@@ -14,7 +14,7 @@ import json
 import pytest
 
 from megalite.config import parse_args, validate
-from tests.cli_utils import losses, run_pretrain
+from tests.cli_utils import launch_pretrain, losses
 
 MODEL = ["--mock-data", "--vocab-size", "128", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads",
          "4", "--seq-length", "16", "--max-position-embeddings", "16", "--train-iters", "6", "--eval-iters", "0"]
@@ -56,7 +56,7 @@ def _stage(n: int) -> dict:
 
 
 def test_seed_config_on_two_ranks_prints_mapping(tmp_path):
-    proc = run_pretrain([*MODEL, "--deepspeed_config", _write(tmp_path, SEED)], nproc=2, timeout=300)
+    proc = launch_pretrain([*MODEL, "--deepspeed_config", _write(tmp_path, SEED)], nproc=2)
     out = proc.stdout + proc.stderr
     for row in ["train_batch_size", "--global-batch-size 8", "micro 2 x accumulation 2 x DP 2", "--fp16",
                 "--initial-loss-scale 4096.0", "--optimizer-cpu-offload", "--lr-decay-style linear"]:
@@ -67,8 +67,8 @@ def test_seed_config_on_two_ranks_prints_mapping(tmp_path):
 
 
 def test_stage1_variant_trains_as_the_equivalent_flags(tmp_path):
-    ds = losses(run_pretrain([*MODEL, "--deepspeed-config", _write(tmp_path, _stage(1))], nproc=2))
-    flags = losses(run_pretrain([*MODEL, *EQUIVALENT], nproc=2))
+    ds = losses(launch_pretrain([*MODEL, "--deepspeed-config", _write(tmp_path, _stage(1))], nproc=2))
+    flags = losses(launch_pretrain([*MODEL, *EQUIVALENT], nproc=2))
     assert len(ds) == 6 and ds == flags  # exactly: same flags, same math
 
 

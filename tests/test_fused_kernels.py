@@ -34,7 +34,7 @@ from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megalite.tensor_parallel.fused_cross_entropy import fused_linear_cross_entropy
 from megalite.tensor_parallel.init import initialize_parameters
 from megalite.tensor_parallel.random import RNGTracker, model_parallel_seed
-from tests.cli_utils import losses, run_pretrain
+from tests.cli_utils import launch_pretrain, losses
 from tests.harness import run_ranks
 from tests.tp_utils import GPT2, LLAMA_GQA, build, groups_for
 
@@ -187,8 +187,8 @@ def test_cli_loss_curve_matches_unfused(layout):
             "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000", "--hidden-dropout", "0",
             "--attention-dropout", "0", "--log-interval", "1", "--eval-iters", "0", "--num-layers", "2",
             "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32", *layout]
-    plain = losses(run_pretrain(args, nproc=2))
-    fused = losses(run_pretrain(args + ["--cross-entropy-loss-fusion"], nproc=2))
+    plain = losses(launch_pretrain(args, nproc=2))
+    fused = losses(launch_pretrain(args + ["--cross-entropy-loss-fusion"], nproc=2))
     assert sorted(fused) == sorted(plain) == list(range(1, 7))
     for it, (loss, norm) in plain.items():
         assert abs(fused[it][0] - loss) <= 1e-6 * loss, f"iteration {it}: {fused[it]} vs {loss}"

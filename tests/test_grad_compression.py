@@ -22,7 +22,7 @@ from tests.harness import run_ranks
 from tests.tp_utils import LLAMA_GQA, layout_cfg, mock_data
 
 VOCAB = 500
-ITERS = 10
+ITERS = 6
 WARMUP = 2
 MODEL = {**LLAMA_GQA, "num_layers": 2, "hidden_size": 32, "untie_embeddings_and_output_weights": False}
 

@@ -20,7 +20,7 @@ from megalite.checkpointing.hf import to_hf_config
 from megalite.checkpointing.metadata import config_dict
 from megalite.config.model import ModelConfig
 from megalite.data.tokenizer_training import train_bpe
-from tests.cli_utils import ROOT, load_tool, run_pretrain
+from tests.cli_utils import ROOT, launch_pretrain, load_tool
 
 OLD_PYTHON = os.environ.get("MEGALITE_OLD_TRANSFORMERS_PYTHON")
 POSITIONS = 16
@@ -43,7 +43,7 @@ def export(tmp_path_factory) -> dict:
     """GPT-2 trained 2 iterations with a BPE tokenizer, resharded to TP=2, exported from the reshard."""
     root = tmp_path_factory.mktemp("hf_compat")
     bpe = train_bpe(["the cat sat on the mat, and the dog sat on the log. " * 20], 300, str(root / "bpe"))
-    proc = run_pretrain(["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+    proc = launch_pretrain(["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
                          "--seq-length", str(POSITIONS), "--max-position-embeddings", str(POSITIONS),
                          "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3", "--mock-data",
                          "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", bpe["vocab_file"],

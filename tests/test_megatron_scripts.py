@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from megalite.config import parse_args, validate
-from tests.cli_utils import losses, run_pretrain
+from tests.cli_utils import launch_pretrain, losses
 
 # examples/gpt3/train_gpt3_175b_distributed.sh, sizes scaled down (its --step-batch-size-schedule is refused).
 GPT3 = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 "
@@ -61,7 +61,7 @@ def test_llama3_script_flags(capsys, tmp_path):
 
 
 def test_llama3_script_trains(tmp_path):
-    proc = run_pretrain(LLAMA3 + ["--save", str(tmp_path), "--load", str(tmp_path)], timeout=300)
+    proc = launch_pretrain(LLAMA3 + ["--save", str(tmp_path), "--load", str(tmp_path)])
     found = losses(proc)
     assert sorted(found) == [1, 2, 3, 4]
     assert "accepted and ignored" in proc.stderr and "Traceback" not in proc.stderr
@@ -69,7 +69,7 @@ def test_llama3_script_trains(tmp_path):
 
 
 def test_no_log_throughput_leaves_it_off_the_line():
-    proc = run_pretrain(["--mock-data", "--vocab-size", "64", "--train-iters", "1", "--num-layers", "1",
+    proc = launch_pretrain(["--mock-data", "--vocab-size", "64", "--train-iters", "1", "--num-layers", "1",
                          "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8",
                          "--no-log-throughput"], timeout=120)
     assert sorted(losses(proc)) == [1]

@@ -16,7 +16,7 @@ from tests.layouts import train as train_on
 from tests.tp_utils import GPT2, groups_for, layout_flat
 
 VOCAB = 500
-ITERS = 10
+ITERS = 5
 MODEL = {**GPT2, "num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 16}
 
 

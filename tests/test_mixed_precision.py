@@ -8,7 +8,7 @@ import pytest
 from megalite.config import validate
 from megalite.optimizer.loss_scaler import DynamicLossScaler, LossScaleCollapse
 from megalite.training.loop import pretrain
-from tests.cli_utils import losses, run_pretrain
+from tests.cli_utils import launch_pretrain, losses
 from tests.test_data_parallel import make_cfg
 from tests.tp_utils import groups_for, mock_data
 
@@ -71,7 +71,7 @@ def test_fp16_log_line_shows_loss_scale_and_skips_on_two_ranks():
             "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "10", "--lr", "1e-3", "--mock-data",
             "--vocab-size", "128", "--log-interval", "1", "--eval-iters", "0", "--fp16", "--use-distributed-optimizer",
             "--initial-loss-scale", "4194304"]
-    proc = run_pretrain(args, nproc=2)
+    proc = launch_pretrain(args, nproc=2)
     found = losses(proc)
     assert len(found) == 10
     # A 2^22 scale overflows fp16 gradients: the first steps are skipped and the scale backs off until the

@@ -33,7 +33,7 @@ from megalite.parallel.groups import ProcessGroups
 from megalite.parallel.layout import RankLayout
 from megalite.training.loop import pretrain
 from tests.asserts import assert_rel_close
-from tests.cli_utils import ROOT, load_tool, losses, run_pretrain
+from tests.cli_utils import ROOT, launch_pretrain, load_tool, losses
 from tests.harness import run_ranks
 from tests.tp_utils import LLAMA_GQA, mock_data
 
@@ -332,10 +332,10 @@ def test_pretrain_gpt_saved_at_ep2_resumes_in_one_process(tmp_path):
     from megalite.checkpointing.paths import TRACKER
 
     save = str(tmp_path / "ckpt")
-    ep2 = losses(run_pretrain([*CLI, "--expert-model-parallel-size", "2", "--use-distributed-optimizer",
+    ep2 = losses(launch_pretrain([*CLI, "--expert-model-parallel-size", "2", "--use-distributed-optimizer",
                                "--save", save, "--save-interval", "2"], nproc=2))
     with open(os.path.join(save, TRACKER), "w") as f:
         f.write("2")  # resume from the middle of the run
-    resumed = losses(run_pretrain([*CLI, "--load", save]))
+    resumed = losses(launch_pretrain([*CLI, "--load", save]))
     assert sorted(ep2) == [1, 2, 3, 4] and sorted(resumed) == [3, 4]
     assert_rel_close([resumed[i][0] for i in (3, 4)], [ep2[i][0] for i in (3, 4)], 1e-5, "lm loss")

@@ -3,7 +3,7 @@ itself) is the single-process run, whatever the layout
 (docs/moe.md): dropless fp32 runs log the same lm loss, load-balancing loss (and z loss) and grad norm per
 iteration as one process, at 1e-5 relative.
 
-Model A (the MoE defaults: softmax top-2, aux loss, a loop over experts), 10 iterations, against one
+Model A (the MoE defaults: softmax top-2, aux loss, a loop over experts), 5 iterations, against one
 single-process run: EP 2 (the default allgather dispatcher); EP 4 with full recompute; EP 2 x TP 2
 (sequence parallel, expert-TP 2, alltoall); EP 2 x PP 2 (alltoall), also under MEGALITE_NCCL_SEMANTICS=1
 (its pipeline messages under NCCL's rules); the allgather dispatcher at EP 2 x TP 2 with expert-TP 1 and
@@ -24,8 +24,8 @@ import pytest
 from tests.asserts import assert_rel_close
 from tests.cli_utils import assert_same_log_curves, launch_pretrain, moe_losses, run_pretrain, serial_losses
 
-MODEL = ("--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
-         "--global-batch-size 8 --mock-data --vocab-size 128 --tokenizer-type NullTokenizer --hidden-dropout 0 "
+MODEL = ("--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --micro-batch-size 1 "
+         "--global-batch-size 4 --mock-data --vocab-size 128 --tokenizer-type NullTokenizer --hidden-dropout 0 "
          "--attention-dropout 0 --disable-bias-linear --swiglu --num-experts 4 --moe-router-topk 2 "
          "--moe-aux-loss-coeff 0.01 --lr 1e-3 --log-interval 1 --eval-iters 0 --eval-interval 1000 --seed 1234"
          ).split()
@@ -33,7 +33,7 @@ MODEL_B = ("--moe-shared-expert-intermediate-size 32 --moe-shared-expert-gate --
            "--moe-router-enable-expert-bias --moe-router-bias-update-rate 0.01 --moe-router-load-balancing-type "
            "seq_aux_loss --moe-z-loss-coeff 0.001 --moe-layer-freq ([0]*1+[1]*3)").split()
 A2A = ["--moe-token-dispatcher-type", "alltoall"]
-ITERS_A, ITERS_B = 10, 5
+ITERS_A, ITERS_B = 5, 5
 
 # name: (ranks, flags, environment)
 CASES_A = {
@@ -118,7 +118,8 @@ def test_grad_compression_keeps_expert_gradients_exact():
 
 @pytest.mark.parametrize("precision", [["--bf16"], ["--fp16", "--initial-loss-scale", "4096"]], ids=["bf16", "fp16"])
 def test_half_precision_trains(precision):
-    log = run(["--expert-model-parallel-size", "2", *A2A, "--lr", "1e-2", *precision], 5, nproc=2)
+    log = run(["--expert-model-parallel-size", "2", *A2A, "--lr", "1e-2", "--micro-batch-size", "2",
+               "--global-batch-size", "8", *precision], 5, nproc=2)
     assert all(v["grad_norm"] is not None for v in log.values()), log  # no skipped step
     assert log[5]["lm"] < log[1]["lm"] - 0.1, curves(log)["lm"]
     assert all(abs(v["lb"] - 0.01) < 1e-3 for v in log.values())  # near the coefficient of a balanced router

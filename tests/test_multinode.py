@@ -1,6 +1,6 @@
 """Promise, as a real two-node job on one machine: two `torchrun --nnodes 2 --node-rank {0,1}
---nproc-per-node 4` launches meeting at a c10d rendezvous on the loopback interface (8 ranks) train a
-TP=4 x DP=2 GPT whose printed layout keeps every TP group on one node, whose ranks really run where the
+--nproc-per-node 2` launches meeting at a c10d rendezvous on the loopback interface (4 ranks) train a
+TP=2 x DP=2 GPT whose printed layout keeps every TP group on one node, whose ranks really run where the
 layout says (each launch is a node), and whose lm loss equals the single-process run's within 1e-5.
 The launch examples (single node, multi-node torchrun, Slurm) are valid runs; the single-node one trains."""
 
@@ -17,7 +17,7 @@ import pytest
 
 from megalite.config import parse_args, validate
 from tests.asserts import assert_rel_close
-from tests.cli_utils import LOSS, ROOT, losses, run_pretrain
+from tests.cli_utils import LOSS, ROOT, launch_pretrain, losses
 from tests.harness import free_port
 
 ITERS = 4
@@ -26,7 +26,7 @@ ARGS = ["--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", 
         "--attention-dropout", "0", "--log-interval", "1", "--seed", "1234", "--eval-iters", "0",
         "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
         "--max-position-embeddings", "32"]
-LAYOUT = ["--tensor-model-parallel-size", "4", "--hierarchical-dp-reduce", "--print-layout"]
+LAYOUT = ["--tensor-model-parallel-size", "2", "--hierarchical-dp-reduce", "--print-layout"]
 
 
 def _launch_two_nodes(args: list[str], timeout: float = 240) -> tuple[str, list[str]]:
@@ -36,7 +36,7 @@ def _launch_two_nodes(args: list[str], timeout: float = 240) -> tuple[str, list[
     procs = []
     for node in (0, 1):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
-               "--nproc-per-node", "4", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+               "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
                "--rdzv-id", f"megalite-test-{port}", "--rdzv-conf", "join_timeout=60", "--max-restarts", "0",
                str(ROOT / "pretrain_gpt.py"), *args]
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -56,17 +56,17 @@ def _launch_two_nodes(args: list[str], timeout: float = 240) -> tuple[str, list[
     return "".join(o for o, _ in outs), [e for _, e in outs]
 
 
-def test_two_node_loopback_tp4_trains_with_tp_inside_nodes():
+def test_two_node_loopback_tp2_trains_with_tp_inside_nodes():
     t0 = time.monotonic()
     stdout, _ = _launch_two_nodes(ARGS + LAYOUT)
     elapsed = time.monotonic() - t0
-    ref = losses(run_pretrain(ARGS))
+    ref = losses(launch_pretrain(ARGS))
 
-    # The printed layout: 2 nodes x 4 ranks, each TP group on one node, no warning, placement confirmed.
-    assert "world 8 = tp 4 x dp 2 x pp 1" in stdout and "2 node(s) x 4 ranks" in stdout
+    # The printed layout: 2 nodes x 2 ranks, each TP group on one node, no warning, placement confirmed.
+    assert "world 4 = tp 2 x dp 2 x pp 1" in stdout and "2 node(s) x 2 ranks" in stdout
     tp_lines = re.findall(r"^    ranks \[([\d, ]+)\] on (node \d+|nodes \[[\d, ]+\])", stdout.split("tp groups")[1]
                           .split("dp groups")[0], flags=re.M)
-    assert [(g, where) for g, where in tp_lines] == [("0, 1, 2, 3", "node 0"), ("4, 5, 6, 7", "node 1")]
+    assert [(g, where) for g, where in tp_lines] == [("0, 1", "node 0"), ("2, 3", "node 1")]
     assert "ranks per node checked against where each rank runs: ok" in stdout
     assert "WARNING" not in stdout and "crosses nodes" not in stdout
 

@@ -18,7 +18,7 @@ from megalite.config import validate
 from megalite.config.arguments import MegaliteConfig
 from megalite.training.loop import NonFiniteError, pretrain
 from tests.asserts import assert_rel_close
-from tests.cli_utils import ROOT, losses, run_pretrain
+from tests.cli_utils import ROOT, launch_pretrain, losses
 from tests.harness import run_ranks
 from tests.tp_utils import groups_for, mock_data
 
@@ -80,16 +80,17 @@ def test_sigterm_saves_a_loadable_checkpoint_and_exits_zero(tmp_path):
     assert "SIGTERM received" in text
     it = int(open(os.path.join(save, "latest_checkpointed_iteration.txt")).read())
     assert it >= 3
-    resumed = losses(run_pretrain(TINY + ["--train-iters", str(it + 2), "--load", save], nproc=2))
+    resumed = losses(launch_pretrain(TINY + ["--train-iters", str(it + 2), "--load", save], nproc=2))
     assert sorted(resumed) == [it + 1, it + 2]
 
 
 def test_killed_worker_restarts_and_ends_on_the_same_loss(tmp_path):
-    args = TINY + ["--train-iters", "60", "--num-layers", "4", "--hidden-size", "128", "--seq-length", "64",
-                   "--save-interval", "5"]
-    straight = losses(run_pretrain(args + ["--save", str(tmp_path / "a")], nproc=2))
+    # long enough (35 iterations after the first checkpoint) for the kill to land mid-run
+    args = TINY + ["--train-iters", "40", "--num-layers", "4", "--hidden-size", "64", "--seq-length", "64"]
+    straight = losses(launch_pretrain(args, nproc=2))
     save, log = str(tmp_path / "b"), str(tmp_path / "log.txt")
-    proc = _launch(args + ["--save", save, "--load", save], log, nproc=2, extra=["--max-restarts", "1"])
+    proc = _launch(args + ["--save", save, "--load", save, "--save-interval", "5"], log, nproc=2,
+                   extra=["--max-restarts", "1"])
     try:
         tracker = os.path.join(save, "latest_checkpointed_iteration.txt")
         _wait_for(lambda: os.path.exists(tracker), 120, "the first checkpoint")
@@ -101,10 +102,10 @@ def test_killed_worker_restarts_and_ends_on_the_same_loss(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
     text = open(log).read()
     assert "loaded checkpoint from" in text, "the restarted job must resume from the checkpoint"
-    final = [line for line in text.splitlines() if "iteration       60/" in line]
+    final = [line for line in text.splitlines() if "iteration       40/" in line]
     assert final, text[-2000:]
     loss = float(final[-1].split("lm loss: ")[1].split(" ")[0])
-    assert_rel_close(loss, straight[60][0], 1e-5, "iteration 60 lm loss, restarted vs straight")
+    assert_rel_close(loss, straight[40][0], 1e-5, "iteration 40 lm loss, restarted vs straight")
 
 
 def _stuck_collective(rank: int, world: int) -> str:

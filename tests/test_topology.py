@@ -155,7 +155,7 @@ def test_show_layout_tool(capsys):
 
 # ---- on real ranks: start-up report and the hierarchical reduction --------------------------------
 VOCAB = 500
-ITERS = 8
+ITERS = 5
 MODEL = {**LLAMA_GQA, "num_layers": 2, "hidden_size": 32, "untie_embeddings_and_output_weights": False}
 # name -> (tp, pp, order, hierarchical, extra flags); 4 ranks as 2 nodes x 2
 LAYOUTS = {

@@ -55,10 +55,10 @@ def mock_data(vocab: int, seq: int, seed: int, n: int) -> RunData:
 
 
 def layout_flat(model: dict, *, vocab: int, iters: int, tp: int = 1, pp: int = 1, **extra) -> dict:
-    """The flat flags of a short mock-data run of ``model`` at (tp, pp): micro-batch 1, global batch 8,
+    """The flat flags of a short mock-data run of ``model`` at (tp, pp): micro-batch 1, global batch 4,
     seed 1234; ``extra`` adds flags or overrides these."""
     return {**model, "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp, "micro_batch_size": 1,
-            "global_batch_size": 8, "train_iters": iters, "lr": 3e-3, "lr_warmup_iters": 2, "log_interval": 5,
+            "global_batch_size": 4, "train_iters": iters, "lr": 3e-3, "lr_warmup_iters": 2, "log_interval": 5,
             "eval_iters": 0, "eval_interval": 1000, "mock_data": True, "vocab_size": vocab, "seed": 1234, **extra}
 
 
