@@ -9,9 +9,11 @@ errors about a value can name the line it was written on.
 
 from __future__ import annotations
 
+import bisect
 import json
 import json.decoder
 import json.scanner
+import re
 from typing import Any
 
 KeyPath = tuple[str, ...]
@@ -37,6 +39,7 @@ class _JsonLines:
 
     def __init__(self, text: str, name: str) -> None:
         self.text, self.name = text, name
+        self._newlines = [m.start() for m in re.finditer("\n", text)]
         self.decoder = json.JSONDecoder()
         self.decoder.parse_object = self._parse_object
         self.decoder.scan_once = json.scanner.py_make_scanner(self.decoder)
@@ -55,7 +58,7 @@ class _JsonLines:
         lines: dict[KeyPath, int] = {}
         dup: tuple | None = None
         for (key, value), start in zip(pairs, starts):
-            line = self.text.count("\n", 0, start) + 1
+            line = bisect.bisect_left(self._newlines, start) + 1
             if (key,) in lines and dup is None:
                 dup = ((), key, lines[(key,)], line)
             lines[(key,)] = line
@@ -90,9 +93,25 @@ def load_json_with_lines(text: str, name: str) -> tuple[Any, dict[KeyPath, int]]
     return _JsonLines(text, name).load()
 
 
+class _Repeated(Exception):
+    """A duplicate seen by the fast reader; the line-tracking reader then names it."""
+
+
+def _no_repeats(pairs: list[tuple[str, Any]]) -> dict:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        raise _Repeated
+    return obj
+
+
 def load_json(text: str, name: str) -> Any:
-    """The document of ``text`` (read from ``name``, for messages), duplicate keys refused."""
-    return load_json_with_lines(text, name)[0]
+    """The document of ``text`` (read from ``name``, for messages), duplicate keys refused. The C reader
+    checks (a GPT-2 vocab.json takes it a tenth of a second); only a file with a duplicate is read again
+    by the line-tracking reader, to name the lines."""
+    try:
+        return json.loads(text, object_pairs_hook=_no_repeats)
+    except _Repeated:
+        return load_json_with_lines(text, name)[0]
 
 
 def load_yaml_with_lines(text: str, name: str) -> tuple[Any, dict[KeyPath, int]]:
