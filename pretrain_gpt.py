@@ -14,7 +14,8 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from megalite.checkpointing.guard import check_save_target
 from megalite.checkpointing.load import CheckpointMismatch
 from megalite.checkpointing.reader import CheckpointError
-from megalite.config import ConfigError, MegaliteConfig, parse_args, validate
+from megalite.config import ConfigError, MegaliteConfig, parse_args
+from megalite.config.written import validate_as_written
 from megalite.data.errors import DataError
 from megalite.launch.failure import FailureBoard
 from megalite.launch.rendezvous import RendezvousError
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = _parse(argv, rank, world)
     board = FailureBoard(PROG, rank, world, run_timeout(cfg))
     with board.reporting(EXPECTED):
-        validate(cfg, world, local_world)  # before any process group exists
+        validate_as_written(cfg, world, local_world)  # before any process group exists
         check_save_target(cfg.checkpoint, cfg.model)  # never replace another run's checkpoint
         with distributed_run(cfg, board) as pg:
             pretrain(cfg, pg)

@@ -168,3 +168,83 @@ def test_bad_yaml_subprocess(tmp_path):
     proc = run_pretrain(BASE + ["--config", str(path)], timeout=120)
     assert proc.returncode == 2 and "'lr' expects a number" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr + proc.stdout
+
+
+# ---- duplicate keys and where a value was written (issue 25, classes 4 and 6) -----------------------------
+
+# (file name, file text, text the message must hold): a setting written twice is refused, both lines named.
+DUPLICATE_CASES = {
+    "yaml key twice": ("run.yaml", "lr: 0.1\nseed: 3\nlr: 0.2\n", "key 'lr' is written twice (lines 1 and 3)"),
+    "yaml nested key twice": ("run.yaml", "model:\n  num_layers: 2\n  num_layers: 4\n",
+                              "key 'model.num_layers' is written twice (lines 2 and 3)"),
+    "json key twice": ("run.json", '{"lr": 0.1,\n "seed": 3,\n "lr": 0.2}',
+                       "key 'lr' is written twice (lines 1 and 3)"),
+    "flat and nested": ("run.yaml", "hidden_size: 16\nmodel:\n  hidden_size: 32\n",
+                        "hidden_size is given twice: 'hidden_size' (line 1) and 'model.hidden_size' (line 3)"),
+    "two spellings": ("run.yaml", "hidden-size: 16\nhidden_size: 32\n",
+                      "hidden_size is given twice: 'hidden-size' (line 1) and 'hidden_size' (line 2)"),
+    "type error names its line": ("run.yaml", "seed: 1\nlr: 1e-3\n", "{path}, line 2: 'lr' expects a number"),
+    "unknown key names its line": ("run.yaml", "seed: 1\nhiden_size: 64\n", "{path}, line 2: unknown key 'hiden_size'"),
+}
+
+
+@pytest.mark.parametrize("case", DUPLICATE_CASES)
+def test_config_file_duplicate_or_located(entry, monkeypatch, capsys, tmp_path, case):
+    name, text, expected = DUPLICATE_CASES[case]
+    path = tmp_path / name
+    path.write_text(text)
+    rc, err = run_main(entry, monkeypatch, capsys, BASE + ["--config", str(path)])
+    assert rc == 2, err
+    assert expected.format(path=path) in err, err
+    assert "Traceback" not in err
+
+
+def test_config_directory_is_named_a_directory(entry, monkeypatch, capsys, tmp_path):
+    rc, err = run_main(entry, monkeypatch, capsys, BASE + ["--config", str(tmp_path)])
+    assert rc == 2 and f"--config: {tmp_path} is a directory, not a file" in err, err
+
+
+def test_rule_broken_by_a_config_value_names_key_and_line(entry, monkeypatch, capsys, tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("seed: 1\nmodel:\n  kv_channels: 0\n")
+    rc, err = run_main(entry, monkeypatch, capsys, BASE + ["--config", str(path)])
+    assert rc not in (0, None), err
+    assert f"--kv-channels must be positive, got 0 (from 'model.kv_channels' in {path}, line 3)" in err, err
+    # the command line wins, and then names itself
+    rc, err = run_main(entry, monkeypatch, capsys, BASE + ["--config", str(path), "--kv-channels", "-1"])
+    assert "--kv-channels must be positive, got -1" in err and "(from " not in err, err
+
+
+def test_deepspeed_duplicate_key_named_with_both_lines(entry, monkeypatch, capsys, tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text('{"train_micro_batch_size_per_gpu": 1,\n "zero_optimization": {"stage": 1,\n'
+                    '   "stage": 2}}\n')
+    rc, err = run_main(entry, monkeypatch, capsys, BASE + ["--deepspeed-config", str(path)])
+    assert rc == 2, err
+    assert f"--deepspeed-config {path}: key 'zero_optimization.stage' is written twice (lines 2 and 3)" in err, err
+
+
+def test_deepspeed_value_breaking_a_rule_names_its_json_key(entry, monkeypatch, capsys, tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "steps_per_print": 0,
+                                "optimizer": {"type": "AdamW", "params": {"eps": 0}}}, indent=1))
+    rc, err = run_main(entry, monkeypatch, capsys, BASE + ["--deepspeed-config", str(path)])
+    assert rc not in (0, None), err
+    assert f"(from 'steps_per_print' in {path})" in err, err
+    assert f"(from 'optimizer.params.eps' in {path})" in err, err
+
+
+def test_deepspeed_directory_is_named_a_directory(entry, monkeypatch, capsys, tmp_path):
+    rc, err = run_main(entry, monkeypatch, capsys, BASE + ["--deepspeed-config", str(tmp_path)])
+    assert rc == 2 and f"--deepspeed-config: {tmp_path} is a directory, not a file" in err, err
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--moe-ffn-hidden-size", "0"], "--moe-ffn-hidden-size must be positive, got 0"),
+    (["--moe-shared-expert-intermediate-size", "0", "--moe-shared-expert-gate"],
+     "--moe-shared-expert-intermediate-size must be positive, got 0"),
+])
+def test_zero_moe_size_is_not_called_missing(entry, monkeypatch, capsys, flags, expected):
+    rc, err = run_main(entry, monkeypatch, capsys, BASE + ["--num-experts", "2", "--disable-bias-linear", *flags])
+    assert rc not in (0, None) and expected in err, err
+    assert "needs --moe-shared-expert-intermediate-size" not in err, err

@@ -69,3 +69,81 @@ def test_token_ids_in_the_padding_are_caught(tmp_path):
     prefix = _data(tmp_path, vocab=100)
     _failed(_run_on(prefix, 64), "vocab size is 65")
     losses(_run_on(prefix, 99))  # a tokenizer that covers the ids trains (and reads the cached maximum)
+
+
+# ---- data and task files checked before use, each failure naming file and line (issue 25, classes 5, 6) -------
+# In-process: the readers are called directly (no run is started).
+
+
+def test_index_of_another_dtype_beside_a_bin_is_named(tmp_path):
+    import shutil
+
+    import numpy as np
+
+    from megalite.data.errors import CorruptDatasetError
+    from megalite.data.indexed_dataset import IndexedDataset
+
+    a, b = str(tmp_path / "u16"), str(tmp_path / "i32")
+    random_indexed(a, 5, seed=3, dtype=np.uint16)
+    random_indexed(b, 5, seed=3, dtype=np.int32)  # the same documents, 4-byte tokens
+    shutil.copy(b + ".idx", a + ".idx")
+    try:
+        IndexedDataset(a)
+    except CorruptDatasetError as e:
+        msg = str(e)
+    else:
+        raise AssertionError("a .bin of uint16 tokens opened with an int32 index")
+    assert f"the index {a}.idx says int32 tokens" in msg and "uint16" in msg and "different token dtypes" in msg, msg
+    assert "truncated" not in msg, msg
+
+
+def _lambada_error(tmp_path, text: str) -> str:
+    from megalite.inference.evaluation import read_lambada
+
+    path = tmp_path / "lambada.jsonl"
+    path.write_text(text)
+    try:
+        read_lambada(str(path))
+    except ValueError as e:
+        return str(e).replace(str(path), "{path}")
+    raise AssertionError(f"accepted {text!r}")
+
+
+def test_lambada_line_whose_text_is_not_a_string_is_named(tmp_path):
+    good = '{"text": "the cat sat"}\n'
+    expected = "{path}:2: 'text' must be a non-empty string, got int '42'"
+    assert _lambada_error(tmp_path, good + '{"text": 42}\n') == expected
+    assert "{path}:2: 'text' must be a non-empty string, got list" in _lambada_error(tmp_path, good + '{"text": [1]}\n')
+    assert "{path}:1: 'text' must be a non-empty string, got str ''" in _lambada_error(tmp_path, '{"text": ""}\n')
+    assert "{path}:2: expected a JSON object with a 'text' field, got list" in _lambada_error(tmp_path, good + "[1]\n")
+    assert "key 'text' is written twice" in _lambada_error(tmp_path, '{"text": "a b", "text": "c d"}\n')
+
+
+def test_empty_prompts_file_is_named(tmp_path):
+    from types import SimpleNamespace
+
+    from megalite.config.validate import ConfigError
+    from tests.cli_utils import load_tool
+
+    path = tmp_path / "prompts.txt"
+    path.write_text("\n  \n")
+    try:
+        load_tool("generate")._prompts(SimpleNamespace(prompt=[], prompts_file=str(path)))
+    except ConfigError as e:
+        assert f"--prompts-file {path} is empty" in str(e), e
+    else:
+        raise AssertionError("an empty prompts file was accepted")
+
+
+def test_vocab_json_with_a_token_twice_is_named(tmp_path):
+    from megalite.data.errors import TokenizerError
+    from megalite.data.tokenizer import _read_bpe_vocab
+
+    path = tmp_path / "vocab.json"
+    path.write_text('{"a": 0,\n "b": 1,\n "a": 2}')
+    try:
+        _read_bpe_vocab(str(path))
+    except TokenizerError as e:
+        assert f"--vocab-file {path}: key 'a' is written twice (lines 1 and 3)" in str(e), e
+    else:
+        raise AssertionError("a vocab.json naming one token twice was accepted")

@@ -25,6 +25,7 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tests.cli_utils import launch_pretrain, load_tool, refused, tree_hash
@@ -233,6 +234,23 @@ CASES = [
          "--overlapping-eval (0) must be in [1, --seq-length (16)]"),
     case("tasks-results-json-dir-missing", "tasks", f"{WIKI} --valid-data {{ids}} --results-json {{d}}/nodir/r.json",
          "--results-json {d}/nodir/r.json: directory {d}/nodir does not exist"),
+    # ---- duplicate keys, files checked before use, messages naming what was written (issue 25) -------------------
+    case("pretrain-config-duplicate-key", "pretrain", f"{TINY} --mock-data {NULL} --config {{dup_yaml}}",
+         "--config: {dup_yaml}: key 'model.hidden_size' is written twice (lines 2 and 3)"),
+    case("pretrain-config-two-spellings", "pretrain", f"{TINY} --mock-data {NULL} --config {{spellings_yaml}}",
+         "--config: {spellings_yaml}: seed is given twice: 'seed' (line 1) and 'training.seed' (line 3)"),
+    case("pretrain-config-is-directory", "pretrain", f"{TINY} --mock-data {NULL} --config {{empty}}",
+         "--config: {empty} is a directory, not a file"),
+    case("pretrain-deepspeed-duplicate-key", "pretrain", f"{TINY} --mock-data {NULL} --deepspeed-config {{dup_ds}}",
+         "--deepspeed-config {dup_ds}: key 'gradient_clipping' is written twice (lines 2 and 3)"),
+    case("pretrain-idx-of-other-dtype", "pretrain", f"{TINY} --split 1,0,0 --data-path {{mixed}} {NULL}",
+         "the index {mixed}.idx says int32 tokens", "different token dtypes"),
+    case("from-hf-duplicate-key", "convert", "from-hf --load {hf_dup} --save {new}",
+         "{hf_dup}/config.json: key 'n_layer' is written twice (lines 2 and 3)"),
+    case("generate-prompts-file-empty", "generate", "--load {ck} --prompts-file {blank}",
+         "--prompts-file {blank} is empty"),
+    case("tasks-lambada-text-number", "tasks", "--task LAMBADA --load {ck} --valid-data {lambada_number}",
+         "{lambada_number}:2: 'text' must be a non-empty string, got int '7'"),
 ]
 
 # The same fixtures with valid flags: these must succeed (the refusals above are about the flag under test).
@@ -381,6 +399,21 @@ def paths(tmp_path_factory) -> dict:
     Path(p["latin1"]).write_bytes(b'{"text": "1 2"}\n{"text": "caf\xe9"}\n')
     Path(p["ids"]).write_text("1 2 3 4 5 6 7 8 9 10\n" * 5)
     Path(p["big_ids"]).write_text("1 2 3 400 5 6\n" * 5)
+    for k, name, text in [  # issue 25: duplicate keys, files of the wrong shape
+            ("dup_yaml", "dup.yaml", "model:\n  hidden_size: 32\n  hidden_size: 64\n"),
+            ("spellings_yaml", "spellings.yaml", "seed: 1\ntraining:\n  seed: 2\n"),
+            ("dup_ds", "dup_ds.json", '{"train_micro_batch_size_per_gpu": 2,\n "gradient_clipping": 1.0,\n'
+                                      ' "gradient_clipping": 0.0}\n'),
+            ("blank", "blank.txt", "\n\n"),
+            ("lambada_number", "lambada.jsonl", '{"text": "1 2 3"}\n{"text": 7}\n')]:
+        p[k] = str(d / name)
+        Path(p[k]).write_text(text)
+    p["mixed"], p["hf_dup"] = str(d / "mixed"), str(d / "hf_dup")
+    random_indexed(p["mixed"], 5, seed=2, vocab=100)
+    random_indexed(str(d / "mixed_i32"), 5, seed=2, vocab=100, dtype=np.int32)
+    shutil.copy(str(d / "mixed_i32.idx"), p["mixed"] + ".idx")
+    os.makedirs(p["hf_dup"])
+    Path(p["hf_dup"], "config.json").write_text('{"model_type": "gpt2",\n "n_layer": 2,\n "n_layer": 4}\n')
     return p
 
 

@@ -74,6 +74,8 @@ def _prompts(args) -> list[tuple[str, str]]:
                                       f"line)") from None
                 if line.strip():
                     prompts.append((line.rstrip("\r\n").replace("\\n", "\n"), f"--prompts-file {path}, line {n}"))
+        if not any(where.startswith("--prompts-file") for _, where in prompts):
+            raise ConfigError(f"--prompts-file {path} is empty (no line with a prompt); give one prompt a line")
     if not prompts:
         raise ConfigError("give --prompt TEXT (repeatable) or --prompts-file FILE")
     return prompts

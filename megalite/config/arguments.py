@@ -7,12 +7,12 @@ import dataclasses
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from megalite.config.data import DataConfig
-from megalite.config.deepspeed import DeepSpeedMapping, load_deepspeed_config, resolve_batch
+from megalite.config.deepspeed import BATCH_KEY_OF, DeepSpeedMapping, load_deepspeed_config, resolve_batch
 from megalite.config.deepspeed import refusal as ds_refusal
-from megalite.config.file_values import ConfigFileError, did_you_mean, load_config_file
+from megalite.config.file_values import ConfigFileError, did_you_mean, load_config_file, name_written
 from megalite.config.flags import add_dataclass_flags, field_specs, field_types
 from megalite.config.megatron_compat import add_compat_flags, pop_compat_flags, refusal, warn_ignored
 from megalite.config.model import ModelConfig
@@ -46,6 +46,9 @@ class MegaliteConfig:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    # Where the values a file set were written ({field name: "'key' in file, line N"}), for messages; set
+    # per instance by parse_args. Not a field: the checkpoint records values, not where they came from.
+    written: ClassVar[dict[str, str]] = {}
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -111,14 +114,19 @@ def parse_args(argv: Sequence[str] | None = None) -> MegaliteConfig:
     if refused:
         parser.error(refusal(refused))
     values: dict[str, Any] = {}
+    written: dict[str, str] = {}  # what a file set, and where: the command line's values are its own
+    command_line = set(ns) - {"config", "deepspeed_config"}
     ds: DeepSpeedMapping | None = None
     try:
         if "deepspeed_config" in ns:
             ds = load_deepspeed_config(ns.pop("deepspeed_config"))
             values.update(ds.values)
+            written.update(ds.written)
         if "config" in ns:
-            values.update(file_values := load_config_file(ns.pop("config"), SECTIONS, _file_fields()))
-            ns = {**file_values, **ns}  # --config and command-line values both win over the DeepSpeed file
+            from_file = load_config_file(ns.pop("config"), SECTIONS, _file_fields())
+            values.update(from_file.values)
+            written.update(from_file.written)
+            ns = {**from_file.values, **ns}  # --config and command-line values both win over the DeepSpeed file
     except ConfigFileError as e:
         parser.error(str(e))
     values.update(ns)
@@ -126,11 +134,13 @@ def parse_args(argv: Sequence[str] | None = None) -> MegaliteConfig:
         cfg = MegaliteConfig.from_flat(values)
         if ds is not None:
             _apply_deepspeed_batch(cfg, ds, set(ns))
+            written = {**ds.written, **written}  # the batch keys, resolved only now
             if ds_refusal(ds):
                 parser.error(ds_refusal(ds))
     except (TypeError, ValueError) as e:
-        parser.error(f"--config: {e}")
+        parser.error(name_written(f"--config: {e}", written))
         raise
+    cfg.written = {k: v for k, v in written.items() if k not in command_line}
     warn_ignored(parser.prog, ignored)
     return cfg
 
@@ -145,6 +155,7 @@ def _apply_deepspeed_batch(cfg: MegaliteConfig, ds: DeepSpeedMapping, given: set
         for name, value in resolve_batch(ds, dp).items():
             if name not in given:
                 setattr(cfg.training, name, value)
+                ds.written[name] = f"'{BATCH_KEY_OF[name]}' in {ds.path}"
     except ConfigFileError as e:
         ds.refuse("batch size", str(e))
     if os.environ.get("RANK", "0") == "0":

@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from megalite.config.file_values import ConfigFileError
+from megalite.config.file_values import ConfigFileError, read_text
+from megalite.config.strict_load import DuplicateKeyError, load_json
 
 FLAG = "--deepspeed-config"
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+# The megalite field each resolved batch key sets (for messages naming the key the user wrote).
+BATCH_KEY_OF = {"micro_batch_size": "train_micro_batch_size_per_gpu", "global_batch_size": "train_batch_size"}
 
 # Keys that only tune speed, memory or monitoring: named in a warning, then ignored.
 TUNING: dict[str, str] = {
@@ -69,7 +71,8 @@ class Row:
 @dataclass
 class DeepSpeedMapping:
     """What a ds_config.json says in megalite terms: field values, the printed rows, the keys refused
-    (raised together) and the tuning keys warned about."""
+    (raised together), the tuning keys warned about, and the key each field value came from (``written``,
+    for messages about a value: they name the key the user wrote)."""
 
     path: str
     values: dict[str, Any] = field(default_factory=dict)
@@ -77,9 +80,16 @@ class DeepSpeedMapping:
     refused: list[str] = field(default_factory=list)
     warned: list[str] = field(default_factory=list)
     batch: dict[str, int] = field(default_factory=dict)
+    written: dict[str, str] = field(default_factory=dict)
 
     def set(self, key: str, name: str, value: Any, note: str = "") -> None:
         self.values[name] = value
+        if key.startswith("("):  # no key at all: nothing the user wrote
+            self.written.pop(name, None)
+        elif "DeepSpeed's default" in note:
+            self.written[name] = f"DeepSpeed's default for '{key}', {self.path}"
+        else:
+            self.written[name] = f"'{key}' in {self.path}"
         shown = "" if value is True else value
         self.rows.append(Row(key, f"--{name.replace('_', '-')}", shown, note))
 
@@ -142,8 +152,8 @@ def _optimizer(m: DeepSpeedMapping, sec: dict) -> None:
     if not (isinstance(betas, list) and len(betas) == 2):
         m.refuse("optimizer.params.betas", f"expects [beta1, beta2], got {betas!r}")
     else:
-        m.set("optimizer.params.betas[0]", "adam_beta1", _number(m, "optimizer.params.betas", betas[0]))
-        m.set("optimizer.params.betas[1]", "adam_beta2", _number(m, "optimizer.params.betas", betas[1]))
+        m.set("optimizer.params.betas[0]", "adam_beta1", _number(m, "optimizer.params.betas[0]", betas[0]))
+        m.set("optimizer.params.betas[1]", "adam_beta2", _number(m, "optimizer.params.betas[1]", betas[1]))
     for key, value in params.items():
         if key in ("lr", "eps", "weight_decay", "betas"):
             continue
@@ -180,16 +190,16 @@ def _scheduler(m: DeepSpeedMapping, sec: dict | None, lr: float | None) -> None:
     known = {"warmup_type", "warmup_num_steps", "last_batch_iteration"}
     if kind in ("WarmupLR", "WarmupDecayLR"):
         known |= {"warmup_min_lr", "warmup_max_lr", "total_num_steps"}
-        m.set(f"{where}.warmup_max_lr", "lr", _number(m, "warmup_max_lr", p.get("warmup_max_lr", 1e-3)),
+        m.set(f"{where}.warmup_max_lr", "lr", _number(m, f"{where}.warmup_max_lr", p.get("warmup_max_lr", 1e-3)),
               "the scheduler's peak replaces optimizer.params.lr")
-        low = _number(m, "warmup_min_lr", p.get("warmup_min_lr", 0.0))
+        low = _number(m, f"{where}.warmup_min_lr", p.get("warmup_min_lr", 0.0))
         m.set(f"{where}.warmup_min_lr", "lr_warmup_init", low)
         if kind == "WarmupDecayLR":
             m.set("scheduler.type", "lr_decay_style", "linear", "WarmupDecayLR: linear decay to warmup_min_lr")
             m.set(f"{where}.warmup_min_lr", "min_lr", low)
             if "total_num_steps" not in p:
                 m.refuse(f"{where}.total_num_steps", "WarmupDecayLR needs it")
-            m.set(f"{where}.total_num_steps", "lr_decay_iters", _number(m, "total_num_steps",
+            m.set(f"{where}.total_num_steps", "lr_decay_iters", _number(m, f"{where}.total_num_steps",
                                                                        p.get("total_num_steps", 1), int))
         else:
             m.set("scheduler.type", "lr_decay_style", "constant", "WarmupLR: constant after warm-up")
@@ -198,13 +208,13 @@ def _scheduler(m: DeepSpeedMapping, sec: dict | None, lr: float | None) -> None:
         base = lr if lr is not None else 1e-3
         m.set("scheduler.type", "lr_decay_style", "cosine", "DeepSpeed counts the first decay step as 1, megalite "
               "as 0: the cosine is one step later here")
-        low = _number(m, "warmup_min_ratio", p.get("warmup_min_ratio", 0.0))
+        low = _number(m, f"{where}.warmup_min_ratio", p.get("warmup_min_ratio", 0.0))
         m.set(f"{where}.warmup_min_ratio", "lr_warmup_init", None if low is None else low * base, "x lr")
-        end = _number(m, "cos_min_ratio", p.get("cos_min_ratio", 1e-4))
+        end = _number(m, f"{where}.cos_min_ratio", p.get("cos_min_ratio", 1e-4))
         m.set(f"{where}.cos_min_ratio", "min_lr", None if end is None else end * base, "x lr")
         if "total_num_steps" not in p:
             m.refuse(f"{where}.total_num_steps", "WarmupCosineLR needs it")
-        m.set(f"{where}.total_num_steps", "lr_decay_iters", _number(m, "total_num_steps",
+        m.set(f"{where}.total_num_steps", "lr_decay_iters", _number(m, f"{where}.total_num_steps",
                                                                    p.get("total_num_steps", 1), int))
     else:
         m.refuse("scheduler.type", f"{kind!r}: megalite maps WarmupLR, WarmupDecayLR and WarmupCosineLR")
@@ -257,7 +267,7 @@ def _zero(m: DeepSpeedMapping, sec: dict) -> None:
         m.set("zero_optimization.offload_optimizer.device", "optimizer_cpu_offload", True)
         if "ratio" in off:
             m.set("zero_optimization.offload_optimizer.ratio", "optimizer_offload_fraction",
-                  _number(m, "offload_optimizer.ratio", off["ratio"]))
+                  _number(m, "zero_optimization.offload_optimizer.ratio", off["ratio"]))
         if "pin_memory" in off:
             m.warn("zero_optimization.offload_optimizer.pin_memory", "megalite pins the host pool wherever the "
                    "build supports it")
@@ -342,12 +352,12 @@ def _pipeline(m: DeepSpeedMapping, sec: dict) -> None:
 def load_deepspeed_config(path: str) -> DeepSpeedMapping:
     """The mapping of ``path`` (its refused keys in ``refused``: see ``refusal``); raises ConfigFileError
     for a file that is not a readable JSON object or holds "auto" values."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigFileError(f"{FLAG}: file {path} does not exist")
+    text = read_text(FLAG, path)
     try:
-        data = json.loads(p.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        data = load_json(text, path)
+    except DuplicateKeyError as e:
+        raise ConfigFileError(f"{FLAG} {e}") from None
+    except json.JSONDecodeError as e:
         raise ConfigFileError(f"{FLAG}: cannot read {path} as JSON: {e}") from None
     if not isinstance(data, dict):
         raise ConfigFileError(f"{FLAG}: {path} must hold a JSON object")

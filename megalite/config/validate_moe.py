@@ -20,11 +20,15 @@ def moe_errors(cfg: MegaliteConfig) -> list[str]:
             errors.append("--expert-model-parallel-size / --expert-tensor-parallel-size need --num-experts")
         return errors
     E, k = m.num_experts, m.moe_router_topk
+    for flag, size in (("--moe-ffn-hidden-size", m.moe_ffn_hidden_size),
+                       ("--moe-shared-expert-intermediate-size", m.moe_shared_expert_intermediate_size)):
+        if size is not None and size <= 0:  # given, so not "missing"; 0 would silently mean the default
+            errors.append(f"{flag} must be positive, got {size}")
     if not 0 < k <= E:
         errors.append(f"--moe-router-topk ({k}) must be between 1 and --num-experts ({E})")
     if E % ep:
         errors.append(f"--expert-model-parallel-size ({ep}) must divide --num-experts ({E})")
-    if m.expert_ffn_hidden_size % etp:
+    if m.expert_ffn_hidden_size > 0 and m.expert_ffn_hidden_size % etp:
         errors.append(f"--expert-tensor-parallel-size ({etp}) must divide the expert hidden size "
                       f"(--moe-ffn-hidden-size {m.expert_ffn_hidden_size})")
     try:
@@ -54,7 +58,7 @@ def moe_errors(cfg: MegaliteConfig) -> list[str]:
         errors.append("--moe-router-pre-softmax needs --moe-router-score-function softmax")
     if m.moe_aux_loss_coeff < 0 or (m.moe_z_loss_coeff or 0) < 0 or m.moe_router_bias_update_rate < 0:
         errors.append("--moe-aux-loss-coeff, --moe-z-loss-coeff and --moe-router-bias-update-rate must be >= 0")
-    if m.moe_shared_expert_gate and not m.moe_shared_expert_intermediate_size:
+    if m.moe_shared_expert_gate and m.moe_shared_expert_intermediate_size is None:
         errors.append("--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size")
     if m.moe_shared_expert_intermediate_size and m.moe_shared_expert_intermediate_size % tp:
         errors.append(f"--tensor-model-parallel-size ({tp}) must divide --moe-shared-expert-intermediate-size "

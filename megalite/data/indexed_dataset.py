@@ -113,12 +113,23 @@ class IndexedDataset:
         nbytes = int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1]) * itemsize if nseq else 0
         bsize = os.path.getsize(bpath)
         if bsize != nbytes:
-            what = "truncated" if bsize < nbytes else "longer than its index says"
-            raise CorruptDatasetError(
-                f"{bpath}: data file {what}: {bsize} bytes, {ipath} promises {nbytes}")
+            raise CorruptDatasetError(self._size_mismatch(bpath, ipath, bsize, nbytes))
         self.num_tokens = nbytes // itemsize
         self._tokens = (np.memmap(bpath, mode="r", dtype=self.dtype) if nbytes
                         else np.empty(0, dtype=self.dtype))
+
+    def _size_mismatch(self, bpath: str, ipath: str, bsize: int, nbytes: int) -> str:
+        """Why the .bin is not the size its index promises: written with another token dtype (its size is
+        exactly the tokens at another width), or truncated / grown."""
+        tokens = nbytes // self.dtype.itemsize
+        other = [np.dtype(t) for t in DTYPE_CODES.values() if np.dtype(t).itemsize != self.dtype.itemsize]
+        fits = sorted({d.name for d in other if tokens and bsize == tokens * d.itemsize})
+        if fits:
+            return (f"{bpath}: the index {ipath} says {self.dtype.name} tokens ({tokens} tokens, {nbytes} bytes) but "
+                    f"the data file holds {bsize} bytes, {tokens} tokens of {' or '.join(fits)}: the .idx and .bin "
+                    "were written with different token dtypes (rebuild both with tools/preprocess_data.py)")
+        what = "truncated" if bsize < nbytes else "longer than its index says"
+        return f"{bpath}: data file {what}: {bsize} bytes, {ipath} promises {nbytes}"
 
     def _check_index(self, ipath: str, nseq: int) -> None:
         docs, lengths = self.document_indices, self.sequence_lengths

@@ -11,6 +11,7 @@ import json
 import os
 from typing import Protocol
 
+from megalite.config.strict_load import DuplicateKeyError, load_json
 from megalite.data.errors import DataError, MissingFileError, TokenizerError
 
 TOKENIZER_TYPES = ("NullTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer")
@@ -208,7 +209,9 @@ def _read_bpe_vocab(path: str) -> dict:
     """vocab.json as a dict; a merges file (or anything else) given as --vocab-file is named."""
     text = _read_text(path, "--vocab-file")
     try:
-        vocab = json.loads(text)
+        vocab = load_json(text, f"--vocab-file {path}")
+    except DuplicateKeyError as e:
+        raise TokenizerError(str(e)) from None
     except json.JSONDecodeError as e:
         hint = (": it looks like a merges file (did you swap --vocab-file and --merge-file?)"
                 if _looks_like_merges(text) else "")

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from megalite.config.strict_load import DuplicateKeyError, load_json
 from megalite.inference.pipeline import from_last_stage, pipeline_forward
 from megalite.parallel.groups import Group, ProcessGroups
 
@@ -132,15 +133,27 @@ def lambada_example(text: str, tokenize: Callable[[str], list[int]], strict: boo
 
 
 def read_lambada(path: str) -> list[str]:
+    """The "text" of every line of a LAMBADA jsonl; a line that is not a JSON object whose "text" is a
+    non-empty string (a number, a list, a key written twice) is named with its line."""
     texts = []
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                texts.append(json.loads(line)["text"])
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                obj = load_json(line, f"{path}:{n}")
+            except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{n}: expected a JSON object with a 'text' field ({e})") from None
+            except DuplicateKeyError as e:
+                raise ValueError(str(e)) from None
+            if not isinstance(obj, dict) or "text" not in obj:
+                got = f"keys {sorted(obj)[:5]}" if isinstance(obj, dict) else type(obj).__name__
+                raise ValueError(f"{path}:{n}: expected a JSON object with a 'text' field, got {got}")
+            text = obj["text"]
+            if not isinstance(text, str) or not text.strip():
+                raise ValueError(f"{path}:{n}: 'text' must be a non-empty string, got {type(text).__name__} "
+                                 f"{str(text)[:40]!r}")
+            texts.append(text)
     if not texts:
         raise ValueError(f"{path}: no examples")
     return texts

@@ -13,7 +13,8 @@ from collections.abc import Sequence
 
 from megalite.config.arguments import MegaliteConfig, build_parser, parse_args
 from megalite.config.flags import add_dataclass_flags
-from megalite.config.validate import ConfigError, fill_derived_defaults, validate
+from megalite.config.validate import ConfigError, fill_derived_defaults
+from megalite.config.written import validate_as_written
 from megalite.planning.estimate import estimate, format_report
 from megalite.planning.hardware import ClusterConfig, cluster_errors
 from megalite.planning.layout import Layout, layout_rule_errors
@@ -104,7 +105,7 @@ def dry_run(argv: Sequence[str], world: int, local_world: int) -> int:
     cluster = cluster_from_values(values)
     errors = cluster_errors(cluster)
     try:
-        validate(cfg, cluster.world_size, cluster.gpus_per_node)
+        validate_as_written(cfg, cluster.world_size, cluster.gpus_per_node)
     except ConfigError as e:
         errors += str(e).splitlines()[1:]
     if errors:
