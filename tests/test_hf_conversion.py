@@ -405,3 +405,17 @@ def test_stored_names_transformers_accepts_are_consumed():
     assert set(matched_weights(stored, shapes, "transformer", True, "config.json")) == set(shapes)
     del stored["lm_head.weight"]
     assert set(matched_weights(stored, shapes, "transformer", True, "config.json")) == set(shapes) - {"lm_head.weight"}
+
+
+def test_a_pytorch_model_bin_is_read_and_checked_as_safetensors_are(hf_folders, tmp_path):
+    from megalite.checkpointing.hf import HFConversionError, read_hf_config, read_hf_weights
+
+    folder = _variant(hf_folders["llama_gqa"], tmp_path / "hf")
+    want = load_file(os.path.join(folder, "model.safetensors"))
+    os.remove(os.path.join(folder, "model.safetensors"))
+    torch.save(want, os.path.join(folder, "pytorch_model.bin"))
+    got = read_hf_weights(folder, read_hf_config(folder))
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    os.truncate(os.path.join(folder, "pytorch_model.bin"), 1000)
+    with pytest.raises(HFConversionError, match="pytorch_model.bin: not a readable PyTorch state dict"):
+        read_hf_weights(folder, read_hf_config(folder))

@@ -143,7 +143,10 @@ def _safetensors_tensors(path: str) -> dict[str, Stored]:
 
 def _bin_tensors(path: str) -> dict[str, Stored]:
     try:
-        sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        try:
+            sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:  # the legacy (not zip) format cannot be memory-mapped
+            sd = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - pickle, zipfile and torch raise several kinds on a damaged file
         raise HFConversionError(f"{path}: not a readable PyTorch state dict: {type(e).__name__}: {e}") from None
     if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
