@@ -11,6 +11,7 @@ import sys
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from megalite import device
 from megalite.checkpointing.guard import check_save_target
 from megalite.checkpointing.load import CheckpointMismatch
 from megalite.checkpointing.reader import CheckpointError
@@ -22,6 +23,7 @@ from megalite.launch.rendezvous import RendezvousError
 from megalite.launch.run import distributed_run, exit_process, launcher_env, run_timeout
 from megalite.optimizer.loss_scaler import LossScaleCollapse
 from megalite.planning.cli import dry_run
+from megalite.planning.memory_check import MemoryCheckError, check_memory
 from megalite.training.loop import NonFiniteError, pretrain
 
 PROG = "pretrain_gpt.py"
@@ -32,6 +34,7 @@ EXPECTED: tuple[type[BaseException], ...] = (
     CheckpointError, CheckpointMismatch,  # a damaged or foreign --load, a refused or failed save
     NonFiniteError, LossScaleCollapse,  # a diverged run
     DataError,  # data or tokenizer files the run cannot use (missing, corrupt, token ids past the vocab)
+    MemoryCheckError,  # the planner's bytes per rank exceed the device's (or the host's) memory
 )
 
 
@@ -52,15 +55,24 @@ def _parse(argv: list[str] | None, rank: int, world: int) -> MegaliteConfig:
     return cfg
 
 
+def _check_memory(cfg: MegaliteConfig, rank: int, world: int, local_rank: int, local_world: int) -> None:
+    """The planner's bytes per rank against this device's memory, before anything is allocated: raises
+    MemoryCheckError past it (unless --skip-memory-check); rank 0 prints why the check could not be made."""
+    warning = check_memory(cfg, world, device.memory_capacity(local_rank, local_world))
+    if warning and rank == 0:
+        print(f"{PROG}: warning: {warning}", file=sys.stderr, flush=True)
+
+
 @record  # under torchrun, a bug's traceback goes to the elastic error file with its rank
 def main(argv: list[str] | None = None) -> int:
-    rank, world, _, local_world = launcher_env()
+    rank, world, local_rank, local_world = launcher_env()
     if "--dry-run" in (sys.argv[1:] if argv is None else argv):  # no process group, nothing run
         return dry_run(sys.argv[1:] if argv is None else argv, world, local_world)
     cfg = _parse(argv, rank, world)
     board = FailureBoard(PROG, rank, world, run_timeout(cfg))
     with board.reporting(EXPECTED):
         validate_as_written(cfg, world, local_world)  # before any process group exists
+        _check_memory(cfg, rank, world, local_rank, local_world)  # before any process group or tensor
         check_save_target(cfg.checkpoint, cfg.model)  # never replace another run's checkpoint
         with distributed_run(cfg, board) as pg:
             pretrain(cfg, pg)

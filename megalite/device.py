@@ -12,6 +12,7 @@ import importlib
 import os
 import resource
 from collections.abc import Callable
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
@@ -124,6 +125,44 @@ def memory_stats() -> dict[str, float]:
             "reserved_mb": torch.cuda.memory_reserved() / mb,
         }
     return {"max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0}
+
+
+@dataclass(frozen=True)
+class MemoryCapacity:
+    """The memory one rank of a run may count on, for the start-up memory check: ``total`` bytes shared
+    by ``ranks`` ranks; ``what`` says where the number comes from."""
+
+    total: int
+    ranks: int
+    what: str
+
+
+def memory_capacity(local_rank: int, local_world: int) -> MemoryCapacity | None:
+    """On CUDA the total memory of this rank's device (ranks of the host sharing a device counted); on
+    CPU the host's available memory (MemAvailable), which every rank on the host shares; None where the
+    host does not say (no /proc/meminfo)."""
+    ranks = max(local_world, 1)
+    if has_cuda():
+        count = torch.cuda.device_count()
+        props = torch.cuda.get_device_properties(local_rank % count)  # no context is created on the device
+        sharing = -(-ranks // count) if ranks > count else 1
+        return MemoryCapacity(int(props.total_memory), sharing, f"{props.name} total memory")
+    available = _mem_available()
+    if available is None:
+        return None
+    return MemoryCapacity(available, ranks, "the host's available memory (MemAvailable)")
+
+
+def _mem_available(path: str = "/proc/meminfo") -> int | None:
+    """MemAvailable in bytes, or None where the file or the line is missing."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def device_name() -> str:

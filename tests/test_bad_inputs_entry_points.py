@@ -102,6 +102,12 @@ CASES = [
     case("pretrain-moe-pad-without-capacity", "pretrain",
          f"{TINY} --mock-data {NULL} {MOE} --moe-pad-expert-input-to-capacity",
          "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor"),
+    # ---- pretrain_gpt.py: sizes no host holds, refused before any allocation (megalite/planning/memory_check.py)
+    case("pretrain-vocab-past-memory", "pretrain", f"{TINY} --mock-data --vocab-size 50000000 --hidden-size 4096",
+         "memory check: the planner estimates", "--vocab-size 50000000 x --hidden-size 4096", "--skip-memory-check"),
+    case("pretrain-seq-length-past-memory", "pretrain",
+         f"{TINY} --mock-data {NULL} --hidden-size 1024 --seq-length 4000000 --max-position-embeddings 4000000",
+         "memory check: the planner estimates", "--seq-length 4000000 x --micro-batch-size 2"),
     # ---- tools/preprocess_data.py --------------------------------------------------------------------------
     case("preprocess-input-missing", "preprocess", f"--input {{d}}/nope.jsonl --output-prefix {{new}} {NULL}",
          "--input {d}/nope.jsonl: no such file"),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -307,3 +308,114 @@ def test_from_hf_rejects_bad_input_before_reading_weights(env, tmp_path, capsys)
     assert convert(["from-hf", "--load", str(scaled), "--save", str(tmp_path / "ck")]) == 2
     assert "rope_type 'linear' (RoPE scaling) is not supported" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "ck")
+
+
+# ---- the weight files checked before anything is built (checkpointing/hf_files.py) -------------------------
+
+
+@pytest.fixture(scope="module")
+def hf_folders(tmp_path_factory) -> dict:
+    """hf_models() saved as transformers folders (no ranks run): the inputs the import checks change."""
+    root = tmp_path_factory.mktemp("hf_checks")
+    for name, model in hf_models(eod=0).items():
+        model.save_pretrained(str(root / name))
+    return {name: str(root / name) for name in ("gpt2", "llama_gqa")}
+
+
+def _variant(src: str, dst, config: dict | None = None, drop: str | None = None, size: int | None = None) -> str:
+    """A copy of ``src`` with config.json keys changed, a tensor left out, or model.safetensors cut to ``size``."""
+    from safetensors.torch import save_file
+
+    shutil.copytree(src, dst)
+    weights = os.path.join(dst, "model.safetensors")
+    if config:
+        path = os.path.join(dst, "config.json")
+        json.dump({**json.load(open(path)), **config}, open(path, "w"))
+    if drop:
+        sd = load_file(weights)
+        del sd[drop]
+        save_file(sd, weights, metadata={"format": "pt"})
+    if size is not None:
+        os.truncate(weights, size if size >= 0 else os.path.getsize(weights) + size)
+    return str(dst)
+
+
+def _refused(folder: str, tmp_path, capsys) -> str:
+    """from-hf exits 2 with one error line and no traceback, creating nothing."""
+    out = tmp_path / "ck"
+    assert convert(["from-hf", "--load", folder, "--save", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.startswith("convert_checkpoint.py from-hf: error: "), err
+    assert not out.exists() and not os.path.exists(str(out) + ".incomplete")
+    return err
+
+
+@pytest.mark.parametrize("name, config, expected", [
+    ("llama_gqa", {"num_hidden_layers": 1}, "tensor model.layers.1.input_layernorm.weight (and 8 more) has no place "
+                                            "in the model"),
+    ("gpt2", {"n_layer": 1}, "tensor transformer.h.1.attn.c_attn.bias (and 11 more) has no place in the model"),
+    ("llama_gqa", {"intermediate_size": 128}, "tensor model.layers.0.mlp.down_proj.weight has shape [64, 96], but "
+                                              "{folder}/config.json makes it [64, 128]: the config's sizes contradict"),
+    ("gpt2", {"n_embd": 64}, "tensor transformer.h.0.attn.c_attn.bias has shape [96], but {folder}/config.json makes "
+                             "it [192]"),
+    ("llama_gqa", {"num_hidden_layers": 4}, "the weights have no tensor model.layers.2.self_attn.q_proj.weight, which "
+                                            "the model {folder}/config.json describes has (and 17 more)"),
+])
+def test_from_hf_refuses_a_config_that_contradicts_its_weights(hf_folders, tmp_path, capsys, name, config, expected):
+    """Fewer layers declared than stored: refused naming the first unused tensor (transformers' from_pretrained
+    dropped them with a warning); sizes that contradict the weights: the tensor, both shapes; more layers
+    declared: the first missing tensor (from_pretrained initialised it at random)."""
+    folder = _variant(hf_folders[name], tmp_path / "hf", config=config)
+    assert expected.format(folder=folder) in _refused(folder, tmp_path, capsys)
+
+
+def test_from_hf_refuses_a_missing_tensor(hf_folders, tmp_path, capsys):
+    folder = _variant(hf_folders["llama_gqa"], tmp_path / "hf", drop="model.layers.1.post_attention_layernorm.weight")
+    assert "the weights have no tensor model.layers.1.post_attention_layernorm.weight," in _refused(
+        folder, tmp_path, capsys)
+
+
+@pytest.mark.parametrize("size, expected", [
+    (-100, "tensor {last}: data offsets [{b}, {e}] run past the end of the data ({data} bytes)"),
+    (60, "the header length {n} runs past the end of the file (60 bytes)"),
+    (5, "5 bytes, shorter than the 8-byte header length"),
+])
+def test_from_hf_refuses_a_truncated_safetensors_file_from_its_header(hf_folders, tmp_path, capsys, size, expected):
+    src = os.path.join(hf_folders["llama_gqa"], "model.safetensors")
+    with open(src, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    last = max((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][1])
+    (b, e), data = header[last]["data_offsets"], os.path.getsize(src) - 8 - n - 100
+    folder = _variant(hf_folders["llama_gqa"], tmp_path / "hf", size=size)
+    err = _refused(folder, tmp_path, capsys)
+    assert f"{folder}/model.safetensors: truncated or not a safetensors file: " in err
+    assert expected.format(n=n, last=last, b=b, e=e, data=data) in err, err
+
+
+def test_stored_names_transformers_accepts_are_consumed():
+    """The original GPT-2 files' keys have no 'transformer.' prefix and hold the causal-mask buffers; a tied
+    model's stored lm_head.weight is the embedding: all consumed, nothing refused."""
+    from megalite.checkpointing.hf_files import Stored, matched_weights
+
+    shapes = {"transformer.wte.weight": (8, 4), "transformer.h.0.ln_1.weight": (4,), "lm_head.weight": (8, 4)}
+    stored = {n: Stored("f", s, lambda s=s: torch.zeros(s)) for n, s in
+              [("wte.weight", (8, 4)), ("h.0.ln_1.weight", (4,)), ("h.0.attn.bias", (1, 1, 4, 4)),
+               ("h.0.attn.masked_bias", ()), ("lm_head.weight", (8, 4))]}
+    assert set(matched_weights(stored, shapes, "transformer", True, "config.json")) == set(shapes)
+    del stored["lm_head.weight"]
+    assert set(matched_weights(stored, shapes, "transformer", True, "config.json")) == set(shapes) - {"lm_head.weight"}
+
+
+def test_a_pytorch_model_bin_is_read_and_checked_as_safetensors_are(hf_folders, tmp_path):
+    from megalite.checkpointing.hf import HFConversionError, read_hf_config, read_hf_weights
+
+    folder = _variant(hf_folders["llama_gqa"], tmp_path / "hf")
+    want = load_file(os.path.join(folder, "model.safetensors"))
+    os.remove(os.path.join(folder, "model.safetensors"))
+    torch.save(want, os.path.join(folder, "pytorch_model.bin"))
+    got = read_hf_weights(folder, read_hf_config(folder))
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    os.truncate(os.path.join(folder, "pytorch_model.bin"), 1000)
+    with pytest.raises(HFConversionError, match="pytorch_model.bin: not a readable PyTorch state dict"):
+        read_hf_weights(folder, read_hf_config(folder))

@@ -224,6 +224,46 @@ def test_unsupported_hf_features_are_refused_by_name(make, key):
         from_hf_config(make())
 
 
+@pytest.mark.parametrize("make, expected", [
+    (lambda: mixtral_config(num_experts_per_tok=5), "num_experts_per_tok 5, num_local_experts 4: --moe-router-topk (5) "
+                                                    "must be between 1 and --num-experts (4)"),
+    (lambda: qwen_config(num_experts_per_tok=0), "num_experts_per_tok 0, num_experts 4: --moe-router-topk (0)"),
+    (lambda: mixtral_config(num_local_experts=-2), "num_local_experts -2: --moe-router-topk (2) must be between 1 and "
+                                                   "--num-experts (-2)"),
+    (lambda: mixtral_config(hidden_size=30), "hidden_size 30, num_attention_heads 4: --hidden-size (30) must be "
+                                             "divisible by --num-attention-heads (4)"),
+])
+def test_hf_moe_configs_pass_the_training_flags_rules(make, expected):
+    """More experts per token than experts (and other values the training flags refuse) are refused at
+    conversion by config/validate_moe.py's rules, naming the HF keys, not later in generation."""
+    with pytest.raises(HFConversionError) as e:
+        from_hf_config(make())
+    assert str(e.value).startswith("config.json: ") and expected in str(e.value)
+
+
+@pytest.mark.parametrize("change, expected", [
+    ({"num_experts_per_tok": 5}, "num_experts_per_tok 5, num_local_experts 4: --moe-router-topk (5) must be between"),
+    ({"num_local_experts": 3}, "tensor model.layers.0.block_sparse_moe.experts.3.w1.weight (and 5 more) has no "
+                               "place in the model"),
+    ({"intermediate_size": 20}, "tensor model.layers.0.block_sparse_moe.experts.0.w1.weight has shape [24, 32], but "
+                                "{folder}/config.json makes it [20, 32]"),
+])
+def test_from_hf_refuses_an_moe_folder_by_name(change, expected, tmp_path, capsys):
+    """Through the command, on the per-expert files transformers writes: fewer experts declared than stored is
+    refused naming the first unused expert file (nothing dropped), a contradicting size names file and shapes."""
+    import json
+    import os
+
+    folder = str(tmp_path / "hf")
+    hf_model("mixtral").save_pretrained(folder)
+    path = os.path.join(folder, "config.json")
+    json.dump({**json.load(open(path)), **change}, open(path, "w"))
+    assert convert(["from-hf", "--load", folder, "--save", str(tmp_path / "ck")]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and expected.format(folder=folder) in err, err
+    assert not (tmp_path / "ck").exists()
+
+
 def test_router_jitter_is_a_training_only_warning():
     with pytest.warns(UserWarning, match="router_jitter_noise 0.1.*only matters for training"):
         config = from_hf_config(mixtral_config(router_jitter_noise=0.1))

@@ -202,14 +202,23 @@ def cmd_to_hf(a: argparse.Namespace) -> None:
           + (", with tokenizer" if os.path.isfile(os.path.join(a.save, "tokenizer_config.json")) else ""))
 
 
+def _hf_config_dict(hf_config, where: str, qkv_only: bool, layernorm_1p: bool) -> dict:
+    """from_hf_config(), a value of the wrong type (a string for a size, a missing key) named instead of
+    escaping as a traceback."""
+    try:
+        return from_hf_config(hf_config, where, qkv_bias_only=qkv_only, apply_layernorm_1p=layernorm_1p)
+    except (TypeError, AttributeError, KeyError, ArithmeticError) as e:
+        raise HFConversionError(f"{where}: a value is missing or of the wrong type ({type(e).__name__}: {e})"
+                                ) from None
+
+
 def cmd_from_hf(a: argparse.Namespace) -> None:
     if os.path.isfile(os.path.join(a.load, TRACKER)):
         raise HFConversionError(f"--load {a.load} is a megalite checkpoint; from-hf reads a transformers folder")
     _refuse_existing(a.save, a.overwrite)
     where = os.path.join(a.load, "config.json")
     hf_config = read_hf_config(a.load)
-    config = from_hf_config(hf_config, where, qkv_bias_only=True,  # every config check before the weights
-                            apply_layernorm_1p=a.apply_layernorm_1p)
+    config = _hf_config_dict(hf_config, where, True, a.apply_layernorm_1p)  # every config check before the weights
     cfg = model_config(config)[0]
     errors = layout_errors(cfg, a.tensor_model_parallel_size, a.pipeline_model_parallel_size,
                            a.num_layers_per_virtual_pipeline_stage) + moe_tp_errors(cfg, a.tensor_model_parallel_size)
@@ -217,7 +226,7 @@ def cmd_from_hf(a: argparse.Namespace) -> None:
         raise ValueError(f"{where}: this model cannot be cut into TP={a.tensor_model_parallel_size} "
                          f"PP={a.pipeline_model_parallel_size}:\n  " + "\n  ".join(errors))
     sd = read_hf_weights(a.load, hf_config)
-    config = from_hf_config(hf_config, where, qkv_bias_only(hf_config, sd), a.apply_layernorm_1p)
+    config = _hf_config_dict(hf_config, where, qkv_bias_only(hf_config, sd), a.apply_layernorm_1p)
     params = from_hf_state_dict(config, sd)
     dtype = DTYPES[a.dtype] if a.dtype else None
     note = {"tool": "convert_checkpoint.py from-hf", "source": os.path.abspath(a.load),

@@ -33,7 +33,14 @@ from typing import Any
 
 import torch
 
-from megalite.checkpointing.hf_common import HFConversionError, TensorRule, rope_theta, transposed
+from megalite.checkpointing.hf_common import (
+    HFConversionError,
+    TensorRule,
+    check_model_rules,
+    rope_theta,
+    transposed,
+)
+from megalite.checkpointing.hf_files import read_checked_weights
 from megalite.checkpointing.hf_moe import (
     MOE_TYPES,
     from_hf_moe_config,
@@ -177,6 +184,7 @@ def from_hf_config(hf_config, where: str = "config.json", qkv_bias_only: bool = 
                           untie_embeddings_and_output_weights=not c.tie_word_embeddings,
                           hidden_dropout=c.resid_pdrop, attention_dropout=c.attn_pdrop,
                           init_method_std=c.initializer_range, apply_layernorm_1p=apply_layernorm_1p)
+        check_model_rules(cfg, c, where)
         return config_dict(cfg, c.vocab_size)
     if c.hidden_act != "silu":
         raise HFConversionError(f"{where}: hidden_act {c.hidden_act!r} is not supported (SwiGLU needs silu)")
@@ -204,6 +212,7 @@ def from_hf_config(hf_config, where: str = "config.json", qkv_bias_only: bool = 
                       disable_bias_linear=not c.mlp_bias, add_qkv_bias=bool(c.attention_bias and not c.mlp_bias),
                       hidden_dropout=0.0, attention_dropout=c.attention_dropout, init_method_std=c.initializer_range,
                       apply_layernorm_1p=apply_layernorm_1p)
+    check_model_rules(cfg, c, where)
     return config_dict(cfg, c.vocab_size)
 
 
@@ -387,12 +396,10 @@ def read_hf_config(folder: str):
 
 
 def read_hf_weights(folder: str, hf_config) -> dict[str, torch.Tensor]:
-    """State dict of a local folder via from_pretrained with local files only (safetensors, or .bin,
-    which transformers reads with weights_only)."""
-    if not any(f.endswith((".safetensors", ".bin")) for f in os.listdir(folder)):
-        raise HFConversionError(f"--load {folder}: no weights there (model.safetensors or pytorch_model.bin)")
-    model = model_class(hf_config).from_pretrained(folder, local_files_only=True, dtype="auto")
-    return {k: v.detach() for k, v in model.state_dict().items()}
+    """State dict of a local folder (safetensors, or .bin read with weights_only) in transformers' names,
+    every stored tensor matched with the config's model and its shape checked before any is loaded
+    (hf_files.py): nothing dropped, nothing left to random initialisation."""
+    return read_checked_weights(folder, model_class(hf_config), hf_config, os.path.join(folder, "config.json"))
 
 
 def qkv_bias_only(hf_config, sd: Mapping[str, torch.Tensor]) -> bool:

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from megalite.checkpointing.hf_common import HFConversionError, TensorRule, rope_theta
+from megalite.checkpointing.hf_common import HFConversionError, TensorRule, check_model_rules, rope_theta
 from megalite.checkpointing.metadata import config_dict
 from megalite.config.model import ModelConfig
 
@@ -154,7 +154,9 @@ def from_hf_moe_config(c, where: str, apply_layernorm_1p: bool = False) -> dict[
     if c.model_type == "mixtral":
         cfg = ModelConfig(ffn_hidden_size=c.intermediate_size, num_experts=c.num_local_experts,
                           moe_ffn_hidden_size=c.intermediate_size,
-                          moe_aux_loss_coeff=_coeff(c.router_aux_loss_coef * k / c.num_hidden_layers), **common)
+                          moe_aux_loss_coeff=_coeff(c.router_aux_loss_coef * k / max(c.num_hidden_layers, 1)),
+                          **common)
+        check_model_rules(cfg, c, where)
         return config_dict(cfg, c.vocab_size)
     layers = hf_moe_layers(c, where)
     if not any(layers):
@@ -166,6 +168,7 @@ def from_hf_moe_config(c, where: str, apply_layernorm_1p: bool = False) -> dict[
                       moe_shared_expert_gate=True, moe_router_pre_softmax=not c.norm_topk_prob,
                       add_qkv_bias=bool(getattr(c, "qkv_bias", True)),
                       moe_aux_loss_coeff=_coeff(c.router_aux_loss_coef * k / sum(layers)), **common)
+    check_model_rules(cfg, c, where)
     return config_dict(cfg, c.vocab_size)
 
 

@@ -45,6 +45,10 @@ class TrainingConfig:
         help="Hand the device caching allocator's unused blocks back to the device: 1 after each "
         "forward-backward of a training step and of every evaluation batch, 2 also after each optimizer "
         "step. Costs speed, may help a run near the memory limit; nothing to free on CPU.")
+    skip_memory_check: bool = option(
+        False, help="Start even when the planner's memory estimate per rank exceeds the device's memory (on CPU: "
+        "the host's available memory, shared by the ranks on the host). By default such a run stops at start-up, "
+        "before anything is allocated, naming the estimate, its largest terms and the flags behind them.")
 
     def __post_init__(self) -> None:
         if self.train_iters is None and self.train_samples is None:
