@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU check, for one machine with one CUDA GPU (sized for one H200: at most ~5 minutes, BUDGET_S).
-#  smoke (~1-2 min): tests/test_gpu_paths.py, every CUDA-only branch of megalite compared with the CPU
+#  smoke (~1-2 min): tests/test_gpu_paths*.py, every CUDA-only branch of megalite compared with the CPU
 #        (bench/README.md, "GPU paths"), then one tiny bf16 pretrain_gpt.py run;
 #  then: the fused kernels on and off in bf16 (--cross-entropy-loss-fusion, each --attention-backend): their
 #        losses compared with the unfused run's, their step time and memory from the log line, flash refused
@@ -61,7 +61,7 @@ COMMON=(--mock-data --vocab-size 50257 --lr 3e-4 --lr-warmup-iters 2 --eval-iter
         --attention-dropout 0)
 
 gpu_paths() {  # every CUDA-only branch against the CPU (the tests say what each compares)
-  py gpu_paths.log 200 -m pytest tests/test_gpu_paths.py -x -q -rsfE -p no:cacheprovider
+  py gpu_paths.log 200 -m pytest tests/test_gpu_paths.py tests/test_gpu_paths_dist.py -x -q -rsfE -p no:cacheprovider
   local rc=$?
   grep -E "^(SKIPPED|FAILED|ERROR|E  )|passed|failed" "$OUT/gpu_paths.log" | tail -n 25
   return $rc

@@ -37,12 +37,15 @@ LAYOUTS = {
 }
 
 
+GLOBAL_BATCH = 8  # 2 micro-batches per rank at DP 4: gradients accumulate before the one reduction
+
+
 def make_cfg(tp: int = 1, pp: int = 1, **extra) -> MegaliteConfig:
-    return layout_cfg(MODEL, vocab=VOCAB, iters=ITERS, tp=tp, pp=pp, **extra)
+    return layout_cfg(MODEL, vocab=VOCAB, iters=ITERS, tp=tp, pp=pp, global_batch_size=GLOBAL_BATCH, **extra)
 
 
 def flat(tp: int = 1, pp: int = 1, **extra) -> dict:
-    return layout_flat(MODEL, vocab=VOCAB, iters=ITERS, tp=tp, pp=pp, **extra)
+    return layout_flat(MODEL, vocab=VOCAB, iters=ITERS, tp=tp, pp=pp, global_batch_size=GLOBAL_BATCH, **extra)
 
 
 def _all_reduce_bytes(res: TrainResult, pg: ProcessGroups) -> tuple[int, int]:
