@@ -11,7 +11,7 @@ import sys
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from megalite.checkpointing.guard import check_save_target
+from megalite.checkpointing.guard import guarded_save
 from megalite.checkpointing.load import CheckpointMismatch
 from megalite.checkpointing.reader import CheckpointError
 from megalite.config import ConfigError, MegaliteConfig, parse_args, validate
@@ -51,6 +51,10 @@ def _parse(argv: list[str] | None, rank: int, world: int) -> MegaliteConfig:
     return cfg
 
 
+def _note(message: str) -> None:
+    print(f"{PROG}: {message}", file=sys.stderr, flush=True)
+
+
 @record  # under torchrun, a bug's traceback goes to the elastic error file with its rank
 def main(argv: list[str] | None = None) -> int:
     rank, world, _, local_world = launcher_env()
@@ -60,8 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     board = FailureBoard(PROG, rank, world, run_timeout(cfg))
     with board.reporting(EXPECTED):
         validate(cfg, world, local_world)  # before any process group exists
-        check_save_target(cfg.checkpoint, cfg.model)  # never replace another run's checkpoint
-        with distributed_run(cfg, board) as pg:
+        # one writer per --save folder; never replace another run's checkpoint
+        with guarded_save(cfg.checkpoint, cfg.model, rank, _note), distributed_run(cfg, board) as pg:
             pretrain(cfg, pg)
     return board.exit_code
 
