@@ -199,7 +199,7 @@ class FailureBoard:
 
     def _peer_lost_message(self, e: BaseException) -> str:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        words = first.split("] ", 1)[-1][:200]  # without gloo's [source:line] prefix
+        words = first.split("] ", 1)[-1].split(". ", 1)[0][:200]  # gloo's first sentence, without [source:line]
         dead = self.dead_peers()
         who = (f"{', '.join(dead)} exited" if dead else
                "a peer rank (of this run's groups) exited; ranks on other hosts cannot be named from here")
