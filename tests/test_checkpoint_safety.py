@@ -168,6 +168,21 @@ def test_an_untouched_replace_leaves_one_folder(tmp_path, new_version):
     assert sorted(os.listdir(d)) == [iter_dirname(2), TRACKER] and _value(d) == 2.0
 
 
+def test_the_offline_writer_names_a_full_disk_and_leaves_nothing(tmp_path, monkeypatch):
+    from safetensors import SafetensorError
+
+    from megalite.checkpointing import writer
+
+    def full(tensors, path, metadata=None):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(writer, "save_tensors", full)
+    d = str(tmp_path / "ck")
+    with pytest.raises(CheckpointError, match=f"--save {d}: writing iteration 2 failed .*No space left on device"):
+        _write(d, 1.0)
+    assert not os.path.exists(d)
+
+
 # ---- the tracker and metadata.json checked before use ---------------------------------------------------
 
 

@@ -94,6 +94,9 @@ def load_checkpoint(load_dir: str, chunks: list[nn.Module], optimizer: Any, pg: 
         except Exception as e:  # noqa: BLE001
             raise CheckpointError(f"RNG state {path} is missing or corrupt ({e}); use --no-load-rng to skip it"
                                   ) from None
+        bad = [k for k in ("cpu", "device") if k not in rng or rng[k].dtype != torch.uint8]
+        if bad:
+            raise CheckpointError(f"RNG state {path} has no {bad[0]!r} byte tensor; use --no-load-rng to skip it")
     return LoadedState(reader.iteration, dict(reader.state), same), rng
 
 
