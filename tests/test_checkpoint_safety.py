@@ -243,6 +243,7 @@ def _edit(path: str, value):
     ("state.consumed_samples", 1.5, "state.consumed_samples is 1.5"),
     ("state", None, "state is NoneType"),
     ("checksums", {"a": 1}, "checksums['a'] is 1"),
+    ("tokenizer", {"vocab_file": ["a"]}, "tokenizer.vocab_file is ['a']"),
 ])
 def test_metadata_of_the_wrong_shape_is_named(path, value, named):
     with pytest.raises(CheckpointError, match="metadata.json: ") as err:

@@ -117,7 +117,9 @@ def check_metadata(meta: Any, path: str) -> dict[str, Any]:
     for key, value in checksums.items():
         if not isinstance(value, str):
             w.fail(f"checksums[{key!r}]", f"is {value!r:.40}, expected a string")
-    w.section(meta, "tokenizer", optional=True)
+    for key, value in w.section(meta, "tokenizer", optional=True).items():  # file paths, a type, a vocab size
+        if value is not None and not isinstance(value, (str, int)) or isinstance(value, bool):
+            w.fail(f"tokenizer.{key}", f"is {value!r:.40}, expected a string, a number or null")
     return meta
 
 
