@@ -119,6 +119,7 @@ def test_overwrite_checkpoint_and_continuing_are_allowed(copy, call):
     proc = call("pretrain", [*TINY, "--train-iters", "1", "--save", d, "--overwrite-checkpoint"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert open(os.path.join(d, TRACKER)).read() == "1"
+    assert lock_module.LOCK not in os.listdir(d)  # released at exit
 
 
 # ---- --save that cannot be written -------------------------------------------------------------------

@@ -106,6 +106,20 @@ def test_a_stale_lock_is_taken_over_with_a_notice(tmp_path):
     lock.release()
 
 
+def test_an_empty_lock_is_refused_until_it_is_old(tmp_path, monkeypatch):
+    """A run killed between creating its lock and writing its owner leaves an empty file."""
+    (tmp_path / LOCK).write_bytes(b"")
+    monkeypatch.setattr(lock_module, "READ_WAIT_S", 0.0)
+    with pytest.raises(CheckpointError, match="names no owner"):
+        SaveLock(str(tmp_path)).acquire(NOTES.append)
+    os.utime(tmp_path / LOCK, (1, 1))
+    notes: list[str] = []
+    lock = SaveLock(str(tmp_path))
+    lock.acquire(notes.append)
+    assert len(notes) == 1 and "(no owner written)" in notes[0]
+    lock.release()
+
+
 def test_a_reused_pid_is_stale_and_another_hosts_lock_is_not(tmp_path):
     me = lock_module.me()
     assert lock_module.is_stale(Owner(me.host, os.getpid(), "1", "earlier", "x"))  # same pid, other process

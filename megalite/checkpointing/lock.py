@@ -25,6 +25,7 @@ from megalite.checkpointing.paths import run_tag
 LOCK = ".megalite-save.lock"
 READ_TRIES = 10  # a lock being written by a run starting right now: how often to look again
 READ_WAIT_S = 0.05
+EMPTY_STALE_S = 60.0  # a lock still without an owner this long after it was made: its writer died creating it
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,10 @@ def me() -> Owner:
 
 
 def is_stale(owner: Owner, host: str | None = None) -> bool:
-    """Whether ``owner``'s run is certainly gone: same host, and its pid is dead, a zombie or reused."""
+    """Whether ``owner``'s run is certainly gone: same host, and its pid is dead, a zombie or reused (or the
+    lock never got an owner written, see EMPTY_STALE_S)."""
+    if owner.pid == -1:
+        return True
     if owner.host != (host or socket.gethostname()):
         return False
     try:
@@ -114,6 +118,9 @@ class SaveLock:
             if owner is not None or not os.path.exists(self.path):
                 return owner
             time.sleep(READ_WAIT_S)
+        with contextlib.suppress(OSError):
+            if time.time() - os.path.getmtime(self.path) > EMPTY_STALE_S:
+                return Owner("?", -1, None, "(no owner written)", "")
         raise CheckpointError(f"{self.flag} {self.save_dir}: its lock {self.path} names no owner (empty or damaged); "
                               "if no run is saving there, remove that file")
 
@@ -125,7 +132,7 @@ class SaveLock:
             os.replace(self.path, aside)
         except FileNotFoundError:
             return False
-        if read_owner(aside) != stale:
+        if read_owner(aside) != (None if stale.pid == -1 else stale):
             with contextlib.suppress(OSError):
                 os.link(aside, self.path)
             os.remove(aside)
