@@ -12,7 +12,7 @@ import sys
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from megalite import device
-from megalite.checkpointing.guard import check_save_target
+from megalite.checkpointing.guard import guarded_save
 from megalite.checkpointing.load import CheckpointMismatch
 from megalite.checkpointing.reader import CheckpointError
 from megalite.config import ConfigError, MegaliteConfig, parse_args
@@ -63,6 +63,10 @@ def _check_memory(cfg: MegaliteConfig, rank: int, world: int, local_rank: int, l
         print(f"{PROG}: warning: {warning}", file=sys.stderr, flush=True)
 
 
+def _note(message: str) -> None:
+    print(f"{PROG}: {message}", file=sys.stderr, flush=True)
+
+
 @record  # under torchrun, a bug's traceback goes to the elastic error file with its rank
 def main(argv: list[str] | None = None) -> int:
     rank, world, local_rank, local_world = launcher_env()
@@ -73,8 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     with board.reporting(EXPECTED):
         validate_as_written(cfg, world, local_world)  # before any process group exists
         _check_memory(cfg, rank, world, local_rank, local_world)  # before any process group or tensor
-        check_save_target(cfg.checkpoint, cfg.model)  # never replace another run's checkpoint
-        with distributed_run(cfg, board) as pg:
+        # one writer per --save folder; never replace another run's checkpoint
+        with guarded_save(cfg.checkpoint, cfg.model, rank, _note), distributed_run(cfg, board) as pg:
             pretrain(cfg, pg)
     return board.exit_code
 

@@ -3,7 +3,9 @@ tools/convert_checkpoint.py), exits non-zero with one message naming the flag or
 no Python traceback, and every checkpoint already on disk byte-identical afterwards:
 - --save holding another run's checkpoint (no --load, --finetune, another model, a later iteration);
 - --save onto a file, under a file, into a read-only directory or onto a full disk (start-up probe);
-- a save failing mid-way: its staging directory is removed, the tracker still names the previous one;
+- a save failing mid-way (an OSError, or safetensors' own error for a full disk) or interrupted by Ctrl-C:
+  its staging directory is removed, the tracker still names the previous one;
+- a second run saving into a folder another live run holds;
 - corrupted tensor bytes (checksum in metadata.json), while checkpoints without checksums still load;
 - reshard / from-hf into a non-empty destination without --overwrite."""
 
@@ -14,12 +16,15 @@ import importlib.util
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 
 import pytest
+from safetensors import SafetensorError
 
 from megalite.checkpointing import guard
+from megalite.checkpointing import lock as lock_module
 from megalite.checkpointing.paths import TRACKER, staging_dir
 from tests.cli_utils import ROOT, launch_pretrain, refused, run_pretrain, tree_hash
 
@@ -114,6 +119,7 @@ def test_overwrite_checkpoint_and_continuing_are_allowed(copy, call):
     proc = call("pretrain", [*TINY, "--train-iters", "1", "--save", d, "--overwrite-checkpoint"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert open(os.path.join(d, TRACKER)).read() == "1"
+    assert lock_module.LOCK not in os.listdir(d)  # released at exit
 
 
 # ---- --save that cannot be written -------------------------------------------------------------------
@@ -141,7 +147,14 @@ def test_read_only_or_full_save_directory_is_found_at_start_up(tmp_path, monkeyp
     assert os.listdir(d) == []  # the probe file is gone
 
 
-def test_save_failing_mid_way_keeps_the_previous_checkpoint(copy, monkeypatch, call):
+FULL_DISK = {"oserror": lambda path: OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path),
+             # what safetensors raises when the disk fills while it writes: not an OSError
+             "safetensors": lambda path: SafetensorError("Error while serializing: I/O error: No space left on "
+                                                         "device (os error 28)")}
+
+
+@pytest.mark.parametrize("kind", FULL_DISK)
+def test_save_failing_mid_way_keeps_the_previous_checkpoint(copy, monkeypatch, call, kind):
     """A full disk at the second save: every rank raises, the staging directory is removed and the
     tracker still names iteration 2, byte-identical."""
     from megalite.checkpointing import save as save_module
@@ -151,7 +164,7 @@ def test_save_failing_mid_way_keeps_the_previous_checkpoint(copy, monkeypatch, c
 
     def disk_full(tensors, path, metadata=None):
         if "optim_dp" in path:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+            raise FULL_DISK[kind](path)
         return real(tensors, path, metadata)
 
     monkeypatch.setattr(save_module, "save_tensors", disk_full)
@@ -159,6 +172,34 @@ def test_save_failing_mid_way_keeps_the_previous_checkpoint(copy, monkeypatch, c
             f"--save {d}: saving iteration 4 failed on rank 0", "No space left on device",
             f"{os.path.join(d, TRACKER)} still names iteration 2")
     assert not os.path.exists(staging_dir(d, 4)) and tree_hash(d) == before
+
+
+def test_ctrl_c_during_a_save_is_one_line_and_leaves_no_staging_folder(copy, monkeypatch, call):
+    from megalite.checkpointing import save as save_module
+
+    d, before = copy
+
+    def interrupt(tensors, path, metadata=None):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(save_module, "save_tensors", interrupt)
+    proc = call("pretrain", [*TINY, "--train-iters", "4", "--load", d, "--save", d])
+    out = refused(proc, "pretrain_gpt.py: error: interrupted (Ctrl-C)")
+    assert proc.returncode == 130 and out.count("error:") == 1
+    assert tree_hash(d) == before and not [n for n in os.listdir(d) if n.startswith(".")]
+
+
+def test_a_second_run_into_a_held_save_folder_is_refused_naming_the_first(copy, call):
+    """The first run (here: a live process, this test's parent) holds the folder's lock."""
+    d, _ = copy
+    host, pid = socket.gethostname(), os.getppid()
+    owner = lock_module.Owner(host, pid, lock_module._proc_start(pid), "earlier", "x")
+    with open(os.path.join(d, lock_module.LOCK), "w") as f:
+        json.dump(owner.__dict__, f)
+    before = tree_hash(d)
+    refused(call("pretrain", [*TINY, "--train-iters", "4", "--load", d, "--save", d]),
+            f"--save {d} is in use by another run (host {host}, pid {pid}, started earlier)")
+    assert tree_hash(d) == before
 
 
 # ---- corrupted tensor bytes ----------------------------------------------------------------------------

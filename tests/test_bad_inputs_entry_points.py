@@ -257,6 +257,15 @@ CASES = [
          "--prompts-file {blank} is empty"),
     case("tasks-lambada-text-number", "tasks", "--task LAMBADA --load {ck} --valid-data {lambada_number}",
          "{lambada_number}:2: 'text' must be a non-empty string, got int '7'"),
+    # ---- checkpoint files checked before use: the tracker's text, metadata.json's shape -------------------------
+    case("pretrain-load-unicode-digit-tracker", "pretrain", f"{TINY} --mock-data {NULL} --load {{ck_tracker}}",
+         "--load {ck_tracker}: {ck_tracker}/latest_checkpointed_iteration.txt holds '١': not ASCII digits"),
+    case("generate-load-unicode-digit-tracker", "generate", "--load {ck_tracker} --prompt 1",
+         "latest_checkpointed_iteration.txt holds '١': not ASCII digits"),
+    case("reshard-metadata-wrong-type", "convert", "reshard --load {ck_meta} --save {new}",
+         "{ck_meta}/iter_0000001/metadata.json: layout.tp is '1', expected an integer >= 1"),
+    case("tasks-metadata-wrong-type", "tasks", "--task WIKITEXT103 --overlapping-eval 8 --load {ck_meta} "
+         "--valid-data {ids}", "{ck_meta}/iter_0000001/metadata.json: layout.tp is '1'"),
 ]
 
 # The same fixtures with valid flags: these must succeed (the refusals above are about the flag under test).
@@ -384,6 +393,12 @@ def paths(tmp_path_factory) -> dict:
     proc = launch_pretrain([*TINY.split(), "--mock-data", *NULL.split(), "--save", p["ck"]])
     assert proc.returncode == 0, proc.stderr[-3000:]
     shutil.copytree(p["ck"], p["ck_copy"])
+    for k in ("ck_tracker", "ck_meta"):  # a tracker of a Unicode digit (int() takes it), metadata of a wrong type
+        p[k] = str(d / k)
+        shutil.copytree(p["ck"], p[k])
+    Path(p["ck_tracker"], "latest_checkpointed_iteration.txt").write_text("١")
+    meta_path = Path(p["ck_meta"], "iter_0000001", "metadata.json")
+    meta_path.write_text(meta_path.read_text().replace('"tp": 1,', '"tp": "1",', 1))
     random_indexed(p["data"], 30, seed=0, max_len=30, vocab=100)
     random_indexed(p["corrupt"], 5, seed=1)
     with open(p["corrupt"] + ".idx", "r+b") as f:

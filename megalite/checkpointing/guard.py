@@ -2,18 +2,22 @@
 directory it cannot write to is found before training, not at the first save.
 
 Checked on every rank before any process group exists (each check only reads, except the write probe,
-whose file name is unique per process)."""
+whose file name is unique per process). Rank 0 first takes the folder's lock (``lock.py``: one writer per
+folder) and removes what killed saves left there (``paths.recover``)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import json
 import os
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from megalite.checkpointing.load import shape_diffs
-from megalite.checkpointing.paths import TRACKER, iter_dirname, read_tracker
+from megalite.checkpointing.lock import holding
+from megalite.checkpointing.paths import TRACKER, iter_dirname, iteration_dir, read_tracker, recover
 from megalite.checkpointing.reader import CheckpointError
+from megalite.checkpointing.schema import load_metadata
 from megalite.config.model import ModelConfig
 from megalite.config.training import CheckpointConfig
 
@@ -44,15 +48,15 @@ def probe_writable(path: str, flag: str = "--save") -> None:
 
 def _saved_config(save: str, iteration: int) -> dict[str, Any] | None:
     try:
-        return json.load(open(os.path.join(save, iter_dirname(iteration), "metadata.json")))["config"]
-    except (OSError, ValueError, KeyError, TypeError):
+        return load_metadata(os.path.join(iteration_dir(save, iteration), "metadata.json"))["config"]
+    except CheckpointError:
         return None
 
 
 def _tracked(path: str) -> int | None:
     try:
         return read_tracker(path) if os.path.isfile(os.path.join(path, TRACKER)) else None
-    except ValueError:
+    except CheckpointError:
         return None
 
 
@@ -83,8 +87,10 @@ def check_save_target(ck: CheckpointConfig, model: ModelConfig) -> None:
     saved_iter = _tracked(ck.save)
     if ck.overwrite_checkpoint or saved_iter is None:
         if saved_iter is None and os.path.isfile(os.path.join(ck.save, TRACKER)) and not ck.overwrite_checkpoint:
-            raise CheckpointError(f"--save {ck.save}: its {TRACKER} is unreadable; choose a new directory or pass "
-                                  "--overwrite-checkpoint")
+            try:
+                read_tracker(ck.save, "--save")
+            except CheckpointError as e:
+                raise CheckpointError(f"{e}; choose a new directory or pass --overwrite-checkpoint") from None
         return
     why = _why_not_continued(ck, model, saved_iter)
     if why:
@@ -92,3 +98,21 @@ def check_save_target(ck: CheckpointConfig, model: ModelConfig) -> None:
             f"--save {ck.save} already holds a checkpoint (iteration {saved_iter}) and {why}. To continue that "
             f"run pass --load {ck.save}; to keep it, save to a new directory; to replace it, pass "
             "--overwrite-checkpoint")
+
+
+@contextlib.contextmanager
+def guarded_save(ck: CheckpointConfig, model: ModelConfig, rank: int, say: Callable[[str], None]) -> Iterator[None]:
+    """The start-up of a run that saves: rank 0 takes ``--save``'s lock (held for the body) and clears what
+    killed saves left there; every rank then runs :func:`check_save_target`."""
+    with contextlib.ExitStack() as stack:
+        if ck.save and rank == 0:
+            probe_writable(ck.save)
+            stack.enter_context(holding(ck.save, say))
+            try:
+                done = recover(ck.save)
+            except OSError as e:
+                raise CheckpointError(f"--save {ck.save}: cannot clean up after an interrupted save ({e})") from None
+            if done:
+                say(f"--save {ck.save}: cleaned up after an interrupted save: " + "; ".join(done))
+        check_save_target(ck, model)
+        yield

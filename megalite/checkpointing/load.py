@@ -76,6 +76,7 @@ def load_checkpoint(load_dir: str, chunks: list[nn.Module], optimizer: Any, pg: 
         local = _saved_as_is(reader, key, p, pg, reader.local_param)
         if local is None or local.shape != p.shape:
             local = local_shard(param_meta(p), reader.full_param(key, param_meta(p).spec), pg)
+        _check_numel(reader, key, local, p.shape)
         p.copy_(local.view(p.shape).to(p.dtype))
     if load_optim and optimizer is not None:
         if not reader.has_optimizer():
@@ -94,7 +95,17 @@ def load_checkpoint(load_dir: str, chunks: list[nn.Module], optimizer: Any, pg: 
         except Exception as e:  # noqa: BLE001
             raise CheckpointError(f"RNG state {path} is missing or corrupt ({e}); use --no-load-rng to skip it"
                                   ) from None
+        bad = [k for k in ("cpu", "device") if k not in rng or rng[k].dtype != torch.uint8]
+        if bad:
+            raise CheckpointError(f"RNG state {path} has no {bad[0]!r} byte tensor; use --no-load-rng to skip it")
     return LoadedState(reader.iteration, dict(reader.state), same), rng
+
+
+def _check_numel(reader: CheckpointReader, key: str, got: torch.Tensor, want: torch.Size) -> None:
+    """A stored tensor that cannot be this parameter's (its files were edited or mixed from two models)."""
+    if got.numel() != want.numel():
+        raise CheckpointError(f"checkpoint {reader.dir}: {key} holds {tuple(got.shape)} ({got.numel()} elements) "
+                              f"for a parameter of shape {tuple(want)} here")
 
 
 def _check_kind(reader: CheckpointReader, key: str, p: nn.Parameter) -> None:
@@ -128,6 +139,7 @@ def _load_optimizer(reader: CheckpointReader, chunks: list[nn.Module], optimizer
             local = _saved_as_is(reader, key, s.param, pg, lambda k, t, e, f=f: reader.local_optim(k, f, t, e))
             if local is None or local.shape != s.param.shape:
                 local = local_shard(meta, reader.full_optim(key, f, meta.spec), pg)
+            _check_numel(reader, f"{key}/{f}", local, s.param.shape)
             v[f] = local.reshape(-1)[s.lo:s.hi]
         values.append(v)
     optimizer.load_state_tensors(values, reader.optimizer_step())

@@ -31,7 +31,11 @@ def model_config(config: dict[str, Any]) -> tuple[ModelConfig, int]:
     names = {f.name for f in dataclasses.fields(ModelConfig)}
     if "vocab_size" not in config:
         raise CheckpointError("checkpoint metadata config has no vocab_size")
-    return ModelConfig(**{k: v for k, v in config.items() if k in names}), int(config["vocab_size"])
+    try:
+        cfg = ModelConfig(**{k: v for k, v in config.items() if k in names})
+    except (TypeError, ValueError, ArithmeticError) as e:  # values of the wrong type or domain
+        raise CheckpointError(f"checkpoint metadata config cannot describe a model: {e}") from None
+    return cfg, int(config["vocab_size"])
 
 
 def _owned(t: torch.Tensor) -> torch.Tensor:

@@ -1,14 +1,25 @@
-"""Names of checkpoint files and directories, and the atomic commit of a finished save."""
+"""Names of checkpoint files and directories, the tracker, and the commit of a finished save.
+
+Replacing an existing iteration takes two renames (old folder aside, new folder in); a kill between them
+leaves the old folder under ``.iter_N.replaced.TAG``, which :func:`iteration_dir` finds and
+:func:`recover` (run by the holder of the save lock at start-up) moves back."""
 
 from __future__ import annotations
 
 import os
+import re
+import secrets
 import shutil
+from collections.abc import Callable
 
 from megalite.checkpointing.errors import CheckpointError, CheckpointNotFoundError
 from megalite.tensor_parallel.param_meta import ParamFamily
 
 TRACKER = "latest_checkpointed_iteration.txt"
+TRACKER_MAX_BYTES = 32  # an iteration number and a newline; anything longer is not a tracker
+# Called with the name of each commit step just done; tests set it to simulate a kill between steps.
+FAULT: Callable[[str], None] | None = None
+_TAGS: dict[int, str] = {}
 
 
 def iter_dirname(iteration: int) -> str:
@@ -35,21 +46,109 @@ def rng_filename(rank: int) -> str:
     return os.path.join("rng", f"rank_{rank:05d}.safetensors")
 
 
-def staging_dir(save_dir: str, iteration: int) -> str:
-    """Where ranks write a save in progress; it becomes the iteration directory only once complete."""
-    return os.path.join(save_dir, f".{iter_dirname(iteration)}.incomplete")
+def run_tag() -> str:
+    """This process's tag in staging names: its pid and a random part, so two writers (even on two hosts
+    sharing the folder) never share a staging or replaced-folder name."""
+    pid = os.getpid()
+    if pid not in _TAGS:
+        _TAGS[pid] = f"{pid}-{secrets.token_hex(3)}"
+    return _TAGS[pid]
 
 
-def read_tracker(load_dir: str) -> int:
+def staging_dir(save_dir: str, iteration: int, tag: str | None = None) -> str:
+    """Where ranks write a save in progress; it becomes the iteration directory only once complete.
+    ``tag`` defaults to this process's :func:`run_tag` (rank 0 chooses it and tells the others)."""
+    return os.path.join(save_dir, f".{iter_dirname(iteration)}.incomplete.{tag or run_tag()}")
+
+
+def replaced_dir(save_dir: str, iteration: int, tag: str | None = None) -> str:
+    """Where a committed iteration waits while a new save of the same iteration replaces it."""
+    return os.path.join(save_dir, f".{iter_dirname(iteration)}.replaced.{tag or run_tag()}")
+
+
+def _leftovers(save_dir: str, iteration: int | None, kind: str) -> list[str]:
+    """Staging (``incomplete``) or ``replaced`` folders in ``save_dir`` (of one iteration, or of all)."""
+    it = iter_dirname(iteration) if iteration is not None else r"iter_[0-9]+"
+    pattern = re.compile(rf"\.({it})\.{kind}(\..+)?")
+    try:
+        names = sorted(os.listdir(save_dir))
+    except OSError:
+        return []
+    return [os.path.join(save_dir, n) for n in names if pattern.fullmatch(n)]
+
+
+def iteration_dir(load_dir: str, iteration: int) -> str:
+    """The folder holding ``iteration``: ``iter_N``, or, when a replace of it was killed between its two
+    renames, the complete old folder set aside as ``.iter_N.replaced.TAG`` (read where it lies)."""
+    final = os.path.join(load_dir, iter_dirname(iteration))
+    if os.path.isdir(final):
+        return final
+    for old in _leftovers(load_dir, iteration, "replaced"):
+        if os.path.isfile(os.path.join(old, "metadata.json")):
+            return old
+    return final
+
+
+def recover(save_dir: str) -> list[str]:
+    """Undo what killed saves left in ``save_dir`` (only its one writer may call this): a replaced folder
+    goes back to ``iter_N`` when the new one never arrived (else it is removed), staging folders and
+    temporary trackers are removed. Returns what was done, one phrase per folder."""
+    done = []
+    for old in _leftovers(save_dir, None, "replaced"):
+        name = os.path.basename(old).split(".")[1]
+        final = os.path.join(save_dir, name)
+        if os.path.isdir(final):
+            shutil.rmtree(old, ignore_errors=True)
+            done.append(f"removed {os.path.basename(old)}")
+        else:
+            os.replace(old, final)
+            done.append(f"restored {name} from {os.path.basename(old)}")
+    for staged in _leftovers(save_dir, None, "incomplete"):
+        shutil.rmtree(staged, ignore_errors=True)
+        done.append(f"removed {os.path.basename(staged)}")
+    for name in os.listdir(save_dir) if os.path.isdir(save_dir) else []:
+        if name.startswith(f".{TRACKER}.") and name.endswith(".tmp"):
+            os.remove(os.path.join(save_dir, name))
+    return done
+
+
+def _bad_tracker(text: bytes) -> str:
+    """Why the bytes of a tracker are not an iteration number."""
+    try:
+        shown = text.decode("utf-8")
+    except UnicodeDecodeError:
+        return f"binary bytes ({text[:16]!r})"
+    body = shown.strip()
+    if not body:
+        return "nothing"
+    if not shown.isascii():
+        return f"{shown!r}: not ASCII digits (Unicode digits are not an iteration number)"
+    if re.fullmatch(r"[-+][0-9]+", body):
+        return f"{shown!r}: a signed number"
+    if re.fullmatch(r"[0-9]+", body):
+        return f"{shown!r}: whitespace around the number (only one trailing newline is allowed)"
+    return repr(shown)
+
+
+def read_tracker(load_dir: str, flag: str = "--load") -> int:
+    """The iteration ``load_dir``'s tracker names: ASCII digits, optionally one trailing newline; any
+    other content raises CheckpointError naming the file and what it holds."""
     path = os.path.join(load_dir, TRACKER)
     if not os.path.isfile(path):
         raise CheckpointNotFoundError(
-            f"--load {load_dir}: no {TRACKER} there; expected a checkpoint directory written by --save "
+            f"{flag} {load_dir}: no {TRACKER} there; expected a checkpoint directory written by --save "
             f"(holding {TRACKER} and iter_NNNNNNN/ folders)")
-    text = open(path).read().strip()
-    if not text.isdigit():
-        raise CheckpointError(f"--load {load_dir}: {TRACKER} holds {text!r}, expected an iteration number")
-    return int(text)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(TRACKER_MAX_BYTES + 1)
+    except OSError as e:
+        raise CheckpointError(f"{flag} {load_dir}: cannot read {TRACKER} ({e.strerror or e})") from None
+    body = raw[:-1] if raw.endswith(b"\n") else raw
+    if len(raw) <= TRACKER_MAX_BYTES and re.fullmatch(rb"[0-9]{1,12}", body):
+        return int(body)
+    what = f"{len(raw)}+ bytes" if len(raw) > TRACKER_MAX_BYTES else _bad_tracker(raw)
+    raise CheckpointError(f"{flag} {load_dir}: {path} holds {what}, expected an iteration number (ASCII "
+                          "digits, as --save writes it)")
 
 
 def swap_into_place(staged: str, final: str) -> None:
@@ -64,15 +163,39 @@ def swap_into_place(staged: str, final: str) -> None:
         os.replace(staged, final)
 
 
-def commit(save_dir: str, iteration: int) -> str:
-    """Move the complete staging directory into place, then point the tracker at it (each step atomic:
-    a crash leaves the previous checkpoint and tracker intact)."""
+def _step(name: str) -> None:
+    if FAULT is not None:
+        FAULT(name)
+
+
+COMMIT_STEPS = ("old moved aside", "new moved in", "tracker written", "tracker replaced", "old removed")
+
+
+def commit(save_dir: str, iteration: int, staged: str | None = None) -> str:
+    """Move the complete ``staged`` folder (default: this process's staging folder) to ``iter_N``, then
+    point the tracker at it. Each step is one rename, and a kill between any two leaves a loadable
+    checkpoint: an existing ``iter_N`` is first set aside as ``.iter_N.replaced.TAG`` (which loading
+    finds while ``iter_N`` is absent) and removed only after the tracker was written."""
+    staged = staged or staging_dir(save_dir, iteration)
     final = os.path.join(save_dir, iter_dirname(iteration))
-    swap_into_place(staging_dir(save_dir, iteration), final)
-    tmp = os.path.join(save_dir, f".{TRACKER}.tmp")
+    tag = os.path.basename(staged).rsplit(".incomplete.", 1)[-1] if ".incomplete." in staged else None
+    old = None
+    if os.path.lexists(final):
+        old = replaced_dir(save_dir, iteration, tag)
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        _step(COMMIT_STEPS[0])
+    os.replace(staged, final)
+    _step(COMMIT_STEPS[1])
+    tmp = os.path.join(save_dir, f".{TRACKER}.{tag or run_tag()}.tmp")
     with open(tmp, "w") as f:
         f.write(str(iteration))
         f.flush()
         os.fsync(f.fileno())
+    _step(COMMIT_STEPS[2])
     os.replace(tmp, os.path.join(save_dir, TRACKER))
+    _step(COMMIT_STEPS[3])
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+        _step(COMMIT_STEPS[4])
     return final

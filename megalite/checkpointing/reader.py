@@ -10,7 +10,6 @@ unreadable file raises an error naming it.
 from __future__ import annotations
 
 import glob
-import json
 import os
 from typing import Any
 
@@ -19,7 +18,8 @@ from safetensors import safe_open
 
 from megalite.checkpointing.checksum import file_checksum
 from megalite.checkpointing.errors import CheckpointError
-from megalite.checkpointing.paths import family_dirname, iter_dirname, optim_filename, read_tracker, shard_dirname
+from megalite.checkpointing.paths import family_dirname, iteration_dir, optim_filename, read_tracker, shard_dirname
+from megalite.checkpointing.schema import check_optim_meta, load_metadata
 from megalite.parallel.groups import Group
 from megalite.tensor_parallel.param_meta import DENSE, FAMILIES, ParamFamily
 from megalite.tensor_parallel.sharding import ShardSpec
@@ -30,14 +30,11 @@ GROUP_NAMES = {Group.TP: "TP", Group.ETP: "expert-TP", Group.EP: "EP"}  # in err
 class CheckpointReader:
     def __init__(self, load_dir: str, iteration: int | None = None) -> None:
         self.iteration = read_tracker(load_dir) if iteration is None else iteration
-        self.dir = os.path.join(load_dir, iter_dirname(self.iteration))
+        self.dir = iteration_dir(load_dir, self.iteration)
         meta_path = os.path.join(self.dir, "metadata.json")
         if not os.path.isfile(meta_path):
             raise CheckpointError(f"{meta_path} is missing: the tracker points at an incomplete checkpoint")
-        try:
-            self.meta: dict[str, Any] = json.load(open(meta_path))
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{meta_path} is corrupt: {e}") from None
+        self.meta: dict[str, Any] = load_metadata(meta_path)
         lay = self.meta["layout"]
         self.tp, self.pp, self.dp = lay["tp"], lay["pp"], lay["dp"]
         self.ep, self.etp = lay.get("ep", 1), lay.get("etp", self.tp)  # none recorded before experts existed
@@ -160,8 +157,17 @@ class CheckpointReader:
 
     def optimizer_step(self) -> float:
         path = self._optim_files(os.path.join(self.dir, shard_dirname(0, 0)))[0]
-        meta = json.loads(self._open(path).metadata()["meta"])
-        return meta["step"]
+        return float(self._optim_meta(path)["step"])
+
+    def _optim_meta(self, path: str) -> dict[str, Any]:
+        """An optimizer file's checked ``meta``: its regions and Adam step."""
+        try:
+            raw = self._open(path).metadata()
+        except CheckpointError:
+            raise
+        except Exception as e:  # noqa: BLE001 - safetensors raises several kinds
+            raise CheckpointError(f"checkpoint shard {path}: cannot read its metadata: {e}") from None
+        return check_optim_meta(raw, path)
 
     def local_param(self, key: str, tp: int, ep: int = 0) -> torch.Tensor:
         """The saved shard ``tp`` of parameter ``key`` (of EP block ``ep`` for an expert weight), as written."""
@@ -174,17 +180,21 @@ class CheckpointReader:
         local, local_shape = None, None
         for path in self._optim_files(folder):
             if path not in self._regions:
-                self._regions[path] = json.loads(self._open(path).metadata()["meta"])["regions"]
+                self._regions[path] = self._optim_meta(path)["regions"]
             regions = self._regions[path]
             if key not in regions:
                 continue
             lo, hi, shape = regions[key]
             numel = int(torch.tensor(shape).prod()) if shape else 1
+            part = self._get(path, f"{key}/{field}")
+            if part.numel() != hi - lo:
+                raise CheckpointError(f"checkpoint shard {path}: {key}/{field} holds {part.numel()} elements, its "
+                                      f"region [{lo}, {hi}) says {hi - lo}")
             if local is None and (lo, hi) == (0, numel):  # one file holds all of it: no copy
-                return self._get(path, f"{key}/{field}").view(shape)
+                return part.view(shape)
             if local is None:
                 local, local_shape = torch.zeros(numel, dtype=torch.float32), shape
-            local[lo:hi] = self._get(path, f"{key}/{field}")
+            local[lo:hi] = part
         if local is None:
             raise CheckpointError(f"optimizer state of {key} missing from {folder}")
         return local.view(local_shape)

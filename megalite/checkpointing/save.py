@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from torch import nn
 
 from megalite import device
@@ -58,10 +59,15 @@ def _agree(pg: ProcessGroups, error: str | None, payload: Any = None) -> list[tu
     return pg.all_gather_object((error, payload))
 
 
+# What writing a file raises: a full disk, a read-only or vanished directory. safetensors reports its own
+# write errors (a full disk included) as SafetensorError, which is not an OSError.
+WRITE_ERRORS: tuple[type[Exception], ...] = (OSError, SafetensorError)
+
+
 def _attempt(fn: Callable[[], Any]) -> tuple[str | None, Any]:
     try:
         return None, fn()
-    except OSError as e:  # a full disk, a read-only or vanished directory: reported, then cleaned up
+    except WRITE_ERRORS as e:  # reported, then cleaned up
         return f"{type(e).__name__}: {e}", None
 
 
@@ -166,26 +172,34 @@ def save_checkpoint(save_dir: str, iteration: int, chunks: list[nn.Module], opti
     (e.g. a full disk) raises CheckpointSaveError on every rank and leaves the previous checkpoint as is;
     so do weights or optimizer state that are not finite, before anything is written."""
     _refuse_non_finite(chunks, optimizer, pg, save_dir, iteration)
-    staged = staging_dir(save_dir, iteration)
 
-    def prepare() -> None:
+    def prepare() -> str:
+        staged = staging_dir(save_dir, iteration)  # rank 0's name, unique to this run
         shutil.rmtree(staged, ignore_errors=True)
         os.makedirs(staged)
+        return staged
 
-    _check(_agree(pg, *(_attempt(prepare) if pg.rank == 0 else (None, None))), pg, save_dir, iteration)
-    results = _agree(pg, *_attempt(lambda: _write_rank_files(staged, chunks, optimizer, pg, rng_states)))
-    _check(results, pg, save_dir, iteration)
+    prepared = _agree(pg, *(_attempt(prepare) if pg.rank == 0 else (None, None)))
+    _check(prepared, pg, save_dir, iteration)
+    staged = prepared[0][1]
+    try:
+        results = _agree(pg, *_attempt(lambda: _write_rank_files(staged, chunks, optimizer, pg, rng_states)))
+        _check(results, pg, save_dir, iteration)
 
-    def finish() -> None:
-        lay = pg.layout
-        sharded = bool(optimizer is not None and optimizer.distributed)
-        layout = layout_meta(world_size=lay.world_size, tp=lay.tp, pp=lay.pp, dp=lay.dp, vp=len(chunks),
-                             order=lay.order, distributed_optimizer=sharded, cp=lay.cp, ep=pg.ep_size,
-                             etp=pg.etp_size)
-        checksums = {k: v for _, sums in results for k, v in sums.items()}
-        write_metadata(staged, iteration=iteration, layout=layout, config=config, state=state,
-                       device=device.device_type(), extra=extra_meta, checksums=checksums)
-        commit(save_dir, iteration)
+        def finish() -> None:
+            lay = pg.layout
+            sharded = bool(optimizer is not None and optimizer.distributed)
+            layout = layout_meta(world_size=lay.world_size, tp=lay.tp, pp=lay.pp, dp=lay.dp, vp=len(chunks),
+                                 order=lay.order, distributed_optimizer=sharded, cp=lay.cp, ep=pg.ep_size,
+                                 etp=pg.etp_size)
+            checksums = {k: v for _, sums in results for k, v in sums.items()}
+            write_metadata(staged, iteration=iteration, layout=layout, config=config, state=state,
+                           device=device.device_type(), extra=extra_meta, checksums=checksums)
+            commit(save_dir, iteration, staged)
 
-    _check(_agree(pg, *(_attempt(finish) if pg.rank == 0 else (None, None))), pg, save_dir, iteration)
+        _check(_agree(pg, *(_attempt(finish) if pg.rank == 0 else (None, None))), pg, save_dir, iteration)
+    except BaseException:  # e.g. Ctrl-C mid-save: no staging folder is left behind (a kill leaves one; the
+        if pg.rank == 0:  # next run's start-up removes it)
+            shutil.rmtree(staged, ignore_errors=True)
+        raise
     return os.path.join(save_dir, f"iter_{iteration:07d}")

@@ -21,7 +21,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 
+from megalite.checkpointing.errors import CheckpointError
 from megalite.checkpointing.metadata import OPTIM_FIELDS, layout_meta, model_config, save_tensors, write_metadata
 from megalite.checkpointing.paths import commit, family_dirname, optim_filename, staging_dir
 from megalite.checkpointing.stored import StoredParam, stage_params
@@ -95,10 +97,13 @@ def write_checkpoint(save_dir: str, config: dict[str, Any], get_param: Callable[
                        state={**{k: 0 for k in STATE_KEYS}, **(state or {}), "iteration": iteration}, device="cpu",
                        extra={**(extra or {}), "written_by": note or {}}, checksums=checksums)
         return commit(save_dir, iteration)
-    except BaseException:  # a bad source shard, a full disk or an interrupt: leave nothing behind
+    except BaseException as e:  # a bad source shard, a full disk or an interrupt: leave nothing behind
         shutil.rmtree(staged, ignore_errors=True)
         if created and os.path.isdir(save_dir) and not os.listdir(save_dir):
             os.rmdir(save_dir)
+        if isinstance(e, SafetensorError):  # safetensors' own write error (a full disk): not an OSError
+            raise CheckpointError(f"--save {save_dir}: writing iteration {iteration} failed ({e}); its staging "
+                                  "directory was removed") from None
         raise
 
 

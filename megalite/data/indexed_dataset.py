@@ -115,6 +115,7 @@ class IndexedDataset:
         if bsize != nbytes:
             raise CorruptDatasetError(self._size_mismatch(bpath, ipath, bsize, nbytes))
         self.num_tokens = nbytes // itemsize
+        self._bin_path, self._bin_bytes = bpath, nbytes
         self._tokens = (np.memmap(bpath, mode="r", dtype=self.dtype) if nbytes
                         else np.empty(0, dtype=self.dtype))
 
@@ -187,7 +188,20 @@ class IndexedDataset:
         start = int(self.sequence_pointers[idx]) // self.dtype.itemsize + offset
         if length is None:
             length = int(self.sequence_lengths[idx]) - offset
+        self._check_size()
         return self._tokens[start:start + length]
+
+    def _check_size(self) -> None:
+        """A data file truncated while mapped ends the process with a bus error naming nothing when a lost
+        page is read; one stat per read names the file instead (a truncation between this check and the
+        read itself still ends in the bus error)."""
+        try:
+            size = os.stat(self._bin_path).st_size
+        except OSError:  # removed: the mapping keeps the old file's pages
+            return
+        if size < self._bin_bytes:
+            raise CorruptDatasetError(f"{self._bin_path}: data file truncated while in use: {size} bytes, "
+                                      f"{idx_path(self.path_prefix)} promises {self._bin_bytes}")
 
 
 class IndexedDatasetWriter:

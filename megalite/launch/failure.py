@@ -7,6 +7,11 @@ watches the board from a thread: when a peer has failed it leaves at once (non-z
 traceback), even from inside a collective that would otherwise wait for the full timeout. An
 exception the entry point did not expect keeps its traceback (it is a bug report), unless a peer
 failed first, in which case it is that failure's echo (e.g. a connection the peer closed).
+
+Two more endings are one line, not a traceback: Ctrl-C (exit status 130), and a peer that vanished
+without reporting (killed, out of memory), which the backend reports as a closed or reset connection:
+each rank records its host and pid on the board, so the rank that meets the closed connection names the
+peer ranks of its host whose processes are gone (ranks on other hosts cannot be checked from here).
 """
 
 from __future__ import annotations
@@ -14,10 +19,13 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import socket
 import sys
 import threading
 import time
 from collections.abc import Iterator
+
+import torch.distributed as dist
 
 from megalite.launch import rendezvous
 from megalite.launch.rendezvous import Rendezvous, RendezvousError
@@ -29,6 +37,34 @@ WATCH_S = 0.2  # how often each rank looks at the board
 LINGER_S = 30.0  # the longest the store's host waits for the others to leave
 REPORT_CONNECT_S = 30.0  # the longest a failure before the rendezvous waits to reach the store
 AFTER_FIRST_S = 5.0  # the longest a rank that did not fail first waits for the one that did to leave
+PID = "pid"  # PID/<rank>: "<host> <pid>" of each rank, to name a peer that vanished
+INTERRUPTED = 130  # the shell's status for a process ended by Ctrl-C (128 + SIGINT)
+# What gloo / torch.distributed say when the process at the other end of a connection is gone.
+PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Connection refused")
+MAX_LOOKUP = 256  # peers whose pids are looked up after a lost connection (one store read each)
+
+
+def peer_lost(e: BaseException) -> bool:
+    """Whether ``e`` is a collective's report that a peer process went away."""
+    network = getattr(dist, "DistNetworkError", ())
+    if network and isinstance(e, network):
+        return True
+    return isinstance(e, RuntimeError) and any(p in str(e) for p in PEER_LOST)
+
+
+def pid_gone(pid: int) -> bool:
+    """Whether process ``pid`` of this host has exited (a zombie has)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return False
 
 
 class FailureBoard:
@@ -50,6 +86,8 @@ class FailureBoard:
     def attach(self, rv: Rendezvous) -> None:
         """Use ``rv``'s store and start watching it for a peer's failure."""
         self.rv, self.may_connect = rv, False
+        with contextlib.suppress(RuntimeError, OSError):
+            rv.store.set(f"{PID}/{self.rank}", f"{socket.gethostname()} {os.getpid()}")
         if self.world > 1 and self._thread is None:
             self._thread = threading.Thread(target=self._watch, name="megalite-failure-watch", daemon=True)
             self._thread.start()
@@ -144,6 +182,30 @@ class FailureBoard:
                 time.sleep(rendezvous.POLL_S)
                 left = self.rv.store.add(LEFT, 0)
 
+    def dead_peers(self) -> list[str]:
+        """'rank R (pid P)' of each peer on this host whose process is gone, as recorded on the board."""
+        if self.rv is None or self.world > MAX_LOOKUP:
+            return []
+        host, dead = socket.gethostname(), []
+        with contextlib.suppress(RuntimeError, OSError, ValueError):
+            for r in range(self.world):
+                key = f"{PID}/{r}"
+                if r == self.rank or not self.rv.store.check([key]):
+                    continue
+                their_host, pid = self.rv.store.get(key).decode().rsplit(" ", 1)
+                if their_host == host and pid_gone(int(pid)):
+                    dead.append(f"rank {r} (pid {pid})")
+        return dead
+
+    def _peer_lost_message(self, e: BaseException) -> str:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        words = first.split("] ", 1)[-1].split(". ", 1)[0][:200]  # gloo's first sentence, without [source:line]
+        dead = self.dead_peers()
+        who = (f"{', '.join(dead)} exited" if dead else
+               "a peer rank (of this run's groups) exited; ranks on other hosts cannot be named from here")
+        return (f"{who} without reporting an error (killed, or out of memory?); this rank's collective "
+                f"failed with: {words}")
+
     @contextlib.contextmanager
     def reporting(self, expected: tuple[type[BaseException], ...]) -> Iterator[None]:
         """Run the body; an ``expected`` error is printed once per run (exit_code 2), an unexpected one
@@ -157,8 +219,21 @@ class FailureBoard:
                 self._after_first()
             self.exit_code = 2
             self.leave()
-        except Exception:
+        except KeyboardInterrupt:
             if self.claim():
+                self._say("interrupted (Ctrl-C); checkpoints already committed are intact, a save in progress "
+                          "was removed")
+            else:
+                self._after_first()
+            self.exit_code = INTERRUPTED
+            self.leave()
+        except Exception as e:
+            if self.claim():
+                if peer_lost(e):  # a peer vanished without a word: name it instead of the backend's traceback
+                    self._say(self._peer_lost_message(e))
+                    self.exit_code = 2
+                    self.leave()
+                    return
                 self.leave()
                 raise
             self._after_first()
