@@ -296,6 +296,11 @@ def test_a_damaged_metadata_file_is_named_on_load(tmp_path):
     open(path, "wb").write(b"\xff\x00{")
     with pytest.raises(CheckpointError, match=f"{path} is corrupt"):
         FullCheckpoint(d)
+    meta["layout"]["tp"] = 1
+    text = json.dumps(meta, indent=1)
+    open(path, "w").write(text.replace('"iteration":', '"iteration": 1,\n "iteration":', 1))
+    with pytest.raises(CheckpointError, match=f"{path}: key 'iteration' is written twice"):
+        FullCheckpoint(d)
 
 
 # ---- library exceptions: a vanished peer, Ctrl-C ---------------------------------------------------------

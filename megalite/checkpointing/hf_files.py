@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from megalite.checkpointing.hf_common import HFConversionError
+from megalite.config.strict_load import load_json
 
 SAFETENSORS, SAFE_INDEX = "model.safetensors", "model.safetensors.index.json"
 BIN, BIN_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
@@ -62,7 +63,8 @@ def weight_files(folder: str) -> list[str]:
         path = os.path.join(folder, index)
         if os.path.isfile(path):
             try:
-                shards = json.load(open(path))["weight_map"].values()
+                with open(path) as f:
+                    shards = load_json(f.read(), path)["weight_map"].values()
                 names = sorted({str(s) for s in shards})
             except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
                 raise HFConversionError(f"{path}: not a weight index (a JSON object with a 'weight_map' of "

@@ -12,6 +12,7 @@ from typing import Any
 
 from megalite.checkpointing.errors import CheckpointError
 from megalite.config.model import ModelConfig
+from megalite.config.strict_load import DuplicateKeyError, load_json
 
 INT, COUNT, SIZE = "an integer", "an integer >= 0", "an integer >= 1"
 LAYOUT_KEYS = {"tp": SIZE, "pp": SIZE, "dp": SIZE, "vp": SIZE}  # required; the others may be absent (older)
@@ -90,8 +91,7 @@ def _check_config(w: _Where, config: dict[str, Any]) -> None:
 
 def check_metadata(meta: Any, path: str) -> dict[str, Any]:
     """``meta`` (a parsed metadata.json) if it has the keys and types megalite reads; else CheckpointError
-    naming ``path`` and the first wrong key.
-    TODO: duplicate JSON keys are not refused here; use the config package's strict JSON loader when it exists."""
+    naming ``path`` and the first wrong key (a key written twice is refused as it is read: load_metadata)."""
     w = _Where(path)
     if not isinstance(meta, dict):
         w.fail("the top level", f"is {type(meta).__name__}, expected an object")
@@ -127,7 +127,9 @@ def load_metadata(path: str) -> dict[str, Any]:
     """metadata.json at ``path``, parsed and checked (CheckpointError naming the file otherwise)."""
     try:
         with open(path, "rb") as f:
-            meta = json.loads(f.read().decode("utf-8"))
+            meta = load_json(f.read().decode("utf-8"), path)
+    except DuplicateKeyError as e:
+        raise CheckpointError(str(e)) from None
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read it ({e.strerror or e})") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:  # binary bytes, truncated or not JSON
