@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from tests.cli_utils import ROOT, launch_pretrain, losses
+from tests.cli_utils import ROOT, launch_pretrain, losses, run_pretrain
 from tests.data_fixtures import random_indexed
 
 TINY = ["--vocab-size", "64", "--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2",
@@ -50,7 +50,8 @@ def _data(tmp_path, vocab: int, name: str = "corpus") -> str:
 
 
 def _run_on(prefix: str, vocab: int, *extra: str, nproc: int = 1):
-    return launch_pretrain(["--data-path", prefix, "--split", "1,0,0", "--tokenizer-type", "NullTokenizer",
+    launch = run_pretrain if nproc > 1 else launch_pretrain  # several ranks: torchrun's, as the message is for
+    return launch(["--data-path", prefix, "--split", "1,0,0", "--tokenizer-type", "NullTokenizer",
                          "--vocab-size", str(vocab), *TINY[2:], "--train-iters", "2", "--eval-iters", "0", *extra],
                         nproc=nproc)
 
