@@ -132,7 +132,7 @@ CASES = [
     case("preprocess-words-for-null-tokenizer", "preprocess", f"--input {{words}} --output-prefix {{new}} {NULL}",
          "{words}:1: cannot tokenize 'text': NullTokenizer reads whitespace-separated integer token ids"),
     case("preprocess-workers-0", "preprocess", f"--input {{jsonl}} --output-prefix {{new}} {NULL} --workers 0",
-         "--workers must be at least 1, got 0"),
+         "argument --workers: must be an integer in [1, ", "got 0"),
     # ---- tools/convert_checkpoint.py reshard ------------------------------------------------------------------
     case("reshard-load-missing", "convert", "reshard --load {d}/nope --save {new}", f"--load {{d}}/nope: {NO_CKPT}"),
     case("reshard-load-is-hf", "convert", "reshard --load {hf} --save {new}",

@@ -170,9 +170,15 @@ def test_issue_examples_get_named_errors(argv, fragment):
     assert len(message.splitlines()) == 2 or "--hidden-size" in argv, message  # one rule, nothing derived
 
 
-def test_checkpoint_metadata_goes_through_the_domain_check():
+def test_checkpoint_metadata_and_the_offline_writer_go_through_the_domain_check(tmp_path):
     with pytest.raises(CheckpointError, match="--hidden-size must be an integer"):
         model_config({"hidden_size": -8, "num_attention_heads": 2, "vocab_size": 10})
+    from megalite.checkpointing.writer import write_checkpoint  # the resharder's and the HF import's writer
+
+    config = {"vocab_size": 10, "num_layers": 2, "hidden_size": 8, "num_attention_heads": 2}
+    with pytest.raises(ValueError, match=r"--tensor-model-parallel-size must be an integer in \[1, \d+\], got -2$"):
+        write_checkpoint(str(tmp_path / "out"), config, None, tp=-2, pp=1)
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("argv, fragment", [

@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megalite.config.domain import MAX_RANKS, domain_option, size  # noqa: E402
-from megalite.config.flags import add_dataclass_flags  # noqa: E402
+from megalite.config.flags import add_dataclass_flags, domain_errors  # noqa: E402
 from megalite.config.parallel import ParallelConfig  # noqa: E402
 from megalite.parallel.layout import RankLayout  # noqa: E402
 
@@ -36,6 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     add_dataclass_flags(parser, ParallelConfig)
     ns = vars(parser.parse_args(argv))
     p = ParallelConfig(**{k: v for k, v in ns.items() if k in ParallelConfig.__dataclass_fields__})
+    if errors := domain_errors(p):  # before the layout divides by any size
+        print("show_layout.py: error: " + "; ".join(errors), file=sys.stderr)
+        return 2
     world = ns["world_size"] or ns["nnodes"] * ns["nproc_per_node"]
     try:
         layout = RankLayout(world, p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
