@@ -170,6 +170,16 @@ def test_issue_examples_get_named_errors(argv, fragment):
     assert len(message.splitlines()) == 2 or "--hidden-size" in argv, message  # one rule, nothing derived
 
 
+def test_deepspeed_json_values_go_through_the_same_domain_check(tmp_path, capsys):
+    path = tmp_path / "ds.json"
+    path.write_text('{"train_micro_batch_size_per_gpu": 2, "gradient_clipping": NaN, '
+                    '"optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "eps": Infinity}}}')
+    status, message = _run(["--deepspeed-config", str(path)])
+    assert status == "config", message
+    assert "--clip-grad must be a finite number > 0, or 0 (0 disables clipping), got nan" in message
+    assert "--adam-eps must be a finite number in (0, 1], got inf" in message
+
+
 def test_checkpoint_metadata_and_the_offline_writer_go_through_the_domain_check(tmp_path):
     with pytest.raises(CheckpointError, match="--hidden-size must be an integer"):
         model_config({"hidden_size": -8, "num_attention_heads": 2, "vocab_size": 10})
