@@ -22,6 +22,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+from megalite.config.domain import domain_option, size  # noqa: E402
 from megalite.config.validate import ConfigError  # noqa: E402
 from megalite.inference.evaluation import (  # noqa: E402
     count_words,
@@ -52,7 +53,7 @@ def build_parser():
     g.add_argument("--task", required=True, choices=TASKS, help="What to evaluate.")
     g.add_argument("--valid-data", nargs="+", required=True,
                    help="WIKITEXT103: a text file; LAMBADA: a jsonl file of {\"text\": ...} lines.")
-    g.add_argument("--overlapping-eval", type=int, default=32,
+    domain_option(g, "--overlapping-eval", domain=size(), integer=True, default=32,
                    help="WIKITEXT103: windows start every this many tokens and score only their last this many "
                         "targets (Megatron's default 32; --seq-length for non-overlapping windows).")
     g.add_argument("--strict-lambada", action="store_true",

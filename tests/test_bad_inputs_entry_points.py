@@ -139,7 +139,7 @@ CASES = [
     case("preprocess-words-for-null-tokenizer", "preprocess", f"--input {{words}} --output-prefix {{new}} {NULL}",
          "{words}:1: cannot tokenize 'text': NullTokenizer reads whitespace-separated integer token ids"),
     case("preprocess-workers-0", "preprocess", f"--input {{jsonl}} --output-prefix {{new}} {NULL} --workers 0",
-         "--workers must be at least 1, got 0"),
+         "argument --workers: must be an integer in [1, ", "got 0"),
     # ---- tools/convert_checkpoint.py reshard ------------------------------------------------------------------
     case("reshard-load-missing", "convert", "reshard --load {d}/nope --save {new}", f"--load {{d}}/nope: {NO_CKPT}"),
     case("reshard-load-is-hf", "convert", "reshard --load {hf} --save {new}",
@@ -190,13 +190,15 @@ CASES = [
     case("generate-load-not-checkpoint", "generate", "--load {empty} --prompt 1", f"--load {{empty}}: {NO_CKPT}"),
     case("generate-load-other-model", "generate", f"{TOK} --hidden-size 64",
          "--load {ck}: the checkpoint's model differs", "--hidden-size: checkpoint 32, flags 64"),
-    case("generate-top-p-2", "generate", f"{TOK} --top-p 2", "--top-p must be in [0, 1], got 2.0"),
+    case("generate-top-p-2", "generate", f"{TOK} --top-p 2",
+         "argument --top-p: must be a finite number in (0, 1], or 0", "got 2"),
     case("generate-temperature-negative", "generate", f"{TOK} --temperature -0.5",
-         "--temperature must be >= 0 and finite"),
-    case("generate-temperature-nan", "generate", f"{TOK} --temperature nan", "--temperature must be >= 0 and finite"),
-    case("generate-top-k-negative", "generate", f"{TOK} --top-k -1", "--top-k must be >= 0, got -1"),
+         "argument --temperature: must be a finite number > 0, or 0 (0 is greedy), got -0.5"),
+    case("generate-temperature-nan", "generate", f"{TOK} --temperature nan",
+         "argument --temperature: must be a finite"),
+    case("generate-top-k-negative", "generate", f"{TOK} --top-k -1", "argument --top-k: must be an integer in [1, "),
     case("generate-max-new-tokens-negative", "generate", "--load {ck} --prompt 1 --max-new-tokens -1",
-         "--max-new-tokens must be >= 0, got -1"),
+         "argument --max-new-tokens: must be an integer in [1, ", "or 0 (0 generates nothing"),
     case("generate-past-positions", "generate", "--load {ck} --prompt 1 --max-new-tokens 40",
          "exceed the model's --max-position-embeddings (32)"),
     case("generate-prompts-file-not-utf8", "generate", "--load {ck} --prompts-file {latin1}",
@@ -237,7 +239,7 @@ CASES = [
     case("tasks-context-parallel", "tasks", f"{WIKI} --valid-data {{ids}} --context-parallel-size 2",
          f"--context-parallel-size 2: {NOT_CP}"),
     case("tasks-overlapping-eval-0", "tasks", "--task WIKITEXT103 --overlapping-eval 0 --load {ck} --valid-data {ids}",
-         "--overlapping-eval (0) must be in [1, --seq-length (16)]"),
+         "argument --overlapping-eval: must be an integer in [1, ", "got 0"),
     case("tasks-results-json-dir-missing", "tasks", f"{WIKI} --valid-data {{ids}} --results-json {{d}}/nodir/r.json",
          "--results-json {d}/nodir/r.json: directory {d}/nodir does not exist"),
     # ---- duplicate keys, files checked before use, messages naming what was written (issue 25) -------------------
@@ -266,6 +268,13 @@ CASES = [
          "{ck_meta}/iter_0000001/metadata.json: layout.tp is '1', expected an integer >= 1"),
     case("tasks-metadata-wrong-type", "tasks", "--task WIKITEXT103 --overlapping-eval 8 --load {ck_meta} "
          "--valid-data {ids}", "{ck_meta}/iter_0000001/metadata.json: layout.tp is '1'"),
+    # ---- numbers outside their declared domain (issue 25, classes 1 and 3) ------------------------------------
+    case("pretrain-clip-grad-nan", "pretrain", f"{TINY} --mock-data {NULL} --clip-grad nan",
+         "--clip-grad must be a finite number > 0, or 0 (0 disables clipping), got nan"),
+    case("pretrain-exit-interval-negative", "pretrain", f"{TINY} --mock-data {NULL} --exit-interval -1",
+         "--exit-interval must be an integer in [1, "),
+    case("pretrain-moe-no-moe-layer", "pretrain", f"{TINY} --mock-data {NULL} {MOE} --moe-layer-freq [0,0]",
+         "--moe-layer-freq '[0,0]' makes none of the 2 layers (--num-layers) an MoE layer"),
 ]
 
 # The same fixtures with valid flags: these must succeed (the refusals above are about the flag under test).

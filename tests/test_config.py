@@ -41,9 +41,9 @@ def test_valid_config_fills_global_batch_default():
     (["--ffn-hidden-size", "100", "--tensor-model-parallel-size", "8"], 8, ["--ffn-hidden-size (100)"]),
     (["--seq-length", "64", "--max-position-embeddings", "32"], 1, ["--seq-length (64)", "--max-position-embeddings"]),
     (["--sequence-parallel"], 1, ["--sequence-parallel needs --tensor-model-parallel-size > 1"]),
-    (["--hidden-dropout", "1.5"], 1, ["--hidden-dropout must be in [0, 1)"]),
+    (["--hidden-dropout", "1.5"], 1, ["--hidden-dropout must be a finite number in [0, 1), got 1.5"]),
     (["--lr", "1e-4", "--min-lr", "1e-3"], 1, ["--min-lr", "--lr"]),
-    (["--num-layers", "0"], 1, ["--num-layers must be positive"]),
+    (["--num-layers", "0"], 1, ["--num-layers must be an integer in [1, 100000], got 0"]),
     (["--context-parallel-size", "2"], 3, ["world size (3)", "--context-parallel-size (2)"]),
     (["--context-parallel-size", "3"], 3, ["--seq-length (32) must be divisible by 2 x --context-parallel-size (3)"]),
     (["--context-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel", "--seq-length",
@@ -52,7 +52,7 @@ def test_valid_config_fills_global_batch_default():
      4, ["--cp-comm-type a2a: --num-query-groups per tensor-parallel rank (2 / 1)", "--context-parallel-size (4)"]),
     (["--context-parallel-size", "2", "--hierarchical-dp-reduce"], 4, ["--hierarchical-dp-reduce is not supported"]),
     (["--data-path", "x"], 1, ["--mock-data and --data-path"]),
-    (["--train-iters", "-1"], 1, ["--train-iters must be positive"]),
+    (["--train-iters", "-1"], 1, ["--train-iters must be an integer in [1, ", "got -1"]),
 ])
 def test_invalid_combination_names_flags_and_rule(extra, world, fragments):
     with pytest.raises(ConfigError) as err:

@@ -45,14 +45,15 @@ def test_valid_moe_configs(extra, world):
 
 @pytest.mark.parametrize("extra,world,fragments", [
     # the layout sizes
-    ([*MOE, "--expert-model-parallel-size", "0"], 1, ["--expert-model-parallel-size (0)", "must be positive"]),
+    ([*MOE, "--expert-model-parallel-size", "0"], 1, ["--expert-model-parallel-size must be an integer in [1, ",
+         "got 0"]),
     # a dense model
-    (["--num-experts", "0", "--disable-bias-linear"], 1, ["--num-experts must be positive, got 0"]),
+    (["--num-experts", "0", "--disable-bias-linear"], 1, ["--num-experts must be an integer in [1, 67108864], got 0"]),
     (["--expert-model-parallel-size", "2"], 2, ["--expert-model-parallel-size", "need --num-experts"]),
     (["--expert-tensor-parallel-size", "2"], 2, ["--expert-tensor-parallel-size need --num-experts"]),
     # the MoE flags
     ([*MOE, "--moe-router-topk", "5"], 1, ["--moe-router-topk (5) must be between 1 and --num-experts (4)"]),
-    ([*MOE, "--moe-router-topk", "0"], 1, ["--moe-router-topk (0)"]),
+    ([*MOE, "--moe-router-topk", "0"], 1, ["--moe-router-topk must be an integer in [1, 67108864], got 0"]),
     ([*MOE, "--expert-model-parallel-size", "3"], 3, ["--expert-model-parallel-size (3) must divide --num-experts"]),
     ([*MOE, "--moe-ffn-hidden-size", "6", "--expert-tensor-parallel-size", "4"], 4,
      ["--expert-tensor-parallel-size (4) must divide the expert hidden size (--moe-ffn-hidden-size 6)"]),
@@ -62,7 +63,8 @@ def test_valid_moe_configs(extra, world):
     ([*MOE, "--tensor-model-parallel-size", "2"], 2, ["--tensor-model-parallel-size > 1 needs --sequence-parallel"]),
     ([*MOE, "--use-tp-pp-dp-mapping"], 1, ["needs the default --rank-order tp-cp-dp-pp"]),
     ([*MOE, "--rank-order", "tp-cp-pp-dp"], 1, ["needs the default --rank-order tp-cp-dp-pp"]),
-    ([*MOE, "--moe-expert-capacity-factor", "0"], 1, ["--moe-expert-capacity-factor must be positive, got 0"]),
+    ([*MOE, "--moe-expert-capacity-factor", "0"], 1, ["--moe-expert-capacity-factor must be a finite number in (0, ",
+         "got 0.0"]),
     ([*MOE, "--moe-pad-expert-input-to-capacity", "--moe-token-dispatcher-type", "alltoall"], 1,
      ["--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor"]),
     ([*MOE, "--moe-pad-expert-input-to-capacity", "--moe-expert-capacity-factor", "1"], 1,
@@ -71,9 +73,11 @@ def test_valid_moe_configs(extra, world):
      ["--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid"]),
     ([*MOE, "--moe-router-pre-softmax", "--moe-router-score-function", "sigmoid"], 1,
      ["--moe-router-pre-softmax needs --moe-router-score-function softmax"]),
-    ([*MOE, "--moe-aux-loss-coeff", "-1"], 1, ["--moe-aux-loss-coeff", "must be >= 0"]),
-    ([*MOE, "--moe-z-loss-coeff", "-0.1"], 1, ["--moe-z-loss-coeff", "must be >= 0"]),
-    ([*MOE, "--moe-router-bias-update-rate", "-0.1"], 1, ["--moe-router-bias-update-rate must be >= 0"]),
+    ([*MOE, "--moe-aux-loss-coeff", "-1"], 1,
+         ["--moe-aux-loss-coeff must be a finite number > 0, or 0 (0 is not computed)"]),
+    ([*MOE, "--moe-z-loss-coeff", "-0.1"], 1,
+         ["--moe-z-loss-coeff must be a finite number > 0, or 0 (0 is off, as None)"]),
+    ([*MOE, "--moe-router-bias-update-rate", "-0.1"], 1, ["--moe-router-bias-update-rate must be", "> 0, got -0.1"]),
     ([*MOE, "--moe-shared-expert-gate"], 1, ["--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size"]),
     ([*MOE, "--moe-shared-expert-intermediate-size", "30", "--tensor-model-parallel-size", "4",
       "--sequence-parallel"], 4, ["--tensor-model-parallel-size (4) must divide --moe-shared-expert-intermediate-size "

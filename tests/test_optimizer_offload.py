@@ -99,7 +99,8 @@ def test_pool_and_fraction_split():
 
 @pytest.mark.parametrize("extra, fragment", [
     ({"optimizer_offload_fraction": 0.5}, "--optimizer-offload-fraction needs --optimizer-cpu-offload"),
-    ({"optimizer_cpu_offload": True, "optimizer_offload_fraction": 1.5}, "must be in (0, 1]"),
+    ({"optimizer_cpu_offload": True, "optimizer_offload_fraction": 1.5},
+         "--optimizer-offload-fraction must be a finite number in (0, 1]"),
 ])
 def test_bad_offload_flags_are_named(extra, fragment):
     with pytest.raises(ConfigError) as e:

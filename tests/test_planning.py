@@ -286,7 +286,7 @@ def test_plan_tool_names_the_broken_rule():
     assert proc.returncode == 2
     assert "--tensor-model-parallel-size (5) must divide --num-attention-heads (96)" in proc.stderr
     proc = _run("tools/plan.py", [*GPT3, "--gpus-per-node", "0"])
-    assert proc.returncode == 2 and "--gpus-per-node must be positive" in proc.stderr
+    assert proc.returncode == 2 and "--gpus-per-node must be an integer in [1, 1048576], got 0" in proc.stderr
 
 
 def test_dry_run_validates_and_prints_the_plan():

@@ -14,15 +14,17 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megalite.config.domain import MAX_RANKS, MAX_SIZE, domain_option, positive, size  # noqa: E402
 from megalite.data.default_corpus import VOCAB_SIZE, build_default_corpus, ensure_default_corpus  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--output-dir", default="corpus")
-    p.add_argument("--vocab-size", type=int, default=VOCAB_SIZE)
-    p.add_argument("--max-mb", type=float, default=None, help="stop after this much text (default: all)")
-    p.add_argument("--workers", type=int, default=2)
+    domain_option(p, "--vocab-size", domain=size(MAX_SIZE), integer=True, default=VOCAB_SIZE)
+    domain_option(p, "--max-mb", domain=positive(MAX_SIZE), integer=False, default=None,
+                  help="stop after this much text (default: all)")
+    domain_option(p, "--workers", domain=size(MAX_RANKS), integer=True, default=2)
     p.add_argument("--force", action="store_true", help="rebuild even if the corpus exists")
     args = p.parse_args(argv)
     kwargs = dict(vocab_size=args.vocab_size, workers=args.workers,

@@ -52,6 +52,9 @@ from megalite.checkpointing.paths import TRACKER, iter_dirname, swap_into_place 
 from megalite.checkpointing.reader import CheckpointError  # noqa: E402
 from megalite.checkpointing.reshard import reshard  # noqa: E402
 from megalite.checkpointing.writer import write_checkpoint  # noqa: E402
+from megalite.config.domain import MAX_COUNT, Domain, domain_option  # noqa: E402
+from megalite.config.flags import domain_of  # noqa: E402
+from megalite.config.parallel import ParallelConfig  # noqa: E402
 from megalite.config.validate import layout_errors  # noqa: E402
 from megalite.data.tokenizer import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
 
@@ -65,6 +68,8 @@ FLAG_FIELDS = ["num_layers", "hidden_size", "ffn_hidden_size", "num_attention_he
 MOE_FLAG_FIELDS = ["num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_layer_freq",
                    "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_router_pre_softmax",
                    "moe_aux_loss_coeff"]
+
+ITERATION = Domain(lo=0, hi=MAX_COUNT)  # a saved iteration (from-hf writes 0)
 
 
 def model_flags(config: dict) -> str:
@@ -252,18 +257,24 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     def layout(sp: argparse.ArgumentParser) -> None:
-        sp.add_argument("--tensor-model-parallel-size", type=int, default=1)
-        sp.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-        sp.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
-        sp.add_argument("--expert-model-parallel-size", type=int, default=1,
-                        help="MoE models: EP ranks the routed experts are split over")
-        sp.add_argument("--expert-tensor-parallel-size", type=int, default=None,
-                        help="MoE models: expert-TP ranks each routed expert is cut over (default: TP)")
+        def flag(name: str, default: int | None, help: str = "") -> None:
+            """The same value as pretrain_gpt.py's flag of that name: the same declared domain."""
+            domain, integer = domain_of(ParallelConfig, name)
+            domain_option(sp, "--" + name.replace("_", "-"), domain=domain, integer=integer, default=default,
+                          help=help)
+
+        flag("tensor_model_parallel_size", 1)
+        flag("pipeline_model_parallel_size", 1)
+        flag("num_layers_per_virtual_pipeline_stage", None)
+        flag("expert_model_parallel_size", 1, help="MoE models: EP ranks the routed experts are split over")
+        flag("expert_tensor_parallel_size", None,
+             help="MoE models: expert-TP ranks each routed expert is cut over (default: TP)")
 
     r = sub.add_parser("reshard", help="write a checkpoint at another TP/PP/VP/EP layout (optimizer state included)")
     r.add_argument("--load", required=True, help="checkpoint directory (holding latest_checkpointed_iteration.txt)")
     r.add_argument("--save", required=True, help="output checkpoint directory (not --load)")
-    r.add_argument("--iteration", type=int, default=None, help="iteration to read (default: the tracker's)")
+    domain_option(r, "--iteration", domain=ITERATION, integer=True, default=None,
+                  help="iteration to read (default: the tracker's)")
     r.add_argument("--no-optim", action="store_true", help="weights only")
     r.add_argument("--overwrite", action="store_true", help="replace a non-empty --save folder")
     layout(r)
@@ -273,7 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "MixtralForCausalLM or Qwen2MoeForCausalLM)")
     t.add_argument("--load", required=True, help="checkpoint directory")
     t.add_argument("--save", required=True, help="output transformers folder")
-    t.add_argument("--iteration", type=int, default=None)
+    domain_option(t, "--iteration", domain=ITERATION, integer=True, default=None,
+                  help="iteration to read (default: the tracker's)")
     t.add_argument("--dtype", choices=list(DTYPES), default=None, help="cast weights (default: as saved)")
     t.add_argument("--overwrite", action="store_true", help="replace a non-empty --save folder")
     t.add_argument("--tokenizer-type", default=None, choices=TOKENIZER_TYPES,

@@ -22,6 +22,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+from megalite.config.domain import MAX_SIZE, Domain, domain_option  # noqa: E402
 from megalite.config.validate import ConfigError  # noqa: E402
 from megalite.inference.generation import GenerationError, check_lengths, generate  # noqa: E402
 from megalite.inference.loading import (  # noqa: E402
@@ -44,12 +45,16 @@ def build_parser():
                    "prompt generates unconditionally, from the end-of-document token.")
     g.add_argument("--prompts-file", default=None, help="A text file of prompts, one per line (\\n escapes "
                    "allowed).")
-    g.add_argument("--max-new-tokens", type=int, default=64, help="Tokens to generate after each prompt.")
+    domain_option(g, "--max-new-tokens", integer=True, default=64, help="Tokens to generate after each prompt.",
+                  domain=Domain(lo=1, hi=MAX_SIZE, off=0, off_means="generates nothing: the prompts are printed"))
     g.add_argument("--greedy", action="store_true", help="Take the most likely token (no sampling).")
-    g.add_argument("--temperature", type=float, default=1.0, help="Divide the logits by this before sampling.")
-    g.add_argument("--top-k", type=int, default=0, help="Sample among the k most likely tokens (0: all).")
-    g.add_argument("--top-p", type=float, default=0.0, help="Sample among the most likely tokens holding this "
-                   "much probability (0: all).")
+    domain_option(g, "--temperature", integer=False, default=1.0, help="Divide the logits by this before sampling.",
+                  domain=Domain(lo=0, lo_open=True, off=0, off_means="is greedy"))
+    domain_option(g, "--top-k", integer=True, default=0, help="Sample among the k most likely tokens.",
+                  domain=Domain(lo=1, hi=MAX_SIZE, off=0, off_means="samples among all tokens"))
+    domain_option(g, "--top-p", integer=False, default=0.0, help="Sample among the most likely tokens holding "
+                  "this much probability (1: all).",
+                  domain=Domain(lo=0, lo_open=True, hi=1, off=0, off_means="samples among all tokens"))
     g.add_argument("--no-kv-cache", action="store_true", help="Recompute the whole sequence every step "
                    "(slower; the same tokens).")
     g.add_argument("--ignore-eod", action="store_true", help="Keep generating past the end-of-document token.")
@@ -86,8 +91,6 @@ def run(argv: list[str] | None = None, say=print):
     given, args = build_parser().parse(argv)
     _, world, _, _ = launcher_env()
     p = plan(given, world)
-    if args.max_new_tokens < 0:
-        raise ConfigError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     check_output_file("--output-json", args.output_json)
     tok = p.tokenizer
     texts, prompts = [], []

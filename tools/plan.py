@@ -18,5 +18,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megalite.planning.cli import plan_main  # noqa: E402
 
+
+def main(argv: list[str] | None = None) -> int:
+    return plan_main(argv)
+
+
 if __name__ == "__main__":
-    sys.exit(plan_main())
+    sys.exit(main())

@@ -17,9 +17,12 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megalite.config.domain import domain_option, size  # noqa: E402
 from megalite.pipeline.schedule_table import ScheduleSpec, build_tables, simulate  # noqa: E402
 
 Event = tuple[str, int, int, float, float]  # kind, chunk, micro-batch, start, end
+
+MAX_PLOTTED = 4096  # stages, chunks or micro-batches past this make no readable picture (and a slow table)
 
 
 def load_record(directory: str) -> tuple[dict[int, list[Event]], dict]:
@@ -82,9 +85,11 @@ def plot(events: dict[int, list[Event]], title: str, output: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--record", help="directory written by --record-pipeline-timeline")
-    ap.add_argument("--pp", type=int, help="pipeline size (table mode)")
-    ap.add_argument("--vp", type=int, default=1, help="model chunks per rank (table mode)")
-    ap.add_argument("--microbatches", type=int, help="micro-batches per step (table mode)")
+    domain_option(ap, "--pp", domain=size(MAX_PLOTTED), integer=True, help="pipeline size (table mode)")
+    domain_option(ap, "--vp", domain=size(MAX_PLOTTED), integer=True, default=1,
+                  help="model chunks per rank (table mode)")
+    domain_option(ap, "--microbatches", domain=size(MAX_PLOTTED), integer=True,
+                  help="micro-batches per step (table mode)")
     ap.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
     ap.add_argument("--output", required=True, help="PNG file to write")
     a = ap.parse_args(argv)

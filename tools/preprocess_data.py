@@ -16,6 +16,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megalite.config.domain import MAX_RANKS, MAX_SIZE, count, domain_option, size  # noqa: E402
 from megalite.data.preprocess import PreprocessOptions, preprocess  # noqa: E402
 from megalite.data.tokenizer import TOKENIZER_TYPES  # noqa: E402
 
@@ -26,7 +27,7 @@ def add_tokenizer_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--vocab-file", help="GPT-2 BPE vocab.json")
     g.add_argument("--merge-file", help="GPT-2 BPE merges.txt")
     g.add_argument("--tokenizer-model", help="tokenizer.json / tokenizer folder, or SentencePiece .model")
-    g.add_argument("--vocab-size", type=int, help="NullTokenizer: ids 0..V-1, eod V")
+    domain_option(g, "--vocab-size", domain=size(MAX_SIZE - 1), integer=True, help="NullTokenizer: ids 0..V-1, eod V")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -43,9 +44,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--output-prefix", required=True, help="output path without the _{key}_document suffix")
     g.add_argument("--append-eod", action="store_true", help="end every document with the eod token")
     g = p.add_argument_group("runtime")
-    g.add_argument("--workers", type=int, default=1, help="tokenizing processes")
-    g.add_argument("--log-interval", type=int, default=1000, help="documents between progress lines")
-    g.add_argument("--partitions", type=int, default=1,
+    domain_option(g, "--workers", domain=size(MAX_RANKS), integer=True, default=1, help="tokenizing processes")
+    domain_option(g, "--log-interval", domain=count(), integer=True, default=1000,
+                  help="documents between progress lines")
+    domain_option(g, "--partitions", domain=size(MAX_RANKS), integer=True, default=1,
                    help="accepted for compatibility; inputs are streamed, so partitions are not needed")
     return p.parse_args(argv)
 

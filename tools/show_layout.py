@@ -19,21 +19,26 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megalite.config.flags import add_dataclass_flags  # noqa: E402
+from megalite.config.domain import MAX_RANKS, domain_option, size  # noqa: E402
+from megalite.config.flags import add_dataclass_flags, domain_errors  # noqa: E402
 from megalite.config.parallel import ParallelConfig  # noqa: E402
 from megalite.parallel.layout import RankLayout  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    parser.add_argument("--world-size", type=int, help="Total ranks (default nnodes x nproc-per-node).")
-    parser.add_argument("--nproc-per-node", type=int, default=8, help="Ranks per node (torchrun's flag).")
-    parser.add_argument("--nnodes", type=int, default=1, help="Nodes, when --world-size is not given.")
+    ranks = dict(domain=size(MAX_RANKS), integer=True)
+    domain_option(parser, "--world-size", **ranks, help="Total ranks (default nnodes x nproc-per-node).")
+    domain_option(parser, "--nproc-per-node", **ranks, default=8, help="Ranks per node (torchrun's flag).")
+    domain_option(parser, "--nnodes", **ranks, default=1, help="Nodes, when --world-size is not given.")
     parser.add_argument("--all", action="store_true", help="List every group (default: 16 per kind).")
     parser.add_argument("--strict", action="store_true", help="Exit 1 when the layout has a warning.")
     add_dataclass_flags(parser, ParallelConfig)
     ns = vars(parser.parse_args(argv))
     p = ParallelConfig(**{k: v for k, v in ns.items() if k in ParallelConfig.__dataclass_fields__})
+    if errors := domain_errors(p):  # before the layout divides by any size
+        print("show_layout.py: error: " + "; ".join(errors), file=sys.stderr)
+        return 2
     world = ns["world_size"] or ns["nnodes"] * ns["nproc_per_node"]
     try:
         layout = RankLayout(world, p.tensor_model_parallel_size, p.pipeline_model_parallel_size,

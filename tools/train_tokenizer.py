@@ -16,6 +16,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megalite.config.domain import MAX_SIZE, count, domain_option, size  # noqa: E402
 from megalite.data.tokenizer_training import iter_texts, train_bpe, train_sentencepiece  # noqa: E402
 
 
@@ -25,8 +26,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json-keys", nargs="+", default=["text"], help="jsonl keys holding the text")
     p.add_argument("--output-dir", required=True)
     p.add_argument("--type", choices=["bpe", "sentencepiece"], default="bpe")
-    p.add_argument("--vocab-size", type=int, default=8192)
-    p.add_argument("--min-frequency", type=int, default=2, help="BPE: least count of a merged pair")
+    domain_option(p, "--vocab-size", domain=size(MAX_SIZE), integer=True, default=8192)
+    domain_option(p, "--min-frequency", domain=count(), integer=True, default=2,
+                  help="BPE: least count of a merged pair")
     p.add_argument("--sentencepiece-model-type", choices=["bpe", "unigram"], default="bpe")
     args = p.parse_args(argv)
     paths = []

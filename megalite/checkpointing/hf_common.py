@@ -64,15 +64,15 @@ def _hf_keys(model_type: str) -> dict[str, str]:
 
 def check_model_rules(cfg, hf_config, where: str) -> None:
     """The model a Hugging Face config describes must pass the rules its training flags would
-    (config/validate.py: positive sizes, the model's shape; config/validate_moe.py: the MoE flags), so
+    (config/validate.py: every value in its domain, the model's shape; config/validate_moe.py: the MoE flags), so
     that it is refused at conversion, not in training or generation. Each error names the HF keys it
     comes from, with their values."""
     from megalite.config.arguments import MegaliteConfig
-    from megalite.config.validate import model_errors, positive_errors
+    from megalite.config.validate import domain_check, model_errors
     from megalite.config.validate_moe import moe_errors
 
     full = MegaliteConfig(model=cfg)
-    errors = positive_errors(full)
+    errors = domain_check(full)
     errors = errors or model_errors(cfg) + moe_errors(full)
     if not errors:
         return

@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 from megalite import __version__
 from megalite.checkpointing.checksum import file_checksum
 from megalite.checkpointing.reader import CheckpointError
+from megalite.config.flags import domain_errors
 from megalite.config.model import ModelConfig
 
 FORMAT_VERSION = 1
@@ -27,14 +28,18 @@ def config_dict(cfg: ModelConfig, vocab_size: int) -> dict[str, Any]:
 
 
 def model_config(config: dict[str, Any]) -> tuple[ModelConfig, int]:
-    """(ModelConfig, true vocab size) from a checkpoint's ``config`` metadata (unknown keys ignored)."""
+    """(ModelConfig, true vocab size) from a checkpoint's ``config`` metadata (unknown keys ignored); every
+    size in its declared domain (the flags' own check), so no layout rule divides by a size of 0 or -8."""
     names = {f.name for f in dataclasses.fields(ModelConfig)}
     if "vocab_size" not in config:
         raise CheckpointError("checkpoint metadata config has no vocab_size")
     try:
         cfg = ModelConfig(**{k: v for k, v in config.items() if k in names})
-    except (TypeError, ValueError, ArithmeticError) as e:  # values of the wrong type or domain
+    except (TypeError, ValueError, ArithmeticError) as e:  # values of the wrong type
         raise CheckpointError(f"checkpoint metadata config cannot describe a model: {e}") from None
+    errors = domain_errors(cfg)
+    if errors:
+        raise CheckpointError("model config out of its domain: " + "; ".join(errors))
     return cfg, int(config["vocab_size"])
 
 

@@ -27,6 +27,8 @@ from megalite.checkpointing.errors import CheckpointError
 from megalite.checkpointing.metadata import OPTIM_FIELDS, layout_meta, model_config, save_tensors, write_metadata
 from megalite.checkpointing.paths import commit, family_dirname, optim_filename, staging_dir
 from megalite.checkpointing.stored import StoredParam, stage_params
+from megalite.config.flags import domain_errors
+from megalite.config.parallel import ParallelConfig
 from megalite.config.validate import layout_errors
 from megalite.parallel.groups import Group
 from megalite.pipeline.partition import num_chunks
@@ -73,8 +75,11 @@ def write_checkpoint(save_dir: str, config: dict[str, Any], get_param: Callable[
     Nothing is visible in ``save_dir`` until the whole checkpoint is committed. ``extra`` goes into
     metadata.json as is (e.g. the source's ``tokenizer`` entry). Returns its directory."""
     cfg, _ = model_config(config)
+    errors = domain_errors(ParallelConfig(  # the sizes in their flags' domains before any rule divides by them
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp, num_layers_per_virtual_pipeline_stage=layers_per_virtual_stage))
     etp = tp if etp is None else etp
-    errors = layout_errors(cfg, tp, pp, layers_per_virtual_stage) + expert_errors(config, ep, etp)
+    errors = errors or layout_errors(cfg, tp, pp, layers_per_virtual_stage) + expert_errors(config, ep, etp)
     if errors:
         raise ValueError(f"cannot write {save_dir} at TP={tp} PP={pp}:\n  " + "\n  ".join(errors))
     vp = num_chunks(cfg.num_layers, pp, layers_per_virtual_stage)

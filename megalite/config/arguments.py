@@ -150,7 +150,8 @@ def _apply_deepspeed_batch(cfg: MegaliteConfig, ds: DeepSpeedMapping, given: set
     then the mapping is printed (rank 0)."""
     p = cfg.parallel
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    dp = max(world // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size), 1)
+    model_parallel = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
+    dp = max(world // model_parallel, 1) if model_parallel > 0 else 1  # sizes out of domain: validate names them
     try:
         for name, value in resolve_batch(ds, dp).items():
             if name not in given:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megalite.config.domain import MAX_SIZE, fraction, size
 from megalite.config.flags import option
 
 
@@ -23,14 +24,16 @@ class DataConfig:
     data_cache_path: str | None = option(
         None, help="Where the cached sample indices (.npy) go; default: a cache/ folder beside the data.")
     mid_level_dataset_surplus: float = option(
-        0.005, help="Extra fraction of samples each blended dataset builds beyond its share of the blend.")
+        0.005, help="Extra fraction of samples each blended dataset builds beyond its share of the blend.",
+        domain=fraction())
     mock_data: bool = option(False, help="Train on synthetic, learnable token sequences (no files needed).")
     tokenizer_type: str | None = option(
         None, help="Tokenizer kind; default GPT2BPETokenizer when --vocab-file and --merge-file are given "
         "(as Megatron-LM), else NullTokenizer.",
         choices=["NullTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer"])
     vocab_size: int | None = option(
-        None, help="NullTokenizer: data ids are 0..V-1 and the eod id is V (vocabulary V + 1).")
+        None, help="NullTokenizer: data ids are 0..V-1 and the eod id is V (vocabulary V + 1).",
+        domain=size(MAX_SIZE - 1))
     vocab_file: str | None = option(None, help="GPT-2 BPE vocab.json.")
     merge_file: str | None = option(None, help="GPT-2 BPE merges.txt.")
     tokenizer_model: str | None = option(

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
+from megalite.config.domain import MAX_COUNT, MAX_HIDDEN, fraction, positive, size
 from megalite.config.flags import option
-from megalite.config.moe import MoEFields
+from megalite.config.moe import MAX_LAYERS, MoEFields
 
 
 @dataclass(kw_only=True)
@@ -13,21 +15,26 @@ class ModelConfig(MoEFields):
     """Model: the GPT's shape. GPT-2 style by default; Llama style with rope/RMSNorm/swiglu/GQA; MoE layers
     with --num-experts (config/moe.py)."""
 
-    num_layers: int = option(2, help="Number of transformer layers.")
-    hidden_size: int = option(64, help="Transformer hidden size h.")
-    ffn_hidden_size: int | None = option(None, help="MLP hidden size; default 4h (8h/3 rounded to 64 with --swiglu).")
-    num_attention_heads: int = option(4, help="Number of attention heads.")
+    num_layers: int = option(2, help="Number of transformer layers.", domain=size(MAX_LAYERS))
+    hidden_size: int = option(64, help="Transformer hidden size h.", domain=size(MAX_HIDDEN))
+    ffn_hidden_size: int | None = option(None, help="MLP hidden size; default 4h (8h/3 rounded to 64 with --swiglu).",
+                                          domain=size())
+    num_attention_heads: int = option(4, help="Number of attention heads.", domain=size(MAX_HIDDEN))
     group_query_attention: bool = option(False, help="Use grouped-query attention (needs --num-query-groups).")
-    num_query_groups: int | None = option(None, help="Number of key/value groups with --group-query-attention.")
-    kv_channels: int | None = option(None, help="Per-head dimension; default hidden_size / num_attention_heads.")
-    seq_length: int = option(128, help="Training sequence length.")
-    max_position_embeddings: int | None = option(None, help="Learned position table size; default --seq-length.")
+    num_query_groups: int | None = option(None, help="Number of key/value groups with --group-query-attention.",
+                                           domain=size(MAX_HIDDEN))
+    kv_channels: int | None = option(None, help="Per-head dimension; default hidden_size / num_attention_heads.",
+                                      domain=size(MAX_HIDDEN))
+    seq_length: int = option(128, help="Training sequence length.", domain=size())
+    max_position_embeddings: int | None = option(None, help="Learned position table size; default --seq-length.",
+                                                  domain=size())
     position_embedding_type: str = option("learned_absolute", help="Position encoding.",
                                           choices=["learned_absolute", "rope"])
-    rotary_base: int = option(10000, help="RoPE base (theta).")
-    rotary_percent: float = option(1.0, help="Fraction of each head's channels RoPE rotates.")
+    rotary_base: int = option(10000, help="RoPE base (theta).", domain=size(MAX_COUNT))
+    rotary_percent: float = option(1.0, help="Fraction of each head's channels RoPE rotates.",
+                                   domain=fraction(lo_open=True))
     normalization: str = option("LayerNorm", help="Norm layer.", choices=["LayerNorm", "RMSNorm"])
-    norm_epsilon: float = option(1e-5, help="Epsilon of the norm layers.")
+    norm_epsilon: float = option(1e-5, help="Epsilon of the norm layers.", domain=positive(hi=1))
     apply_layernorm_1p: bool = option(
         False, help="Zero-centred norm weights (LayerNorm and RMSNorm): the stored weight w, initialized to 0, "
         "is applied as 1 + w (checkpoints store w; Hugging Face exports hold 1 + w).")
@@ -36,12 +43,14 @@ class ModelConfig(MoEFields):
         False, help="Give the output layer its own weight instead of sharing the input embedding.")
     disable_bias_linear: bool = option(False, help="No bias in the linear layers (Llama style).")
     add_qkv_bias: bool = option(False, help="Keep a bias on the QKV projection even with --disable-bias-linear.")
-    hidden_dropout: float = option(0.1, help="Dropout on the residual branches.")
-    attention_dropout: float = option(0.1, help="Dropout on the attention probabilities.")
+    hidden_dropout: float = option(0.1, help="Dropout on the residual branches.", domain=fraction(hi_open=True))
+    attention_dropout: float = option(0.1, help="Dropout on the attention probabilities.",
+                                      domain=fraction(hi_open=True))
     init_method_std: float = option(0.02, help="Std of the normal weight init; output projections use "
-                                    "std / sqrt(2 * num_layers).")
+                                    "std / sqrt(2 * num_layers).", domain=positive())
     make_vocab_size_divisible_by: int = option(
-        128, help="Pad the vocabulary to a multiple of this times the tensor-parallel size.")
+        128, help="Pad the vocabulary to a multiple of this times the tensor-parallel size.",
+        domain=size(MAX_HIDDEN))
     recompute_granularity: str | None = option(
         None, help="Recompute activations in backward: 'full' layers, or 'selective' (core attention only).",
         choices=["full", "selective"])
@@ -49,7 +58,8 @@ class ModelConfig(MoEFields):
         None, help="With --recompute-granularity full: 'uniform' (the default then) recomputes groups of "
         "--recompute-num-layers layers, 'block' the first --recompute-num-layers layers of each pipeline stage.",
         choices=["uniform", "block"])
-    recompute_num_layers: int = option(1, help="Layers per recomputed group (uniform) or per stage (block).")
+    recompute_num_layers: int = option(1, help="Layers per recomputed group (uniform) or per stage (block).",
+                                       domain=size(MAX_LAYERS))
     attention_backend: str = option(
         "auto", help="Core attention kernel. 'auto': torch SDPA, which picks its fastest kernel; 'flash' and "
         "'fused': SDPA restricted to its flash / memory-efficient kernel on CUDA ('flash' needs fp16/bf16 "
@@ -59,6 +69,14 @@ class ModelConfig(MoEFields):
     cross_entropy_loss_fusion: bool = option(
         False, help="Fuse the output layer with the vocab-parallel cross-entropy, in chunks of tokens, so the "
         "full [s, b, vocab/tp] fp32 logits never exist (the logit gradient is formed chunk by chunk in forward).")
+
+    # Defaults filled in from other fields: {field: (its sources, how)}; the domain check names them.
+    DERIVED: ClassVar[dict[str, tuple[tuple[str, ...], str]]] = {
+        "ffn_hidden_size": (("hidden_size",), "4 x --hidden-size, 8/3 with --swiglu"),
+        "kv_channels": (("hidden_size", "num_attention_heads"), "--hidden-size / --num-attention-heads"),
+        "max_position_embeddings": (("seq_length",), "--seq-length"),
+        "num_query_groups": (("num_attention_heads",), "--num-attention-heads"),
+    }
 
     def __post_init__(self) -> None:
         if self.max_position_embeddings is None:

@@ -5,21 +5,27 @@ from __future__ import annotations
 import ast
 from dataclasses import dataclass
 
+from megalite.config.domain import MAX_HIDDEN, MAX_SIZE, Domain, positive, size
 from megalite.config.flags import option
+
+MAX_LAYERS = 100_000  # a depth or repeat count past any model's is a typo, refused before the list is built
 
 
 @dataclass(kw_only=True)
 class MoEFields:
     """Mixture of experts: an MoE layer (router, routed experts, optional shared expert) in place of the MLP."""
 
-    num_experts: int | None = option(None, help="Routed experts per MoE layer (None: a dense model).")
-    moe_ffn_hidden_size: int | None = option(None, help="Hidden size of each routed expert; default --ffn-hidden-size.")
-    moe_router_topk: int = option(2, help="Experts each token is routed to (k).")
+    num_experts: int | None = option(None, help="Routed experts per MoE layer (None: a dense model).",
+                                      domain=size(MAX_HIDDEN))
+    moe_ffn_hidden_size: int | None = option(None, help="Hidden size of each routed expert; default (unset) "
+                                              "--ffn-hidden-size.", domain=size())
+    moe_router_topk: int = option(2, help="Experts each token is routed to (k).", domain=size(MAX_HIDDEN))
     moe_layer_freq: str = option(
         "1", help="Which layers are MoE: an integer N (every N-th layer, starting with layer 0) or a Python list of "
-        "0/1 per layer such as '([0]*1+[1]*3)' (1 = MoE).")
+        "0/1 per layer such as '([0]*1+[1]*3)' (1 = MoE); at least one layer must be MoE.")
     moe_shared_expert_intermediate_size: int | None = option(
-        None, help="Hidden size of the shared expert every token also goes through (None: no shared expert).")
+        None, help="Hidden size of the shared expert every token also goes through (None: no shared expert).",
+        domain=size())
     moe_shared_expert_gate: bool = option(
         False, help="Scale the shared expert's output by sigmoid(x . w) per token (Qwen2-MoE's shared_expert_gate).")
     moe_router_score_function: str = option(
@@ -29,20 +35,22 @@ class MoEFields:
         False, help="Softmax over all experts before top-k (the top-k probabilities are not renormalised; "
         "Qwen2-MoE). Default: top-k over the logits, then softmax over the k (Mixtral).")
     moe_router_topk_scaling_factor: float | None = option(
-        None, help="Multiply the top-k probabilities by this factor.")
+        None, help="Multiply the top-k probabilities by this factor.", domain=positive())
     moe_router_load_balancing_type: str = option(
         "aux_loss", help="Load balancing: the switch-transformer auxiliary loss over the micro-batch (aux_loss), "
         "over each sequence (seq_aux_loss), or none.", choices=["aux_loss", "seq_aux_loss", "none"])
-    moe_aux_loss_coeff: float = option(0.0, help="Coefficient of the load-balancing loss (0: not computed).")
+    moe_aux_loss_coeff: float = option(0.0, help="Coefficient of the load-balancing loss.",
+                                       domain=Domain(lo=0, lo_open=True, off=0, off_means="is not computed"))
     moe_z_loss_coeff: float | None = option(
-        None, help="Coefficient of the router z-loss, mean over tokens of logsumexp(logits)^2 (None: off).")
+        None, help="Coefficient of the router z-loss, mean over tokens of logsumexp(logits)^2 (None: off).",
+        domain=Domain(lo=0, lo_open=True, off=0, off_means="is off, as None"))
     moe_router_enable_expert_bias: bool = option(
         False, help="Aux-loss-free load balancing: a per-expert bias added to the scores for the top-k choice only, "
         "moved once per step by --moe-router-bias-update-rate toward the mean token count (global counts).")
-    moe_router_bias_update_rate: float = option(1e-3, help="Step of the expert-bias update.")
+    moe_router_bias_update_rate: float = option(1e-3, help="Step of the expert-bias update.", domain=positive())
     moe_expert_capacity_factor: float | None = option(
         None, help="Each expert takes at most capacity = ceil(tokens x topk / experts x factor) of a rank's "
-        "tokens; the rest are dropped (None: dropless).")
+        "tokens; the rest are dropped (None: dropless).", domain=positive(hi=MAX_SIZE))
     moe_token_drop_policy: str = option(
         "probs", help="Over capacity, drop the tokens with the lowest routing probability (probs) or the "
         "latest in the sequence (position).", choices=["probs", "position"])
@@ -91,9 +99,6 @@ def moe_layer_pattern(freq: str, num_layers: int) -> list[bool]:
         raise ValueError(f"--moe-layer-freq '{text}' must give 0 or 1 for each of the {num_layers} layers "
                          f"(--num-layers), got {values}")
     return [bool(v) for v in values]
-
-
-MAX_LAYERS = 100_000  # a repeat count past any model's depth is a typo, refused before the list is built
 
 
 def _list_expression(node: ast.AST) -> list[int]:

@@ -4,17 +4,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megalite.config.domain import MAX_RANKS, positive, size
 from megalite.config.flags import option
+from megalite.config.moe import MAX_LAYERS
 
 
 @dataclass(kw_only=True)
 class ParallelConfig:
     """Parallelism: how ranks split the model and the batch."""
 
-    tensor_model_parallel_size: int = option(1, help="Tensor-parallel size: ranks that split each layer.")
-    pipeline_model_parallel_size: int = option(1, help="Pipeline-parallel size: stages the layers are cut into.")
+    tensor_model_parallel_size: int = option(1, help="Tensor-parallel size: ranks that split each layer.",
+                                             domain=size(MAX_RANKS))
+    pipeline_model_parallel_size: int = option(1, help="Pipeline-parallel size: stages the layers are cut into.",
+                                               domain=size(MAX_RANKS))
     num_layers_per_virtual_pipeline_stage: int | None = option(
-        None, help="Layers per virtual stage for the interleaved 1F1B schedule.")
+        None, help="Layers per virtual stage for the interleaved 1F1B schedule.", domain=size(MAX_LAYERS))
     pipeline_schedule: str = option("1f1b", help="Pipeline schedule (interleaved 1F1B when virtual stages are "
                                     "used; GPipe for comparison).", choices=["1f1b", "gpipe"])
     record_pipeline_timeline: str | None = option(
@@ -23,7 +27,7 @@ class ParallelConfig:
     context_parallel_size: int = option(
         1, help="Context-parallel size: ranks that split each sequence (2 x size chunks, rank r keeps chunks r "
         "and 2 x size - 1 - r so causal attention costs the same everywhere). Gradients are reduced over "
-        "data x context parallel ranks.")
+        "data x context parallel ranks.", domain=size(MAX_RANKS))
     cp_comm_type: str = option(
         "p2p", help="How context-parallel attention communicates: p2p (ring attention: K/V chunks passed "
         "around the CP ring, overlapped with the block computation), a2a (all-to-all to head-sharded full "
@@ -32,10 +36,10 @@ class ParallelConfig:
     expert_model_parallel_size: int = option(
         1, help="Expert-parallel size: ranks that split each MoE layer's experts, taken from the data-parallel "
         "(and context-parallel) ranks of a stage, as in Megatron-LM. Expert gradients are reduced over the "
-        "remaining expert-data-parallel ranks.")
+        "remaining expert-data-parallel ranks.", domain=size(MAX_RANKS))
     expert_tensor_parallel_size: int | None = option(
         None, help="Ranks that split each expert's hidden size (default: --tensor-model-parallel-size; 1: whole "
-        "experts). Expert-TP x EP must divide the ranks of a pipeline stage.")
+        "experts). Expert-TP x EP must divide the ranks of a pipeline stage.", domain=size(MAX_RANKS))
     sequence_parallel: bool = option(False, help="Shard norm/dropout activations along the sequence (needs TP>1).")
     rank_order: str = option("tp-cp-dp-pp", help="Rank layout order, leftmost axis varies fastest.",
                              choices=["tp-cp-dp-pp", "tp-cp-pp-dp"])
@@ -51,7 +55,7 @@ class ParallelConfig:
         "(tools/show_layout.py prints the same without a run).")
     distributed_timeout_minutes: float = option(
         10.0, help="Timeout of every collective and of the rendezvous (ranks still missing then are named), "
-        "in minutes; fractions allowed.")
+        "in minutes; fractions allowed.", domain=positive(hi=10**6))
 
     @property
     def layout_order(self) -> str:

@@ -5,7 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from megalite.config.domain import MAX_COUNT, MAX_RANKS, at_least, count, fraction, positive, size
 from megalite.config.flags import option
+
+MAX_LOSS_SCALE = 2.0**64  # past fp16's range many times over: every step would overflow
 
 if TYPE_CHECKING:
     import torch
@@ -20,14 +23,19 @@ class PrecisionConfig:
 
     fp16: bool = option(False, help="fp16 params and activations, fp32 main params, dynamic loss scaling.")
     bf16: bool = option(False, help="bf16 params and activations, fp32 main params and gradients.")
-    loss_scale: float | None = option(None, help="Constant loss scale (fp16); default: dynamic scaling.")
-    initial_loss_scale: float = option(2.0**32, help="Initial dynamic loss scale.")
-    min_loss_scale: float = option(1.0, help="Dynamic loss scale never goes below this.")
-    loss_scale_window: int = option(1000, help="Clean iterations before the dynamic loss scale doubles.")
-    hysteresis: int = option(2, help="Overflowing iterations tolerated before the loss scale halves.")
+    loss_scale: float | None = option(None, help="Constant loss scale (fp16); default: dynamic scaling.",
+                                     domain=positive(hi=MAX_LOSS_SCALE))
+    initial_loss_scale: float = option(2.0**32, help="Initial dynamic loss scale.",
+                                       domain=positive(hi=MAX_LOSS_SCALE))
+    min_loss_scale: float = option(1.0, help="Dynamic loss scale never goes below this.",
+                                   domain=positive(hi=MAX_LOSS_SCALE))
+    loss_scale_window: int = option(1000, help="Clean iterations before the dynamic loss scale doubles.",
+                                   domain=count())
+    hysteresis: int = option(2, help="Overflowing iterations tolerated before the loss scale halves.",
+                            domain=count())
     loss_scale_collapse_iters: int = option(
         20, help="Stop the run when this many consecutive iterations overflow with the loss scale already at "
-        "--min-loss-scale (the model trains nothing then).")
+        "--min-loss-scale (the model trains nothing then).", domain=count())
 
     @property
     def params_dtype(self) -> "torch.dtype":
@@ -49,7 +57,8 @@ class DDPConfig:
         False, help="With the distributed optimizer, all-gather updated params asynchronously and wait for "
         "them only before the next forward.")
     ddp_bucket_size: int | None = option(
-        None, help="Gradient bucket size in elements; default max(40M, 1M x data-parallel size).")
+        None, help="Gradient bucket size in elements; default max(40M, 1M x data-parallel size).",
+        domain=size(MAX_COUNT))
     grad_reduce_in_bf16: bool = option(
         False, help="Accumulate and reduce gradients in bf16 (halves DP traffic; less exact).")
     optimizer_cpu_offload: bool = option(
@@ -63,12 +72,15 @@ class DDPConfig:
         help="Compress the data-parallel gradient all-reduce (inter-node part only with --hierarchical-dp-reduce), "
         "with error feedback: powersgd (rank --powersgd-rank, 4r(rows+cols) bytes per bucket instead of 4n) or "
         "int8 (about 2n bytes). Changes the math (approximate sums); not with the distributed optimizer.")
-    powersgd_rank: int = option(1, help="Rank of PowerSGD's low-rank approximation of each gradient bucket.")
+    powersgd_rank: int = option(1, help="Rank of PowerSGD's low-rank approximation of each gradient bucket.",
+                                domain=size(MAX_RANKS))
     grad_compression_warmup_steps: int = option(
-        0, help="Steps whose gradients are reduced exactly before --grad-compression starts.")
+        0, help="Steps whose gradients are reduced exactly before --grad-compression starts.",
+        domain=at_least(0, MAX_COUNT))
     optimizer_offload_fraction: float = option(
         1.0, help="With --optimizer-cpu-offload, the fraction of this rank's optimizer elements (by parameter, "
-        "in order) whose state and update live on the host; the rest stays on the device.")
+        "in order) whose state and update live on the host; the rest stays on the device.",
+        domain=fraction(lo_open=True))
     data_parallel_sharding_strategy: str | None = option(
         None, choices=SHARDING_STRATEGIES,
         help="What is sharded over data-parallel ranks: no_shard; optim (the optimizer state, as "

@@ -1,7 +1,9 @@
 """Every rule a flag combination must satisfy, checked before any process group exists.
 
-One function per config section returns the messages of the rules it breaks (pure: nothing is
-changed); ``validate`` runs them all, raises one ConfigError listing every message, and only then
+First, alone, every numeric field is checked against the domain its option declares (``domain_check``:
+finite, in range, or its documented off value), so that the rules after it never see NaN, inf or a
+negative size. Then one function per config section returns the messages of the rules it breaks (pure:
+nothing is changed); ``validate`` runs them all, raises one ConfigError listing every message, and only then
 fills in the derived defaults (``fill_derived_defaults``). The layout rules (how a model is cut over
 TP/PP/VP, what a world size allows) are ``layout_errors`` and ``world_errors``, shared with the
 offline resharder and inference loading. Each message names the flags and the rule, so the user can
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from megalite.config.flags import domain_errors
 from megalite.config.validate_moe import expert_layout_errors, moe_errors
 
 if TYPE_CHECKING:
@@ -38,26 +41,11 @@ def data_parallel_size(cfg: "MegaliteConfig", world_size: int) -> int:
                               * p.context_parallel_size), 1)
 
 
-def positive_errors(cfg: "MegaliteConfig") -> list[str]:
-    """Sizes every other rule divides by (and other quantities only a positive value makes sense for):
-    checked first, alone. An unset optional size (None) is derived later and not checked here."""
-    m, p, t, pr = cfg.model, cfg.parallel, cfg.training, cfg.precision
-    sizes = [
-        ("--num-layers", m.num_layers), ("--hidden-size", m.hidden_size),
-        ("--num-attention-heads", m.num_attention_heads), ("--seq-length", m.seq_length),
-        ("--kv-channels", m.kv_channels), ("--ffn-hidden-size", m.ffn_hidden_size),
-        ("--num-query-groups", m.num_query_groups), ("--max-position-embeddings", m.max_position_embeddings),
-        ("--norm-epsilon", m.norm_epsilon), ("--init-method-std", m.init_method_std),
-        ("--rotary-base", m.rotary_base),
-        ("--tensor-model-parallel-size", p.tensor_model_parallel_size),
-        ("--pipeline-model-parallel-size", p.pipeline_model_parallel_size),
-        ("--context-parallel-size", p.context_parallel_size),
-        ("--distributed-timeout-minutes", p.distributed_timeout_minutes),
-        ("--micro-batch-size", t.micro_batch_size), ("--global-batch-size", t.global_batch_size),
-        ("--train-iters", t.train_iters), ("--train-samples", t.train_samples),
-        ("--log-interval", t.log_interval), ("--eval-interval", t.eval_interval),
-        ("--loss-scale", pr.loss_scale), ("--adam-eps", cfg.optimizer.adam_eps)]
-    return [f"{flag} must be positive, got {value}" for flag, value in sizes if value is not None and not value > 0]
+def domain_check(cfg: "MegaliteConfig") -> list[str]:
+    """Every numeric field against its declared domain (config/domain.py): finite, in range, or its
+    documented off value. Checked first, alone, so that the rules below, which multiply and divide
+    sizes, only ever see values in their domain."""
+    return domain_errors(cfg)
 
 
 def model_errors(m: "ModelConfig") -> list[str]:
@@ -74,8 +62,6 @@ def model_errors(m: "ModelConfig") -> list[str]:
     if m.recompute_method is not None and m.recompute_granularity != "full":
         errors.append(f"--recompute-method {m.recompute_method} needs --recompute-granularity full (it says which "
                       "layers full recomputation covers, and would be ignored otherwise)")
-    if not 0.0 < m.rotary_percent <= 1.0:
-        errors.append(f"--rotary-percent must be in (0, 1], got {m.rotary_percent}")
     groups = m.num_query_groups or m.num_attention_heads
     if m.num_attention_heads % groups:
         errors.append(f"--num-attention-heads ({m.num_attention_heads}) must be divisible by "
@@ -85,13 +71,6 @@ def model_errors(m: "ModelConfig") -> list[str]:
                       f"({m.max_position_embeddings}) with learned absolute positions")
     if m.position_embedding_type == "rope" and m.kv_channels and int(m.kv_channels * m.rotary_percent) % 2:
         errors.append(f"--rotary-percent x head dim ({m.kv_channels}) must be even for RoPE")
-    for flag, value in [("--hidden-dropout", m.hidden_dropout), ("--attention-dropout", m.attention_dropout)]:
-        if not 0.0 <= value < 1.0:
-            errors.append(f"{flag} must be in [0, 1), got {value}")
-    if m.recompute_num_layers <= 0:
-        errors.append("--recompute-num-layers must be positive")
-    if m.make_vocab_size_divisible_by <= 0:
-        errors.append("--make-vocab-size-divisible-by must be positive")
     return errors
 
 
@@ -210,38 +189,18 @@ def training_errors(cfg: "MegaliteConfig", world_size: int) -> list[str]:
                       f"(TP {tp} x PP {pp}))")
     if t.train_samples is not None and 0 < t.train_samples < gbs:
         errors.append(f"--train-samples ({t.train_samples}) must be at least one global batch ({gbs})")
-    if t.eval_iters < 0:
-        errors.append(f"--eval-iters must be >= 0, got {t.eval_iters}")
-    if t.exit_duration_in_mins is not None and t.exit_duration_in_mins <= 0:
-        errors.append("--exit-duration-in-mins must be positive")
-    if t.manual_gc_interval < 0:
-        errors.append(f"--manual-gc-interval must be >= 0, got {t.manual_gc_interval}")
     return errors
 
 
 def optimizer_errors(o: "OptimizerConfig") -> list[str]:
     errors = []
-    if o.lr < 0 or o.min_lr < 0 or o.min_lr > o.lr:
+    if o.min_lr > o.lr:
         errors.append(f"need 0 <= --min-lr ({o.min_lr}) <= --lr ({o.lr})")
-    if not 0 <= o.lr_warmup_init <= o.lr:
+    if o.lr_warmup_init > o.lr:
         errors.append(f"need 0 <= --lr-warmup-init ({o.lr_warmup_init}) <= --lr ({o.lr})")
     errors += decoupled_lr_errors(o)
-    for flag, value in [("--lr-warmup-iters", o.lr_warmup_iters), ("--lr-warmup-samples", o.lr_warmup_samples),
-                        ("--clip-grad", o.clip_grad), ("--weight-decay", o.weight_decay)]:
-        if value < 0:
-            errors.append(f"{flag} must be >= 0, got {value}")
-    for flag, value in [("--lr-decay-iters", o.lr_decay_iters), ("--lr-decay-samples", o.lr_decay_samples),
-                        ("--lr-wsd-decay-iters", o.lr_wsd_decay_iters),
-                        ("--lr-wsd-decay-samples", o.lr_wsd_decay_samples)]:
-        if value is not None and value <= 0:
-            errors.append(f"{flag} must be positive, got {value}")
-    if o.lr_warmup_fraction is not None and not 0 <= o.lr_warmup_fraction < 1:
-        errors.append(f"--lr-warmup-fraction must be in [0, 1), got {o.lr_warmup_fraction}")
     if o.lr_warmup_fraction is not None and (o.lr_warmup_iters or o.lr_warmup_samples):
         errors.append("--lr-warmup-fraction and --lr-warmup-iters/--lr-warmup-samples are exclusive")
-    for flag, value in [("--adam-beta1", o.adam_beta1), ("--adam-beta2", o.adam_beta2)]:
-        if not 0 <= value < 1:
-            errors.append(f"{flag} must be in [0, 1), got {value}")
     return errors
 
 
@@ -253,7 +212,7 @@ def decoupled_lr_errors(o: "OptimizerConfig") -> list[str]:
     final = (f"--decoupled-min-lr ({o.decoupled_min_lr})" if o.decoupled_min_lr is not None
              else f"--min-lr ({o.min_lr}, the default of --decoupled-min-lr)")
     low = o.min_lr if o.decoupled_min_lr is None else o.decoupled_min_lr
-    if o.decoupled_lr < 0 or low < 0 or low > o.decoupled_lr:
+    if low > o.decoupled_lr:
         return [f"need 0 <= {final} <= --decoupled-lr ({o.decoupled_lr})"]
     return []
 
@@ -286,19 +245,13 @@ def precision_errors(pr: "PrecisionConfig", dd: "DDPConfig") -> list[str]:
     errors = []
     if pr.fp16 and pr.bf16:
         errors.append("--fp16 and --bf16 are exclusive")
-    if pr.loss_scale is not None and not pr.fp16 and pr.loss_scale > 0:
+    if pr.loss_scale is not None and not pr.fp16:
         errors.append("--loss-scale applies to --fp16 only")
-    if pr.min_loss_scale <= 0 or pr.initial_loss_scale < pr.min_loss_scale:
+    if pr.initial_loss_scale < pr.min_loss_scale:
         errors.append(f"need 0 < --min-loss-scale ({pr.min_loss_scale}) <= --initial-loss-scale "
                       f"({pr.initial_loss_scale})")
-    if pr.hysteresis < 1 or pr.loss_scale_window < 1:
-        errors.append("--hysteresis and --loss-scale-window must be >= 1")
-    if dd.ddp_bucket_size is not None and dd.ddp_bucket_size <= 0:
-        errors.append("--ddp-bucket-size must be positive")
     errors += compression_errors(dd)
-    if not 0 < dd.optimizer_offload_fraction <= 1:
-        errors.append(f"--optimizer-offload-fraction must be in (0, 1], got {dd.optimizer_offload_fraction}")
-    elif dd.optimizer_offload_fraction != 1.0 and not dd.optimizer_cpu_offload:
+    if dd.optimizer_offload_fraction != 1.0 and not dd.optimizer_cpu_offload:
         errors.append("--optimizer-offload-fraction needs --optimizer-cpu-offload")
     return errors
 
@@ -314,10 +267,6 @@ def compression_errors(dd: "DDPConfig") -> list[str]:
             f"--data-parallel-sharding-strategy {dd.data_parallel_sharding_strategy}"
         errors.append(f"--grad-compression {dd.grad_compression} compresses the all-reduce and cannot be used with "
                       f"{flag} (its gradients are reduce-scattered); drop one of them")
-    if dd.powersgd_rank < 1:
-        errors.append(f"--powersgd-rank must be >= 1, got {dd.powersgd_rank}")
-    if dd.grad_compression_warmup_steps < 0:
-        errors.append(f"--grad-compression-warmup-steps must be >= 0, got {dd.grad_compression_warmup_steps}")
     return errors
 
 
@@ -351,7 +300,7 @@ def kernel_errors(m: "ModelConfig", pr: "PrecisionConfig") -> list[str]:
 
 
 def logging_errors(lg: "LoggingConfig") -> list[str]:
-    if lg.profile and not 0 <= lg.profile_step_start < lg.profile_step_end:
+    if lg.profile and not lg.profile_step_start < lg.profile_step_end:
         return [f"need 0 <= --profile-step-start ({lg.profile_step_start}) < --profile-step-end "
                 f"({lg.profile_step_end})"]
     return []
@@ -359,8 +308,6 @@ def logging_errors(lg: "LoggingConfig") -> list[str]:
 
 def checkpoint_errors(ck: "CheckpointConfig") -> list[str]:
     errors = []
-    if ck.save_interval is not None and ck.save_interval <= 0:
-        errors.append("--save-interval must be positive")
     if ck.save_interval and not ck.save:
         errors.append("--save-interval needs --save")
     if ck.finetune and not ck.load:
@@ -375,7 +322,7 @@ def data_errors(d: "DataConfig") -> list[str]:
         errors.append("--mock-data and --data-path/--train-data-path are exclusive")
     if not d.mock_data and not has_paths:
         errors.append("give --data-path (or --train-data-path), or --mock-data for synthetic data")
-    if d.tokenizer_type == "NullTokenizer" and not d.vocab_size:
+    if d.tokenizer_type == "NullTokenizer" and d.vocab_size is None:
         errors.append("--tokenizer-type NullTokenizer needs --vocab-size")
     return errors
 
@@ -393,7 +340,7 @@ def fill_derived_defaults(cfg: "MegaliteConfig", world_size: int) -> None:
 def validate(cfg: "MegaliteConfig", world_size: int, local_world_size: int | None = None) -> None:
     """Raise ConfigError listing every violated rule for a run on ``world_size`` ranks, of which
     ``local_world_size`` (default: all) share a node; then fill in the derived defaults."""
-    _raise_if(positive_errors(cfg))
+    _raise_if(domain_check(cfg))
     _raise_if([*model_errors(cfg.model), *parallel_errors(cfg, world_size, local_world_size or world_size),
                *training_errors(cfg, world_size), *optimizer_errors(cfg.optimizer),
                *schedule_errors(cfg.training, cfg.optimizer),

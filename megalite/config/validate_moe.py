@@ -14,8 +14,6 @@ def moe_errors(cfg: MegaliteConfig) -> list[str]:
     if ep <= 0 or etp <= 0:
         return [f"--expert-model-parallel-size ({ep}) and --expert-tensor-parallel-size ({etp}) must be positive"]
     if not m.is_moe:
-        if m.num_experts is not None:
-            errors.append(f"--num-experts must be positive, got {m.num_experts}")
         if ep > 1 or p.expert_tensor_parallel_size not in (None, tp):
             errors.append("--expert-model-parallel-size / --expert-tensor-parallel-size need --num-experts")
         return errors
@@ -32,7 +30,10 @@ def moe_errors(cfg: MegaliteConfig) -> list[str]:
         errors.append(f"--expert-tensor-parallel-size ({etp}) must divide the expert hidden size "
                       f"(--moe-ffn-hidden-size {m.expert_ffn_hidden_size})")
     try:
-        m.moe_layers()
+        if not any(m.moe_layers()):
+            errors.append(f"--moe-layer-freq '{m.moe_layer_freq}' makes none of the {m.num_layers} layers "
+                          f"(--num-layers) an MoE layer, yet --num-experts is {E}: mark at least one layer 1, "
+                          "or drop --num-experts for a dense model")
     except ValueError as e:
         errors.append(str(e))
     if m.add_bias_linear:
@@ -43,8 +44,6 @@ def moe_errors(cfg: MegaliteConfig) -> list[str]:
                       "routes its own tokens, as in Megatron-LM)")
     if p.use_tp_pp_dp_mapping or p.rank_order != "tp-cp-dp-pp":
         errors.append("--expert-model-parallel-size needs the default --rank-order tp-cp-dp-pp")
-    if m.moe_expert_capacity_factor is not None and m.moe_expert_capacity_factor <= 0:
-        errors.append(f"--moe-expert-capacity-factor must be positive, got {m.moe_expert_capacity_factor}")
     if m.moe_pad_expert_input_to_capacity and m.moe_expert_capacity_factor is None:
         errors.append("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
     if m.moe_pad_expert_input_to_capacity and m.moe_token_dispatcher_type != "alltoall":
@@ -56,8 +55,6 @@ def moe_errors(cfg: MegaliteConfig) -> list[str]:
                       "Megatron-LM and DeepSeek-V3)")
     if m.moe_router_pre_softmax and m.moe_router_score_function != "softmax":
         errors.append("--moe-router-pre-softmax needs --moe-router-score-function softmax")
-    if m.moe_aux_loss_coeff < 0 or (m.moe_z_loss_coeff or 0) < 0 or m.moe_router_bias_update_rate < 0:
-        errors.append("--moe-aux-loss-coeff, --moe-z-loss-coeff and --moe-router-bias-update-rate must be >= 0")
     if m.moe_shared_expert_gate and m.moe_shared_expert_intermediate_size is None:
         errors.append("--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size")
     if m.moe_shared_expert_intermediate_size and m.moe_shared_expert_intermediate_size % tp:

@@ -22,7 +22,7 @@ from megalite.checkpointing.metadata import config_dict
 from megalite.checkpointing.reader import CheckpointError, CheckpointReader
 from megalite.config.arguments import SECTIONS, MegaliteConfig
 from megalite.config.data import DataConfig
-from megalite.config.flags import add_dataclass_flags, field_types
+from megalite.config.flags import add_dataclass_flags, domain_errors, field_types
 from megalite.config.model import ModelConfig
 from megalite.config.validate import ConfigError, layout_errors, world_errors
 from megalite.data.tokenizer import HuggingFaceTokenizer, Tokenizer, build_tokenizer
@@ -118,17 +118,16 @@ def plan(given: dict[str, Any], world_size: int) -> InferencePlan:
         cfg = MegaliteConfig.from_flat(values)
     except (TypeError, ValueError) as e:
         raise ConfigError(str(e)) from None
+    if errors := domain_errors(cfg):  # first and alone, as validate() does
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
     try:
         check_config(saved, config_dict(cfg.model, vocab), f"--load {load}")
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    m, p, t = cfg.model, cfg.parallel, cfg.training
+    m, p = cfg.model, cfg.parallel
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
     errors = layout_errors(m, tp, pp, p.num_layers_per_virtual_pipeline_stage)
     errors += world_errors(world_size, tp, pp, p.context_parallel_size)
-    for flag, value in (("--seq-length", m.seq_length), ("--micro-batch-size", t.micro_batch_size)):
-        if value <= 0:
-            errors.append(f"{flag} must be positive, got {value}")
     if m.position_embedding_type == "learned_absolute" and m.seq_length > m.max_position_embeddings:
         errors.append(f"--seq-length ({m.seq_length}) must be <= the checkpoint's --max-position-embeddings "
                       f"({m.max_position_embeddings}) with learned absolute positions")

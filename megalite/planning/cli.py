@@ -12,8 +12,9 @@ import sys
 from collections.abc import Sequence
 
 from megalite.config.arguments import MegaliteConfig, build_parser, parse_args
+from megalite.config.domain import MAX_COUNT, Domain, domain_option
 from megalite.config.flags import add_dataclass_flags
-from megalite.config.validate import ConfigError, fill_derived_defaults
+from megalite.config.validate import ConfigError, domain_check, fill_derived_defaults
 from megalite.config.written import validate_as_written
 from megalite.planning.estimate import estimate, format_report
 from megalite.planning.hardware import ClusterConfig, cluster_errors
@@ -32,7 +33,8 @@ def _planner_flags(parser: argparse.ArgumentParser, dry_run: bool) -> None:
     else:
         group.add_argument("--search", action="store_true", default=argparse.SUPPRESS,
                            help="Rank every valid layout that fits, for this model, global batch and cluster.")
-        group.add_argument("--top", type=int, default=argparse.SUPPRESS, help="Layouts --search shows (default 10).")
+        domain_option(group, "--top", domain=Domain(lo=1, hi=MAX_COUNT), integer=True, default=argparse.SUPPRESS,
+                      help="Layouts --search shows (default 10).")
 
 
 def split_argv(argv: Sequence[str], dry_run: bool = False) -> tuple[dict, list[str]]:
@@ -52,8 +54,9 @@ def split_argv(argv: Sequence[str], dry_run: bool = False) -> tuple[dict, list[s
 
 
 def vocab_of(cfg: MegaliteConfig) -> int:
-    """The model's vocabulary: --vocab-size V (NullTokenizer, ids 0..V-1 plus the eod id), else GPT-2's."""
-    return cfg.data.vocab_size + 1 if cfg.data.vocab_size else DEFAULT_VOCAB
+    """The model's vocabulary: --vocab-size V (NullTokenizer, ids 0..V-1 plus the eod id), else (unset)
+    GPT-2's; a V outside its domain (0, negative) is refused by the domain check before this is asked."""
+    return cfg.data.vocab_size + 1 if cfg.data.vocab_size is not None else DEFAULT_VOCAB
 
 
 def cluster_from_values(values: dict) -> ClusterConfig:
@@ -69,7 +72,7 @@ def plan_main(argv: Sequence[str] | None = None, prog: str = "plan.py") -> int:
     values, rest = split_argv(sys.argv[1:] if argv is None else argv)
     cfg = parse_args(rest)
     cluster = cluster_from_values(values)
-    errors = cluster_errors(cluster)
+    errors = cluster_errors(cluster) + domain_check(cfg)  # first and alone, --search included
     if errors:
         return _fail(prog, errors)
     vocab = vocab_of(cfg)
@@ -105,7 +108,8 @@ def dry_run(argv: Sequence[str], world: int, local_world: int) -> int:
     cluster = cluster_from_values(values)
     errors = cluster_errors(cluster)
     try:
-        validate_as_written(cfg, cluster.world_size, cluster.gpus_per_node)
+        if not errors:  # the world size is a product of cluster flags: only in their domain
+            validate_as_written(cfg, cluster.world_size, cluster.gpus_per_node)
     except ConfigError as e:
         errors += str(e).splitlines()[1:]
     if errors:

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megalite.config.flags import option
+from megalite.config.domain import MAX_RANKS, fraction, positive, size
+from megalite.config.flags import domain_errors, option
+
+MAX_FIGURE = 1e9  # TFLOP/s, GB or GB/s per GPU: a figure past this is a typo
 
 
 @dataclass(frozen=True)
@@ -35,23 +38,30 @@ GPUS: dict[str, GPUSpec] = {
 class ClusterConfig:
     """Cluster: nodes, GPUs per node and the GPU's figures (a preset, each figure overridable)."""
 
-    num_nodes: int = option(1, help="Nodes of the cluster the plan is for.")
-    gpus_per_node: int = option(8, help="GPUs (ranks) per node; ranks fill nodes in order.")
+    num_nodes: int = option(1, help="Nodes of the cluster the plan is for.", domain=size(MAX_RANKS))
+    gpus_per_node: int = option(8, help="GPUs (ranks) per node; ranks fill nodes in order.",
+                               domain=size(MAX_RANKS))
     gpu: str = option("h100-sxm", help="GPU preset: its memory, dense peak TFLOP/s and NVLink / network "
                       "bandwidth (public spec-sheet figures, docs/planning.md).", choices=sorted(GPUS))
-    gpu_memory_gb: float | None = option(None, help="Device memory per GPU in GB (overrides the preset).")
-    peak_tflops: float | None = option(None, help="Dense peak TFLOP/s in the run's dtype (overrides the preset).")
+    gpu_memory_gb: float | None = option(None, help="Device memory per GPU in GB (overrides the preset).",
+                                         domain=positive(MAX_FIGURE))
+    peak_tflops: float | None = option(None, help="Dense peak TFLOP/s in the run's dtype (overrides the preset).",
+                                       domain=positive(MAX_FIGURE))
     intra_node_gbps: float | None = option(
-        None, help="Intra-node bandwidth per GPU, one direction, in GB/s (gigabytes; overrides the preset).")
+        None, help="Intra-node bandwidth per GPU, one direction, in GB/s (gigabytes; overrides the preset).",
+        domain=positive(MAX_FIGURE))
     inter_node_gbps: float | None = option(
-        None, help="Inter-node bandwidth per GPU, one direction, in GB/s (gigabytes; overrides the preset).")
-    hbm_gbps: float | None = option(None, help="Device-memory bandwidth in GB/s (overrides the preset).")
+        None, help="Inter-node bandwidth per GPU, one direction, in GB/s (gigabytes; overrides the preset).",
+        domain=positive(MAX_FIGURE))
+    hbm_gbps: float | None = option(None, help="Device-memory bandwidth in GB/s (overrides the preset).",
+                                    domain=positive(MAX_FIGURE))
     compute_efficiency: float = option(
         0.62, help="Fraction of the dense peak the model's FLOPs run at (GEMMs plus everything else that "
-        "is not communication or pipeline bubble); fitted to the published runs in docs/planning.md.")
+        "is not communication or pipeline bubble); fitted to the published runs in docs/planning.md.",
+        domain=fraction(lo_open=True))
     comm_efficiency: float = option(
         0.75, help="Fraction of the link bandwidth a collective achieves (the NCCL bus bandwidth of large "
-        "messages is about this share of the spec figure).")
+        "messages is about this share of the spec figure).", domain=fraction(lo_open=True))
 
     @property
     def world_size(self) -> int:
@@ -77,15 +87,5 @@ class ClusterConfig:
 
 
 def cluster_errors(c: ClusterConfig) -> list[str]:
-    """Bad cluster flags, each naming the flag and the rule."""
-    errors = []
-    for flag, value in [("--num-nodes", c.num_nodes), ("--gpus-per-node", c.gpus_per_node),
-                        ("--gpu-memory-gb", c.gpu_memory_gb), ("--peak-tflops", c.peak_tflops),
-                        ("--intra-node-gbps", c.intra_node_gbps), ("--inter-node-gbps", c.inter_node_gbps),
-                        ("--hbm-gbps", c.hbm_gbps)]:
-        if value is not None and not value > 0:
-            errors.append(f"{flag} must be positive, got {value}")
-    for flag, value in [("--compute-efficiency", c.compute_efficiency), ("--comm-efficiency", c.comm_efficiency)]:
-        if not 0 < value <= 1:
-            errors.append(f"{flag} must be in (0, 1], got {value}")
-    return errors
+    """Bad cluster flags, each naming the flag and the rule (their declared domains)."""
+    return domain_errors(c)

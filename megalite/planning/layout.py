@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 from megalite.config.arguments import MegaliteConfig
 from megalite.config.validate import (
+    domain_check,
     model_errors,
     optimizer_errors,
     parallel_errors,
-    positive_errors,
     precision_errors,
     schedule_errors,
     training_errors,
@@ -94,7 +94,7 @@ class Layout:
 
 def layout_rule_errors(cfg: MegaliteConfig, world_size: int, local_world_size: int) -> list[str]:
     """config/validate.py's rules for this config on this world (those that need no file or device)."""
-    errors = positive_errors(cfg)
+    errors = domain_check(cfg)
     if errors:
         return errors
     return [*model_errors(cfg.model), *parallel_errors(cfg, world_size, local_world_size),
