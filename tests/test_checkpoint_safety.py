@@ -24,7 +24,15 @@ from megalite.checkpointing.errors import CheckpointError
 from megalite.checkpointing.full_reader import FullCheckpoint
 from megalite.checkpointing.lock import LOCK, Owner, SaveLock
 from megalite.checkpointing.metadata import config_dict
-from megalite.checkpointing.paths import COMMIT_STEPS, TRACKER, iter_dirname, read_tracker, recover, staging_dir
+from megalite.checkpointing.paths import (
+    COMMIT_STEPS,
+    EXCHANGE_STEPS,
+    TRACKER,
+    iter_dirname,
+    read_tracker,
+    recover,
+    staging_dir,
+)
 from megalite.checkpointing.schema import check_metadata, check_optim_meta
 from megalite.checkpointing.writer import write_checkpoint
 from megalite.config.model import ModelConfig
@@ -152,13 +160,27 @@ def new_version(tmp_path_factory) -> str:
     return os.path.join(d, iter_dirname(2))
 
 
-@pytest.mark.parametrize("step", COMMIT_STEPS)
+REPLACES = [("exchange", s) for s in EXCHANGE_STEPS] + [("two renames", s) for s in COMMIT_STEPS]
+
+
+def _can_exchange(root: str) -> bool:
+    a, b = os.path.join(root, "a"), os.path.join(root, "b")
+    os.makedirs(a)
+    os.makedirs(b)
+    return paths.exchange(a, b)
+
+
+@pytest.mark.parametrize("mode,step", REPLACES)
 def test_a_kill_between_any_two_steps_of_a_replace_leaves_a_loadable_checkpoint(tmp_path, monkeypatch, new_version,
-                                                                                step):
+                                                                                mode, step):
     d = str(tmp_path / "ck")
     _write(d, 1.0)
     staged = staging_dir(d, 2, "other-run")
     shutil.copytree(new_version, staged)
+    if mode == "exchange" and not _can_exchange(str(tmp_path / "probe")):
+        pytest.skip("no atomic exchange of two folders on this system or file system")
+    if mode == "two renames":
+        monkeypatch.setattr(paths, "exchange", lambda a, b: False)
 
     def kill(done: str) -> None:
         if done == step:

@@ -1,15 +1,21 @@
 """Names of checkpoint files and directories, the tracker, and the commit of a finished save.
 
-Replacing an existing iteration takes two renames (old folder aside, new folder in); a kill between them
-leaves the old folder under ``.iter_N.replaced.TAG``, which :func:`iteration_dir` finds and
-:func:`recover` (run by the holder of the save lock at start-up) moves back."""
+Replacing an existing iteration is one atomic switch where the system can swap two folders in one
+rename (Linux's ``renameat2`` with ``RENAME_EXCHANGE``, on the local file systems it supports): the new
+folder takes ``iter_N``'s name and the old one the staging name, removed afterwards. Elsewhere it takes
+two renames (old folder aside, new folder in); a kill between them leaves the old folder under
+``.iter_N.replaced.TAG``, which :func:`iteration_dir` finds and :func:`recover` (run by the holder of the
+save lock at start-up) moves back."""
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import re
 import secrets
 import shutil
+import sys
 from collections.abc import Callable
 
 from megalite.checkpointing.errors import CheckpointError, CheckpointNotFoundError
@@ -152,8 +158,11 @@ def read_tracker(load_dir: str, flag: str = "--load") -> int:
 
 
 def swap_into_place(staged: str, final: str) -> None:
-    """Move a finished folder to ``final``; an existing one is removed only after the new one is there."""
-    if os.path.exists(final):
+    """Move a finished folder to ``final``; an existing one is removed only after the new one is there
+    (in one atomic switch where the system can exchange two folders)."""
+    if os.path.exists(final) and exchange(staged, final):
+        shutil.rmtree(staged, ignore_errors=True)  # the old folder, now under the staging name
+    elif os.path.exists(final):
         old = final.rstrip("/") + ".old"
         shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
@@ -163,30 +172,62 @@ def swap_into_place(staged: str, final: str) -> None:
         os.replace(staged, final)
 
 
+def exchange(a: str, b: str) -> bool:
+    """Swap the paths ``a`` and ``b`` in one atomic rename; False (nothing changed) where the system or
+    the file system cannot (not Linux, a libc without ``renameat2``, a network file system)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV):
+        return False
+    raise OSError(code, f"exchanging {a} and {b}: {os.strerror(code)}")
+
+
 def _step(name: str) -> None:
     if FAULT is not None:
         FAULT(name)
 
 
+# The steps of a commit, in order, for each way of replacing an existing iteration (a new one: the same
+# without the first step).
+EXCHANGE_STEPS = ("old and new exchanged", "tracker written", "tracker replaced", "old removed")
 COMMIT_STEPS = ("old moved aside", "new moved in", "tracker written", "tracker replaced", "old removed")
+
+
+def _move_in(staged: str, final: str, save_dir: str, iteration: int, tag: str | None) -> str | None:
+    """``staged`` becomes ``final``; returns where the replaced folder now lies (None: there was none)."""
+    if not os.path.lexists(final):
+        os.replace(staged, final)
+        _step(COMMIT_STEPS[1])
+        return None
+    if exchange(staged, final):  # one atomic switch: the old folder now lies at the staging name
+        _step(EXCHANGE_STEPS[0])
+        return staged
+    old = replaced_dir(save_dir, iteration, tag)
+    shutil.rmtree(old, ignore_errors=True)
+    os.replace(final, old)
+    _step(COMMIT_STEPS[0])
+    os.replace(staged, final)
+    _step(COMMIT_STEPS[1])
+    return old
 
 
 def commit(save_dir: str, iteration: int, staged: str | None = None) -> str:
     """Move the complete ``staged`` folder (default: this process's staging folder) to ``iter_N``, then
-    point the tracker at it. Each step is one rename, and a kill between any two leaves a loadable
-    checkpoint: an existing ``iter_N`` is first set aside as ``.iter_N.replaced.TAG`` (which loading
-    finds while ``iter_N`` is absent) and removed only after the tracker was written."""
+    point the tracker at it. A kill between any two steps leaves a loadable checkpoint: an existing
+    ``iter_N`` is exchanged with the new folder in one rename where the system can (else first set aside
+    as ``.iter_N.replaced.TAG``, which loading finds while ``iter_N`` is absent) and removed only after
+    the tracker was written."""
     staged = staged or staging_dir(save_dir, iteration)
     final = os.path.join(save_dir, iter_dirname(iteration))
     tag = os.path.basename(staged).rsplit(".incomplete.", 1)[-1] if ".incomplete." in staged else None
-    old = None
-    if os.path.lexists(final):
-        old = replaced_dir(save_dir, iteration, tag)
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(final, old)
-        _step(COMMIT_STEPS[0])
-    os.replace(staged, final)
-    _step(COMMIT_STEPS[1])
+    old = _move_in(staged, final, save_dir, iteration, tag)
     tmp = os.path.join(save_dir, f".{TRACKER}.{tag or run_tag()}.tmp")
     with open(tmp, "w") as f:
         f.write(str(iteration))
