@@ -201,10 +201,11 @@ def test_rule_broken_by_a_config_value_names_key_and_line(entry, monkeypatch, ca
     path.write_text("seed: 1\nmodel:\n  kv_channels: 0\n")
     rc, err = run_main(entry, monkeypatch, capsys, BASE + ["--config", str(path)])
     assert rc not in (0, None), err
-    assert f"--kv-channels must be positive, got 0 (from 'model.kv_channels' in {path}, line 3)" in err, err
+    assert f"--kv-channels must be an integer in [1, 67108864], got 0 (from 'model.kv_channels' in {path}, line 3)" \
+        in err, err
     # the command line wins, and then names itself
     rc, err = run_main(entry, monkeypatch, capsys, BASE + ["--config", str(path), "--kv-channels", "-1"])
-    assert "--kv-channels must be positive, got -1" in err and "(from " not in err, err
+    assert "--kv-channels must be an integer in [1, 67108864], got -1" in err and "(from " not in err, err
 
 
 def test_deepspeed_duplicate_key_named_with_both_lines(entry, monkeypatch, capsys, tmp_path):
@@ -232,9 +233,9 @@ def test_deepspeed_directory_is_named_a_directory(entry, monkeypatch, capsys, tm
 
 
 @pytest.mark.parametrize("flags, expected", [
-    (["--moe-ffn-hidden-size", "0"], "--moe-ffn-hidden-size must be positive, got 0"),
+    (["--moe-ffn-hidden-size", "0"], "--moe-ffn-hidden-size must be an integer in [1, 1073741824], got 0"),
     (["--moe-shared-expert-intermediate-size", "0", "--moe-shared-expert-gate"],
-     "--moe-shared-expert-intermediate-size must be positive, got 0"),
+     "--moe-shared-expert-intermediate-size must be an integer in [1, 1073741824], got 0"),
 ])
 def test_zero_moe_size_is_not_called_missing(entry, monkeypatch, capsys, flags, expected):
     rc, err = run_main(entry, monkeypatch, capsys, BASE + ["--num-experts", "2", "--disable-bias-linear", *flags])

@@ -107,7 +107,10 @@ def domain_errors(cfg: Any) -> list[str]:
             errors[name] = [e for v in values if (e := domain.error(flag, v, integer))]
     # A default derived from other fields (ModelConfig.DERIVED) is named with its sources, and not at all
     # when a source is itself out of its domain (its own message says what to fix).
+    derived = getattr(cfg, "derived_fields", set())  # a value the user wrote is named as written
     for name, (sources, how) in getattr(type(cfg), "DERIVED", {}).items():
+        if name not in derived:
+            continue
         if errors.get(name) and any(errors.get(src) for src in sources):
             errors[name] = []
         elif errors.get(name):

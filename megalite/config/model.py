@@ -79,6 +79,8 @@ class ModelConfig(MoEFields):
     }
 
     def __post_init__(self) -> None:
+        # which of DERIVED this instance filled in (messages name a derived value by its sources)
+        self.derived_fields = {name for name in self.DERIVED if getattr(self, name) is None}
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length
         if self.kv_channels is None and self.num_attention_heads > 0:
