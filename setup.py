@@ -26,7 +26,7 @@ setup(
     ],
     extras_require={
         "logging": ["tensorboard", "wandb"],
-        "test": ["pytest", "ruff", "megatron-core", "tensorboard", "wandb", "matplotlib"],
+        "test": ["pytest", "pytest-xdist", "ruff", "megatron-core", "tensorboard", "wandb", "matplotlib"],
     },
     scripts=["pretrain_gpt.py"],
 )

@@ -8,7 +8,7 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
   "$PY" -m pip install --quiet "torch==2.13.0"
 fi
 extras=${MEGALITE_EXTRAS:-test}
-if ! "$PY" -c "import megalite, pytest, megatron.core, transformers, tokenizers, sentencepiece, tensorboard, wandb, matplotlib" >/dev/null 2>&1 \
+if ! "$PY" -c "import megalite, pytest, xdist, megatron.core, transformers, tokenizers, sentencepiece, tensorboard, wandb, matplotlib" >/dev/null 2>&1 \
    || [ "${MEGALITE_REINSTALL:-0}" = 1 ]; then
   "$PY" -m pip install --quiet -e ".[${extras}]"
 fi

@@ -46,8 +46,7 @@ MAX_LOOKUP = 256  # peers whose pids are looked up after a lost connection (one 
 
 def peer_lost(e: BaseException) -> bool:
     """Whether ``e`` is a collective's report that a peer process went away."""
-    network = getattr(dist, "DistNetworkError", ())
-    if network and isinstance(e, network):
+    if isinstance(e, dist.DistNetworkError):
         return True
     return isinstance(e, RuntimeError) and any(p in str(e) for p in PEER_LOST)
 
