@@ -47,7 +47,8 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # each dispatcher), the hidden-API fallbacks, the API scan, the GPU paths' CPU twins, precision,
 # checkpoints and their resharding, HF conversion through tools/convert_checkpoint.py.
 SUBSET=(tests/test_torch_compat.py tests/test_torch_api_scan.py tests/test_cli_layouts.py tests/test_gpu_paths.py tests/test_gpu_paths_dist.py
-        tests/test_mixed_precision.py tests/test_checkpoint.py tests/test_hf_conversion.py)
+        tests/test_mixed_precision.py tests/test_checkpoint.py tests/test_hf_conversion.py
+        tests/test_context_parallel_training.py tests/test_cli_context_parallel.py)
 if [ $# -eq 0 ]; then
   set -- tests
 elif [ "$1" = --subset ]; then

@@ -76,7 +76,7 @@ def args(flags: list[str], iters: int) -> list[str]:
     return [*MODEL, "--train-iters", str(iters), *flags]
 
 
-TORCHRUN = "ep2_pp2_nccl_semantics"  # the one case through torchrun itself; the others: the entry point on ranks
+TORCHRUN = "ep2_allgather"  # the one case through torchrun itself; the others: the entry point on ranks
 
 
 def run(flags: list[str], iters: int, nproc: int = 1, env: dict | None = None, torchrun: bool = False) -> dict:
