@@ -26,7 +26,7 @@ from megalite.launch.rendezvous import Rendezvous
 from megalite.parallel.groups import ProcessGroups
 from megalite.training import manual_gc
 from megalite.training.loop import pretrain
-from tests.cli_utils import ROOT, run_pretrain
+from tests.cli_utils import ROOT, launch_pretrain, run_pretrain
 from tests.harness import free_port
 from tests.test_bad_input_data import TINY, _failed
 from tests.tp_utils import mock_data
@@ -101,9 +101,9 @@ def test_ranks_that_never_joined_are_named_within_the_timeout():
 
 
 def test_a_collapsed_fp16_loss_scale_is_one_error_line():
-    proc = run_pretrain([*ARGS, "--global-batch-size", "2", "--train-iters", "50", "--fp16", "--lr", "1e30",
-                         "--initial-loss-scale", "1", "--min-loss-scale", "1", "--loss-scale-collapse-iters", "3",
-                         "--no-check-for-nan-in-loss-and-grad"], timeout=120)
+    proc = launch_pretrain([*ARGS, "--global-batch-size", "2", "--train-iters", "50", "--fp16", "--lr", "1e30",
+                            "--initial-loss-scale", "1", "--min-loss-scale", "1", "--loss-scale-collapse-iters", "3",
+                            "--no-check-for-nan-in-loss-and-grad"])
     _failed(proc, f"{ERROR} fp16 loss scale collapsed: 3 consecutive iterations overflowed")
     assert proc.returncode == 2
 

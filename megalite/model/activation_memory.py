@@ -5,6 +5,8 @@ divided by t with tensor + sequence parallelism; 34*s*b*h/t with selective recom
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from megalite.config.model import ModelConfig
@@ -40,7 +42,7 @@ def bytes_per_layer(cfg: ModelConfig, pg: ProcessGroups, micro_batch: int, vocab
     """Saved bytes of one transformer layer: the difference between 2-layer and 1-layer models."""
     out = []
     for layers in (1, 2):
-        c = ModelConfig(**{**cfg.__dict__, "num_layers": layers})
+        c = dataclasses.replace(cfg, num_layers=layers)
         ctx = BuildContext(pg, model_parallel_seed(1, pg.tp_rank, pg.pp_rank), dtype,
                            sequence_parallel=sequence_parallel)
         model = GPTModel(c, ctx, vocab)
