@@ -4,7 +4,7 @@ The training loop needs two calls::
 
     tokenizer = build_tokenizer(cfg)
     train, valid, test = build_datasets(cfg, seq_length=..., seed=..., num_samples=(n_train, n_valid, n_test),
-                                        tokenizer=tokenizer, is_builder=rank == 0, barrier=dist.barrier)
+                                        tokenizer=tokenizer, is_builder=rank == 0, barrier=pg.barrier)
 
 Each dataset maps an index to ``{"text": int64 array of seq_length + 1 tokens}``; a split with no
 requested samples or no documents is None. Nothing here needs torch (samples are numpy arrays).
