@@ -60,8 +60,9 @@ def test_entry_point_pipelines_match_under_nccl_semantics(case):
 
 
 def test_torchrun_matches_single_process():
-    """The same through torchrun itself (its processes, environment and rendezvous), TP x PP on 4 ranks."""
-    _check("tp2_pp2", {"MEGALITE_NCCL_SEMANTICS": "1"}, run_pretrain)
+    """The same through torchrun itself (its processes, environment and rendezvous): a 1F1B pipeline on 2
+    ranks under NCCL's point-to-point rules."""
+    _check("pp2_1f1b_m4", {"MEGALITE_NCCL_SEMANTICS": "1"}, run_pretrain)
 
 
 def _check(case: str, env: dict | None = None, launch: Callable[..., subprocess.CompletedProcess] = launch_pretrain

@@ -215,7 +215,7 @@ CLI = {  # name -> (flags, ranks)
 }
 
 
-TORCHRUN = "tp2_dp2_optim_grads_params"  # the case through torchrun itself
+TORCHRUN = "dp2_optim_grads"  # the case through torchrun itself
 
 
 @pytest.mark.parametrize("case", sorted(CLI))
