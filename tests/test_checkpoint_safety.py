@@ -128,6 +128,20 @@ def test_an_empty_lock_is_refused_until_it_is_old(tmp_path, monkeypatch):
     lock.release()
 
 
+def test_a_lock_of_this_job_on_another_host_is_stale(monkeypatch):
+    """A Slurm job requeued on another node (or a torchrun restart there) takes over its own lock; another
+    job's, or torchrun's default rendezvous id "none", does not."""
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    assert lock_module.is_stale(Owner("another-host", 123, None, "earlier", "x", "slurm 42"))
+    assert not lock_module.is_stale(Owner("another-host", 123, None, "earlier", "x", "slurm 41"))
+    assert not lock_module.is_stale(Owner("another-host", 123, None, "earlier", "x", ""))
+    monkeypatch.delenv("SLURM_JOB_ID")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    assert lock_module.job_id() == ""
+    assert not lock_module.is_stale(Owner("another-host", 123, None, "earlier", "x", ""))
+
+
 def test_a_reused_pid_is_stale_and_another_hosts_lock_is_not(tmp_path):
     me = lock_module.me()
     assert lock_module.is_stale(Owner(me.host, os.getpid(), "1", "earlier", "x"))  # same pid, other process

@@ -5,8 +5,9 @@ tracker), so of two runs started into one folder the second is refused, naming t
 pid. The lock is removed when the run ends. A lock left by a run that died without removing it is
 stale when its host is this host and its pid is gone (or is now another process: the process start time
 differs, or it is a zombie); it is then taken over with a one-line notice. A lock from another host
-cannot be checked from here and is treated as held: the error says to remove the file once that run is
-known to be gone.
+cannot be checked from here and is treated as held, unless it names this run's own job (a Slurm job
+requeued on another node, a torchrun restart there: the job's earlier incarnation is gone); otherwise the
+error says to remove the file once that run is known to be gone.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class Owner:
     proc_start: str | None  # the kernel's start time of the process (ticks since boot), where readable
     started: str  # wall-clock time, for people
     tag: str  # the run's staging tag
+    job: str = ""  # the launcher's job identity (job_id()), "" where it has none
 
     def describe(self) -> str:
         return f"host {self.host}, pid {self.pid}, started {self.started}"
@@ -54,9 +56,18 @@ def _proc_start(pid: int) -> str | None:
     return fields[19] if fields and len(fields) > 19 else None  # field 22 of stat: starttime
 
 
+def job_id() -> str:
+    """This process's job as its launcher names it across restarts: the Slurm job id, or torchrun's
+    rendezvous id where one was given (its default "none" names no job); "" without either."""
+    if os.environ.get("SLURM_JOB_ID"):
+        return f"slurm {os.environ['SLURM_JOB_ID']}"
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    return f"torchrun {run}" if run not in ("", "none") else ""
+
+
 def me() -> Owner:
     return Owner(socket.gethostname(), os.getpid(), _proc_start(os.getpid()),
-                 time.strftime("%Y-%m-%d %H:%M:%S"), run_tag())
+                 time.strftime("%Y-%m-%d %H:%M:%S"), run_tag(), job_id())
 
 
 def is_stale(owner: Owner, host: str | None = None) -> bool:
@@ -65,7 +76,7 @@ def is_stale(owner: Owner, host: str | None = None) -> bool:
     if owner.pid == -1:
         return True
     if owner.host != (host or socket.gethostname()):
-        return False
+        return bool(owner.job) and owner.job == job_id()  # this job's earlier incarnation, on another node
     try:
         os.kill(owner.pid, 0)
     except ProcessLookupError:
@@ -86,7 +97,7 @@ def read_owner(path: str) -> Owner | None:
         with open(path, "rb") as f:
             data = json.loads(f.read(4096).decode("utf-8"))
         return Owner(str(data["host"]), int(data["pid"]), data.get("proc_start"), str(data.get("started", "?")),
-                     str(data.get("tag", "")))
+                     str(data.get("tag", "")), str(data.get("job", "")))
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -149,8 +160,8 @@ class SaveLock:
                 continue  # released meanwhile
             if not is_stale(holder):
                 other = "" if holder.host == socket.gethostname() else (
-                    "; a lock of another host cannot be checked from here: if that run is gone, remove "
-                    f"{self.path}")
+                    "; a lock of another host and another job cannot be checked from here: if that run is "
+                    f"gone, remove {self.path}")
                 raise CheckpointError(
                     f"{self.flag} {self.save_dir} is in use by another run ({holder.describe()}): only one run may "
                     f"save into a folder; wait for it to end or save elsewhere{other}")
