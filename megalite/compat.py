@@ -53,7 +53,7 @@ def _api(name: str) -> Callable | None:
 
 def reset() -> None:
     """Forget every detection (after a test hides or restores an API)."""
-    for fn in (_flat_collectives, grouped_mm_supported, cpu_flash_attention, sdpa_has_gqa):
+    for fn in (_flat_collectives, grouped_mm_supported, cpu_flash_attention, cuda_flash_attention, sdpa_has_gqa):
         fn.cache_clear()
 
 
@@ -167,6 +167,34 @@ def cpu_flash_attention() -> tuple[Callable, Callable] | None:
             aten._scaled_dot_product_flash_attention_for_cpu_backward
     except (AttributeError, RuntimeError):
         return None
+
+
+@functools.cache
+def cuda_flash_attention() -> tuple[Callable, Callable] | None:
+    """(forward, backward) of SDPA's flash kernel on CUDA with the log-sum-exp exposed, as plain functions
+    ``fwd(q, k, v, causal) -> (out, lse)`` and ``bwd(dout, q, k, v, out, lse, causal) -> (dq, dk, dv)`` on
+    [b, h, s, d] fp16/bf16 tensors (equal head counts); None where this build lacks the ops. The private
+    ops' argument lists are those of torch 2.1 onwards (verified on a GPU only: docs/compatibility.md)."""
+    aten = torch.ops.aten
+    try:
+        fwd_op, bwd_op = aten._scaled_dot_product_flash_attention, aten._scaled_dot_product_flash_attention_backward
+    except (AttributeError, RuntimeError):
+        return None
+
+    def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        res = fwd_op(q, k, v, 0.0, causal, False)
+        return res[0], res[1]
+
+    def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+            lse: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        b, h, sq, _ = q.shape
+        sk = k.shape[2]
+        cum_q = torch.zeros(0, dtype=torch.int32, device=q.device)
+        empty = torch.zeros(0, dtype=torch.int64, device=q.device)
+        res = bwd_op(dout, q, k, v, out, lse, cum_q, cum_q, sq, sk, 0.0, causal, empty, empty)
+        return res[0], res[1], res[2]
+
+    return fwd, bwd
 
 
 @functools.cache

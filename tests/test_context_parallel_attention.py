@@ -14,9 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megalite.context_parallel import blockwise, context_parallel_attention, ring, zigzag_index, zigzag_split
-from megalite.context_parallel.ring import block
-from megalite.model.transformer import core_attention
+from megalite.attention import Documents, blocks, chunk_pieces, core_attention
+from megalite.context_parallel import context_parallel_attention, zigzag_index, zigzag_split
+from megalite.context_parallel.zigzag import zigzag_chunks
 from megalite.parallel.groups import Group, P2POp, ProcessGroups
 from megalite.parallel.layout import RankLayout
 from megalite.parallel.nccl_check import NcclCheckError, Post, replay
@@ -33,6 +33,12 @@ def segments(b: int = B, seq: int = SEQ) -> torch.Tensor:
     rows = [torch.repeat_interleave(torch.arange(len(d)), torch.tensor(d)) for d in DOCS[:b]]
     assert all(len(r) == seq for r in rows)
     return torch.stack(rows)
+
+
+def documents(b: int = B, seq: int = SEQ) -> Documents:
+    """The same documents as ``segments``, as the data path hands them (cumulative lengths over b x seq)."""
+    lengths = torch.tensor([n for d in DOCS[:b] for n in d])
+    return Documents.from_cu_seqlens(torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]), b, seq)
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_ids: torch.Tensor | None) -> torch.Tensor:
@@ -54,18 +60,18 @@ def inputs(nq: int, nkv: int, seed: int) -> list[torch.Tensor]:
 
 def _compare(rank: int, world: int, fused: bool, row_tile: int) -> dict:
     """Every comm type and case on this rank: worst error against serial and the bytes counted."""
-    blockwise.FUSED_CPU, ring.ROW_TILE = fused, row_tile
+    blocks.FUSED, blocks.ROW_TILE = fused, row_tile
     pg = ProcessGroups.build(RankLayout(world, cp=world), rank)
     out = {}
     for comm in COMM_TYPES:
         for i, (heads, docs) in enumerate(CASES):
             q, k, v, dout = inputs(*HEADS[heads], seed=i)
-            seg = segments() if docs else None
+            seg, packed = (segments(), documents()) if docs else (None, None)
             full = [t.clone().requires_grad_() for t in (q, k, v)]
             reference(*full, seg).backward(dout)
             local = [zigzag_split(t, 2, world, rank).requires_grad_() for t in (q, k, v)]
             pg.comm_bytes.clear()
-            got = context_parallel_attention(*local, pg, comm, segment_ids=seg)
+            got = context_parallel_attention(*local, pg, comm, documents=packed)
             fwd_bytes = dict(pg.comm_bytes)
             got.backward(zigzag_split(dout, 2, world, rank))
             want = [reference(q, k, v, seg)] + [t.grad for t in full]
@@ -81,7 +87,7 @@ def _compare(rank: int, world: int, fused: bool, row_tile: int) -> dict:
 def results(p2p_semantics) -> dict[int, list[dict]]:
     # c = 2: the ring's blocks on the CPU flash kernel; c = 4: on the plain path, in pieces of 3 query rows
     # (8 or 4 rows per block here)
-    kernels = {2: (True, ring.ROW_TILE), 4: (False, 3)}
+    kernels = {2: (True, blocks.ROW_TILE), 4: (False, 3)}
     return {cp: run_ranks(_compare, cp, *kernels[cp], timeout=120) for cp in (2, 4)}
 
 
@@ -122,11 +128,10 @@ def test_bytes_equal_the_formula(results, cp, comm):
 def record_ring(cp: int, seq: int = 24, backward: bool = True) -> tuple[list[list], list[ProcessGroups]]:
     """Every CP rank's recorded batches of one ring attention (forward and backward), no communication."""
     logs, pgs = [], []
-    seg = torch.zeros(1, seq, dtype=torch.long)
     for rank in range(cp):
         pg = ProcessGroups.unconnected(RankLayout(cp, cp=cp), rank, record=True)
         q, k, v = (torch.zeros(1, n, seq // cp, D, requires_grad=True) for n in (4, 2, 2))
-        out = context_parallel_attention(q, k, v, pg, "p2p", segment_ids=seg)
+        out = context_parallel_attention(q, k, v, pg, "p2p", documents=Documents.whole(1, seq))
         if backward:
             out.sum().backward()
         logs.append(pg.p2p_log)
@@ -162,23 +167,27 @@ P_DROP = 0.3
 
 def _ring_dropout(rank: int, world: int) -> dict:
     """The ring with dropout against serial attention under the same masks: the ring draws one mask per
-    block in block order (``block``); here they are drawn again and put at the keys' global positions."""
+    piece in piece order (``chunk_pieces``); here they are drawn again and put at the keys' global positions."""
     pg = ProcessGroups.build(RankLayout(world, cp=world), rank) if world > 1 else ProcessGroups.single()
     nq, nkv = HEADS["gqa"]
     q, k, v, dout = inputs(nq, nkv, seed=3)
-    seg, s_local, pos = segments(), SEQ // world, [zigzag_index(SEQ, world, j) for j in range(world)]
+    seg, packed, s_local = segments(), documents(), SEQ // world
+    pos = [zigzag_index(SEQ, world, j) for j in range(world)]
     local = [zigzag_split(t, 2, world, rank).requires_grad_() for t in (q, k, v)]
     torch.manual_seed(11 + rank)
-    got = context_parallel_attention(*local, pg, "p2p", dropout_p=P_DROP, segment_ids=seg)
+    got = context_parallel_attention(*local, pg, "p2p", dropout_p=P_DROP, documents=packed)
     after_forward = torch.get_rng_state()
     got.backward(zigzag_split(dout, 2, world, rank))
     torch.manual_seed(11 + rank)
     keep = torch.zeros(B, nq, s_local, SEQ)
     for step in range(world):
         j = (rank - step) % world
-        rows, cols, _ = block(rank, j, s_local)
-        shape = (B, nkv, nq // nkv, rows.stop - rows.start, cols.stop - cols.start)
-        keep[:, :, rows][..., pos[j][cols]] = ((torch.rand(shape) >= P_DROP).float() / (1 - P_DROP)).flatten(1, 2)
+        for pc in chunk_pieces(packed, zigzag_chunks(rank, world, s_local), zigzag_chunks(j, world, s_local)):
+            n = len(range(B)[pc.batch])
+            shape = (n, nq, pc.q1 - pc.q0, pc.k1 - pc.k0)
+            drawn = (torch.rand(shape) >= P_DROP).float() / (1 - P_DROP)
+            rows = torch.arange(pc.q0, pc.q1)
+            keep[pc.batch, :, rows[:, None], pos[j][pc.k0:pc.k1][None, :]] = drawn
     full = [t.clone().requires_grad_() for t in (q, k, v)]
     qr, kf, vf = full[0][:, :, pos[rank]], *(t.repeat_interleave(nq // nkv, dim=1) for t in full[1:])
     allowed = (torch.arange(SEQ)[None, :] <= pos[rank][:, None]) & (seg[:, pos[rank], None] == seg[:, None, :])
@@ -190,7 +199,8 @@ def _ring_dropout(rank: int, world: int) -> dict:
             for name, a, w in zip(("dq", "dk", "dv"), [t.grad for t in local], grads)}
     errs["out"] = float((got - want).detach().abs().max())
     errs["rng"] = float(not torch.equal(torch.get_rng_state(), after_forward))  # backward replays, then restores
-    errs["dropped"] = float((got - context_parallel_attention(*local, pg, "p2p", segment_ids=seg)).detach().abs().max())
+    plain = context_parallel_attention(*local, pg, "p2p", documents=packed)
+    errs["dropped"] = float((got - plain).detach().abs().max())
     return errs
 
 
@@ -219,12 +229,12 @@ def test_zigzag_index_balances_the_causal_work():
 @pytest.mark.parametrize("fused", [True, False], ids=["cpu_flash_kernel", "plain"])
 def test_ring_kernels_and_row_pieces(fused, monkeypatch):
     """Both block kernels, in pieces of 5 query rows (uneven), equal serial attention with documents."""
-    monkeypatch.setattr(blockwise, "FUSED_CPU", fused)
-    monkeypatch.setattr(ring, "ROW_TILE", 5)
+    monkeypatch.setattr(blocks, "FUSED", fused)
+    monkeypatch.setattr(blocks, "ROW_TILE", 5)
     q, k, v, dout = inputs(8, 2, seed=5)
     seg = segments()
     full = [t.clone().requires_grad_() for t in (q, k, v)]
-    got = context_parallel_attention(*full, ProcessGroups.single(), "p2p", segment_ids=seg)
+    got = context_parallel_attention(*full, ProcessGroups.single(), "p2p", documents=documents())
     got.backward(dout)
     ref = [t.clone().requires_grad_() for t in (q, k, v)]
     want = reference(*ref, seg)
@@ -237,7 +247,7 @@ def test_cp1_is_serial_attention_with_documents():
     q, k, v, _ = inputs(8, 2, seed=7)
     seg = segments()
     for comm in COMM_TYPES:
-        got = context_parallel_attention(q, k, v, ProcessGroups.single(), comm, segment_ids=seg)
+        got = context_parallel_attention(q, k, v, ProcessGroups.single(), comm, documents=documents())
         torch.testing.assert_close(got, reference(q, k, v, seg), rtol=1e-5, atol=1e-5)
 
 

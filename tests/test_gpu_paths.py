@@ -30,9 +30,9 @@ import pytest
 import torch
 
 from megalite import compat, device
+from megalite.attention import core_attention
 from megalite.config.model import ModelConfig
 from megalite.model.norm import Norm
-from megalite.model.transformer import core_attention
 from megalite.moe.experts import grouped_linear
 from megalite.optimizer.adam import build_adamw
 from megalite.parallel.groups import ProcessGroups

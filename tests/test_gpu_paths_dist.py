@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megalite import compat, device
-from megalite.context_parallel import blockwise, ring
+from megalite.attention import Documents, blocks
 from megalite.context_parallel.attention import context_parallel_attention
 from megalite.launch import rendezvous
 from megalite.launch.run import run_timeout
@@ -49,53 +49,68 @@ def _ring_inputs(documents: bool) -> dict[str, torch.Tensor | None]:
     g = torch.Generator().manual_seed(6)
     q = torch.randn(2, 8, 32, 16, generator=g)
     k, v = (torch.randn(2, 2, 32, 16, generator=g) for _ in range(2))
-    seg = torch.tensor([[0] * 10 + [1] * 22, [0] * 20 + [1] * 12]) if documents else None
-    return {"q": q, "k": k, "v": v, "dout": torch.randn(q.shape, generator=g), "segment_ids": seg}
+    docs = Documents.from_cu_seqlens(torch.tensor([0, 10, 32, 52, 64]), 2, 32) if documents else None
+    return {"q": q, "k": k, "v": v, "dout": torch.randn(q.shape, generator=g), "documents": docs}
 
 
-def _attend(fn: Callable, inputs: dict, dev: torch.device) -> dict[str, torch.Tensor]:
-    """fn(q, k, v, segment_ids) forward and backward on ``dev``: output and gradients on the host."""
-    q, k, v = (leaf(inputs[n], dev) for n in "qkv")
-    seg = inputs["segment_ids"]
-    out = fn(q, k, v, None if seg is None else seg.to(dev))
-    out.backward(inputs["dout"].to(dev))
-    return {"out": out.cpu(), "dq": q.grad.cpu(), "dk": k.grad.cpu(), "dv": v.grad.cpu()}
+def _attend(fn: Callable, inputs: dict, dev: torch.device, dtype: torch.dtype = torch.float32
+            ) -> dict[str, torch.Tensor]:
+    """fn(q, k, v, documents) forward and backward on ``dev`` in ``dtype``: fp32 output and gradients on the host."""
+    q, k, v = (leaf(inputs[n].to(dtype), dev) for n in "qkv")
+    out = fn(q, k, v, inputs["documents"])
+    out.backward(inputs["dout"].to(dev, dtype))
+    return {n: t.detach().float().cpu() for n, t in (("out", out), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad))}
 
 
 def _ring(p: float) -> Callable:
     """The ring (--cp-comm-type p2p) on one CP rank: its blocks and merges, no exchange."""
-    return lambda q, k, v, seg: context_parallel_attention(q, k, v, ProcessGroups.single(), "p2p", dropout_p=p,
-                                                           segment_ids=seg)
+    return lambda q, k, v, docs: context_parallel_attention(q, k, v, ProcessGroups.single(), "p2p", dropout_p=p,
+                                                            documents=docs)
 
 
-@targets("the CP ring's blocks on the device (context_parallel/ring.py, blockwise.py), fp32")
+@targets("the CP ring's blocks on the device (context_parallel/ring.py, attention/blocks.py), fp32")
 @pytest.mark.parametrize("documents", [False, True], ids=["causal", "documents"])
 def test_ring_blocks_match_the_cpu(target, documents, monkeypatch):
-    monkeypatch.setattr(ring, "ROW_TILE", 8)  # several row tiles per block
+    monkeypatch.setattr(blocks, "ROW_TILE", 8)  # several row tiles per block
     inputs = _ring_inputs(documents)
     with on("cpu") as cpu:
         want = _attend(_ring(0.0), inputs, cpu)  # the CPU's blocks: its flash kernel
-    monkeypatch.setattr(blockwise, "FUSED_CPU", False)  # on the CPU too, the plain blocks a GPU runs
+    monkeypatch.setattr(blocks, "FUSED", False)  # on the CPU too, the plain blocks a GPU runs in fp32
     with on(target) as dev:
         got = _attend(_ring(0.0), inputs, dev)
     assert_close(got, want, OP_FP32, f"ring blocks on {target}")
 
 
-def _explicit_dropout_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: None, p: float = 0.1
+@targets("the CP ring's blocks on the device's flash kernel in bf16 (compat.cuda_flash_attention)")
+@pytest.mark.parametrize("documents", [False, True], ids=["causal", "documents"])
+def test_ring_blocks_bf16_fused_match_fp32(target, documents):
+    inputs = _ring_inputs(documents)
+    with on(target) as dev:
+        want = _attend(_ring(0.0), inputs, dev)  # fp32: the plain blocks on CUDA, the flash kernel on the CPU
+        got = _attend(_ring(0.0), inputs, dev, torch.bfloat16)
+    for name in want:
+        err, scale = float((got[name] - want[name]).abs().max()), float(want[name].abs().max())
+        assert err <= 3e-2 * max(scale, 1.0), f"bf16 ring {name} on {target}: {err:.3e} (largest {scale:.2f})"
+
+
+def _explicit_dropout_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: None, p: float = 0.1
                                 ) -> torch.Tensor:
-    """softmax(QK^T) with the ring's dropout masks (drawn in its order: one per tile of 8 rows), then V."""
+    """softmax(QK^T) with the ring's dropout masks, drawn in its order: one per piece of its two chunks
+    (the first against itself, the second against the first, the second against itself), then V."""
     b, nq, s, d = q.shape
-    g = k.shape[1]
-    keep = torch.cat([blockwise.dropout_mask((b, g, nq // g, 8, s), p, q.device) for _ in range(s // 8)], dim=3)
+    g, h = k.shape[1], s // 2
+    keep = torch.zeros(b, nq, s, s, device=q.device)
+    for rows, cols in ((slice(0, h), slice(0, h)), (slice(h, s), slice(0, h)), (slice(h, s), slice(h, s))):
+        keep[:, :, rows, cols] = blocks.dropout_keep(q[:, :, rows], h, p)
     k, v = (t.repeat_interleave(nq // g, dim=1) for t in (k, v))
     scores = (q @ k.transpose(-1, -2)) * d ** -0.5
     scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
-    return (scores.softmax(dim=-1) * keep.reshape(b, nq, s, s)) @ v
+    return (scores.softmax(dim=-1) * keep) @ v
 
 
 @targets("dropout in the CP ring's blocks, redrawn in backward from the device generator's saved state")
 def test_ring_dropout_replays_the_device_generator(target, monkeypatch):
-    monkeypatch.setattr(ring, "ROW_TILE", 8)
+    monkeypatch.setattr(blocks, "ROW_TILE", 8)
     inputs = _ring_inputs(False)
     with on(target) as dev:
         device.manual_seed(5)

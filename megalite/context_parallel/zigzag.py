@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from megalite.attention import Chunk
+
 
 def check_divisible(seq_len: int, cp: int) -> None:
     """The zigzag split needs 2c equal chunks."""
@@ -47,3 +49,10 @@ def natural_order(s_local: int, cp: int, device: torch.device | None = None) -> 
     """The permutation that puts the ranks' local chunks, concatenated in rank order, back in sequence
     order: ``gathered.index_select(dim, natural_order(...))`` is the natural sequence."""
     return zigzag_positions(s_local, cp, device).flatten().argsort()
+
+
+def zigzag_chunks(cp_rank: int, cp: int, s_local: int, local: int = 0) -> list[Chunk]:
+    """The two chunks of global positions rank ``cp_rank`` holds, at local offsets ``local`` and
+    ``local + s_local / 2`` (the blockwise attention's view of ``zigzag_index``)."""
+    half = s_local // 2
+    return [Chunk(cp_rank * half, half, local), Chunk((2 * cp - 1 - cp_rank) * half, half, local + half)]

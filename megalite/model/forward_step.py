@@ -11,16 +11,18 @@ from megalite.model.gpt import GPTModel
 def lm_forward_step(chunk: nn.Module, mb: dict[str, torch.Tensor], hidden: torch.Tensor | None) -> torch.Tensor:
     """One micro-batch through one chunk: hidden states out, or the mean token loss on the last stage.
 
-    With context parallelism the micro-batch holds this rank's part of each sequence (``position_ids``)
+    With context parallelism the micro-batch holds this rank's part of each sequence (``sequence_index``)
     and ``num_tokens``, the loss-mask count of the whole sequences: the result is this part's share of
     the sequences' mean (the shares of the CP ranks sum to it); the pipeline's LossScaling makes it the
-    micro-batch loss (docs/design.md §3.9)."""
+    micro-batch loss (docs/design.md §3.9). Packed documents (``make_microbatch``): ``position_ids`` restart
+    per document and ``documents`` bound the attention."""
     assert isinstance(chunk, GPTModel)
     tokens = mb["tokens"] if chunk.pre_process else None
-    positions = mb.get("position_ids")
+    where = {"sequence_index": mb.get("sequence_index"), "position_ids": mb.get("position_ids"),
+             "documents": mb.get("documents")}
     if not chunk.post_process:
-        return chunk(tokens, hidden=hidden, position_ids=positions)
-    per_token = chunk(tokens, labels=mb["labels"], hidden=hidden, position_ids=positions)
+        return chunk(tokens, hidden=hidden, **where)
+    per_token = chunk(tokens, labels=mb["labels"], hidden=hidden, **where)
     mask = mb["loss_mask"]
     if "num_tokens" not in mb:
         return (per_token.float() * mask).sum() / mask.sum()

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megalite.attention import Documents
 from megalite.config.model import ModelConfig
 from megalite.model.norm import Norm
 from megalite.model.rope import rope_frequencies
@@ -36,9 +37,10 @@ from megalite.tensor_parallel.sharding import VocabShardSpec
 TIED_EMBEDDING = "embedding.word.weight"
 
 
-def _run(layers: list[nn.Module], x: torch.Tensor, angles: torch.Tensor | None) -> torch.Tensor:
+def _run(layers: list[nn.Module], x: torch.Tensor, angles: torch.Tensor | None,
+         documents: Documents | None = None) -> torch.Tensor:
     for layer in layers:
-        x = layer(x, angles)
+        x = layer(x, angles, None, documents)
     return x
 
 
@@ -54,13 +56,17 @@ class Embedding(nn.Module):
                          if cfg.position_embedding_type == "learned_absolute" else None)
 
     def forward(self, tokens: torch.Tensor, position_offset: int = 0,
-                position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """``position_ids`` [s]: the tokens' positions when they are not consecutive (context parallelism)."""
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """``positions``: the tokens' positions when they are not consecutive, [s] (context parallelism) or
+        [b, s] (each sample's own: reset after every document)."""
         x = self.word(tokens)  # [s, b, h], summed over TP
         if self.position is not None:
-            pos = (self.position.weight[position_offset: position_offset + tokens.shape[1]] if position_ids is None
-                   else self.position.weight[position_ids])
-            x = x + pos.unsqueeze(1)
+            if positions is None:
+                pos = self.position.weight[position_offset: position_offset + tokens.shape[1]].unsqueeze(1)
+            else:
+                pos = self.position.weight[positions]
+                pos = pos.unsqueeze(1) if positions.dim() == 1 else pos.transpose(0, 1)
+            x = x + pos
         ctx = self.ctx
         if ctx.sequence_parallel:
             x = scatter_to_sp(x, ctx.pg)
@@ -113,23 +119,23 @@ class GPTModel(nn.Module):
             self._rope_cache = (end, rope_frequencies(end, rot, self.cfg.rotary_base, device))
         return self._rope_cache[1][offset:end]
 
-    def _run_layers(self, x: torch.Tensor, angles: torch.Tensor | None) -> torch.Tensor:
+    def _run_layers(self, x: torch.Tensor, angles: torch.Tensor | None, documents: Documents | None
+                    ) -> torch.Tensor:
         """The layers, with full recomputation where configured: 'uniform' checkpoints groups of
         --recompute-num-layers layers, 'block' the first --recompute-num-layers layers of this chunk."""
         layers = list(self.layers.values())
         cfg = self.cfg
         if cfg.recompute_granularity != "full" or not self.training:
-            for layer in layers:
-                x = layer(x, angles)
-            return x
+            return _run(layers, x, angles, documents)
         n = cfg.recompute_num_layers
         if cfg.recompute_method in (None, "uniform"):
             for i in range(0, len(layers), n):
                 group = layers[i:i + n]
-                x = recompute(lambda h, a, g=group: _run(g, h, a), self.ctx.tracker, x, angles)
+                x = recompute(lambda h, a, d, g=group: _run(g, h, a, d), self.ctx.tracker, x, angles, documents)
             return x
         for i, layer in enumerate(layers):
-            x = recompute(layer, self.ctx.tracker, x, angles) if i < n else layer(x, angles)
+            x = _run([layer], x, angles, documents) if i >= n else recompute(
+                lambda h, a, d, one=layer: _run([one], h, a, d), self.ctx.tracker, x, angles, documents)
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -142,25 +148,29 @@ class GPTModel(nn.Module):
         return self.output_layer(hidden)
 
     def forward(self, tokens: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-                hidden: torch.Tensor | None = None, kv_cache=None,
-                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+                hidden: torch.Tensor | None = None, kv_cache=None, sequence_index: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, documents: Documents | None = None) -> torch.Tensor:
         """First stage: tokens [b, s]; other stages: ``hidden`` [s, b, h] from the previous stage.
 
         Returns the per-token loss [b, s] when ``labels`` is given on the last stage, the full logits
         [b, s, vocab] on the last stage without labels, else the hidden states for the next stage.
         ``kv_cache`` (inference, see megalite/inference/kv_cache.py): the new tokens sit at positions
         ``kv_cache.offset`` onwards and attend to the cached keys/values of ``kv_cache.layer(number)``.
-        ``position_ids`` [s] (context parallelism): the global positions of this rank's tokens."""
+        ``sequence_index`` [s] (context parallelism): where this rank's tokens sit in the sequences, which
+        causality follows; ``position_ids`` [b, s] (--reset-position-ids): the positions the learned or
+        rotary embeddings see, else the sequence index; ``documents`` (--reset-attention-mask): attention
+        stays inside each packed document."""
         offset = 0 if kv_cache is None else kv_cache.offset
-        x = self.embedding(tokens, offset, position_ids) if self.pre_process else hidden
-        if position_ids is None:
+        positions = position_ids if position_ids is not None else sequence_index
+        x = self.embedding(tokens, offset, positions) if self.pre_process else hidden
+        if positions is None:
             seq_len = x.shape[0] * (self.pg.tp_size if self.ctx.sequence_parallel else 1)
             angles = self._rope(seq_len, x.device, offset)
         else:
             angles = self._rope(self.cfg.seq_length, x.device)
-            angles = None if angles is None else angles[position_ids]
+            angles = None if angles is None else angles[positions if positions.dim() == 1 else positions.t()]
         if kv_cache is None:
-            x = self._run_layers(x, angles)
+            x = self._run_layers(x, angles, documents)
         else:
             for number, layer in self.layers.items():
                 x = layer(x, angles, kv_cache.layer(int(number)))

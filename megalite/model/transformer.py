@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megalite import compat, device
+from megalite.attention import Documents, core_attention
 from megalite.config.model import ModelConfig
 from megalite.context_parallel import context_parallel_attention
 from megalite.model.norm import Norm
@@ -25,35 +25,6 @@ from megalite.tensor_parallel.param_meta import amend_param
 from megalite.tensor_parallel.random import hidden_dropout
 from megalite.tensor_parallel.recompute import recompute
 from megalite.tensor_parallel.sharding import QKVShardSpec, ShardSpec
-
-# --attention-backend choices that run the explicit softmax(QK^T)V reference instead of SDPA.
-UNFUSED_BACKENDS = ("unfused", "local")
-
-
-def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, backend: str
-                   ) -> torch.Tensor:
-    """Causal attention. q [b, nq, s, d]; k, v [b, nkv, t, d] with nq a multiple of nkv (GQA).
-
-    t >= s: with a KV cache the s queries are the last s of the t positions (query i sees keys
-    0..t-s+i); t == s is plain causal self-attention."""
-    past = k.shape[2] - q.shape[2]
-    if backend not in UNFUSED_BACKENDS:
-        if q.shape[1] != k.shape[1] and backend == "fused":  # SDPA's memory-efficient kernel has no GQA
-            rep = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        if past == 0:  # training and prefill: the kernel --attention-backend names (device.py decides)
-            with device.sdpa_kernels(backend, q.device):
-                return compat.sdpa(q, k, v, dropout_p=dropout_p, is_causal=True)
-        # decoding with a KV cache needs an explicit mask, which the flash kernel lacks: SDPA's own choice
-        allowed = None if q.shape[2] == 1 else torch.ones(
-            q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril(past)
-        return compat.sdpa(q, k, v, attn_mask=allowed, dropout_p=dropout_p)
-    rep = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    scores = (q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5
-    mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).triu(1 + past)
-    probs = scores.masked_fill(mask, float("-inf")).softmax(dim=-1)
-    return F.dropout(probs, dropout_p) @ v
 
 
 class Attention(nn.Module):
@@ -82,16 +53,20 @@ class Attention(nn.Module):
                                       bias=cfg.add_bias_linear, sequence_parallel=ctx.sequence_parallel,
                                       dtype=ctx.dtype, device=ctx.device)
 
-    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float) -> torch.Tensor:
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float,
+              documents: Documents | None = None) -> torch.Tensor:
         ctx = self.ctx
         with ctx.tracker.fork() if p > 0 else contextlib.nullcontext():
             if ctx.pg.cp_size > 1:  # this rank's two sequence chunks against the whole sequence's keys
-                return context_parallel_attention(q, k, v, ctx.pg, ctx.cp_comm_type, dropout_p=p)
-            return core_attention(q, k, v, p, self.cfg.attention_backend)
+                return context_parallel_attention(q, k, v, ctx.pg, ctx.cp_comm_type, dropout_p=p,
+                                                  documents=documents)
+            return core_attention(q, k, v, p, self.cfg.attention_backend, documents)
 
-    def forward(self, x: torch.Tensor, rope_angles: torch.Tensor | None, kv_cache=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope_angles: torch.Tensor | None, kv_cache=None,
+                documents: Documents | None = None) -> torch.Tensor:
         """``kv_cache`` (inference): an object whose ``update(k, v)`` appends this step's keys and values
-        [b, groups_local, s, d] and returns all of them so far (see megalite/inference/kv_cache.py)."""
+        [b, groups_local, s, d] and returns all of them so far (see megalite/inference/kv_cache.py).
+        ``documents``: the packed documents of the micro-batch's sequences (attention stays inside each)."""
         qkv = self.qkv(x)  # [s, b, groups_local * (q_per_group + 2) * d]
         s, b = qkv.shape[:2]
         qkv = qkv.view(s, b, self.groups_local, self.q_per_group + 2, self.head_dim)
@@ -107,9 +82,9 @@ class Attention(nn.Module):
             k, v = kv_cache.update(k, v)  # [b, groups_local, past + s, d]
         p = self.cfg.attention_dropout if self.training else 0.0
         if self.cfg.recompute_granularity == "selective":  # the s^2 attention activations dominate memory
-            out = recompute(self._core, self.ctx.tracker, q, k, v, p)
+            out = recompute(self._core, self.ctx.tracker, q, k, v, p, documents)
         else:
-            out = self._core(q, k, v, p)
+            out = self._core(q, k, v, p, documents)
         out = out.permute(2, 0, 1, 3).reshape(s, b, self.heads_local * self.head_dim)
         return self.proj(out)
 
@@ -158,6 +133,7 @@ class TransformerLayer(nn.Module):
         return hidden_dropout(x, self.cfg.hidden_dropout if self.training else 0.0, self.ctx.tracker,
                               self.ctx.sequence_parallel)
 
-    def forward(self, x: torch.Tensor, rope_angles: torch.Tensor | None = None, kv_cache=None) -> torch.Tensor:
-        x = x + self._dropout(self.attention(self.input_norm(x), rope_angles, kv_cache))
+    def forward(self, x: torch.Tensor, rope_angles: torch.Tensor | None = None, kv_cache=None,
+                documents: Documents | None = None) -> torch.Tensor:
+        x = x + self._dropout(self.attention(self.input_norm(x), rope_angles, kv_cache, documents))
         return x + self._dropout(self.mlp(self.pre_mlp_norm(x)))

@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from megalite.attention import Documents
 from megalite.config.arguments import MegaliteConfig
 from megalite.context_parallel import zigzag_index
 from megalite.data.sampler import microbatch_indices
@@ -54,18 +55,28 @@ def global_batch(dataset: Any, consumed: int, cfg: MegaliteConfig, pg: ProcessGr
     if idx and idx[-1][-1] >= n:
         raise RuntimeError(f"dataset has {n} samples but sample {idx[-1][-1]} was requested; "
                            "it was sized for fewer iterations than asked")
-    mbs = [make_microbatch(dataset, i, device) for i in idx]
+    mbs = [with_documents(make_microbatch(dataset, i, device)) for i in idx]
     if pg.cp_size > 1:
         mbs = [context_parallel_part(mb, pg.cp_size, pg.cp_rank) for mb in mbs]
     return mbs
 
 
-def context_parallel_part(mb: dict[str, torch.Tensor], cp: int, cp_rank: int) -> dict[str, torch.Tensor]:
+def with_documents(mb: dict) -> dict:
+    """The micro-batch with its packed ``documents`` (from ``cu_seqlens``, --reset-attention-mask), which
+    every pipeline stage and CP rank reads the same way."""
+    if "cu_seqlens" in mb:
+        mb["documents"] = Documents.from_cu_seqlens(mb["cu_seqlens"], *mb["tokens"].shape)
+    return mb
+
+
+def context_parallel_part(mb: dict, cp: int, cp_rank: int) -> dict:
     """This CP rank's tokens of a micro-batch (sequence chunks cp_rank and 2cp-1-cp_rank, see
-    megalite/context_parallel), their global ``position_ids``, and ``num_tokens``: the loss-mask count of
-    the whole sequences, which the loss is normalised by."""
+    megalite/context_parallel), their ``sequence_index`` (global positions, which causality follows), the
+    same part of ``position_ids`` when positions reset per document, the whole sequences' ``documents``, and
+    ``num_tokens``: the loss-mask count of the whole sequences, which the loss is normalised by."""
     idx = zigzag_index(mb["tokens"].shape[1], cp, cp_rank).to(mb["tokens"].device)
-    part = {k: mb[k].index_select(1, idx) for k in ("tokens", "labels", "loss_mask")}
-    part["position_ids"] = idx
+    part = {k: mb[k].index_select(1, idx) for k in ("tokens", "labels", "loss_mask", "position_ids") if k in mb}
+    part.update({k: mb[k] for k in ("cu_seqlens", "documents") if k in mb})
+    part["sequence_index"] = idx
     part["num_tokens"] = mb["loss_mask"].sum()
     return part
