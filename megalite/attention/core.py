@@ -53,9 +53,12 @@ def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p:
     if k.shape[2] != q.shape[2] or documents.seq_length != q.shape[2] or documents.batch != q.shape[0]:
         raise ValueError(f"document attention needs q, k, v of the documents' {documents.batch} x "
                          f"{documents.seq_length} positions, got q {list(q.shape)}, k {list(k.shape)}")
+    # unbind and split (whose backwards are one stack and one concatenation), not slices (each of whose
+    # backwards would fill a zero gradient of the whole tensor)
     rows = []
-    for b, e in enumerate(documents.bounds):
-        parts = [_causal(q[b:b + 1, :, lo:hi], k[b:b + 1, :, lo:hi], v[b:b + 1, :, lo:hi], dropout_p, backend)
-                 for lo, hi in zip(e, e[1:])]
+    for b, (qb, kb, vb) in enumerate(zip(q.unbind(0), k.unbind(0), v.unbind(0))):
+        lengths = documents.lengths(b)
+        parts = [_causal(qd[None], kd[None], vd[None], dropout_p, backend)
+                 for qd, kd, vd in zip(*(t.split(lengths, dim=1) for t in (qb, kb, vb)))]
         rows.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
     return torch.cat(rows, dim=0)

@@ -32,6 +32,12 @@ class Piece:
     k1: int
     causal: bool
 
+    @property
+    def pairs(self) -> int:
+        """Query-key pairs the piece computes (per sample)."""
+        n, m = self.q1 - self.q0, self.k1 - self.k0
+        return n * (n + 1) // 2 if self.causal else n * m
+
     def shifted(self, dq: int, dk: int) -> Piece:
         """The same piece with rows and columns moved by dq and dk (global positions -> local offsets)."""
         return Piece(self.batch, self.q0 + dq, self.q1 + dq, self.k0 + dk, self.k1 + dk, self.causal)

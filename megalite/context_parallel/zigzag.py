@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from megalite.attention import Chunk
+from megalite.attention import Chunk, Documents, chunk_pieces
 
 
 def check_divisible(seq_len: int, cp: int) -> None:
@@ -56,3 +56,16 @@ def zigzag_chunks(cp_rank: int, cp: int, s_local: int, local: int = 0) -> list[C
     ``local + s_local / 2`` (the blockwise attention's view of ``zigzag_index``)."""
     half = s_local // 2
     return [Chunk(cp_rank * half, half, local), Chunk((2 * cp - 1 - cp_rank) * half, half, local + half)]
+
+
+def zigzag_work(documents: Documents, cp: int) -> list[int]:
+    """Query-key pairs each CP rank's attention computes for ``documents`` under the zigzag split: equal on
+    every rank for one document per sample; with packed documents the split balances only on average (the
+    figures in bench/README.md, "Packed documents")."""
+    s_local = documents.seq_length // cp
+    work = []
+    for r in range(cp):
+        mine = zigzag_chunks(r, cp, s_local)
+        pieces = [p for j in range(cp) for p in chunk_pieces(documents, mine, zigzag_chunks(j, cp, s_local))]
+        work.append(sum(p.pairs * len(range(documents.batch)[p.batch]) for p in pieces))
+    return work

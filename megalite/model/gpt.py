@@ -119,7 +119,7 @@ class GPTModel(nn.Module):
             self._rope_cache = (end, rope_frequencies(end, rot, self.cfg.rotary_base, device))
         return self._rope_cache[1][offset:end]
 
-    def _run_layers(self, x: torch.Tensor, angles: torch.Tensor | None, documents: Documents | None
+    def _run_layers(self, x: torch.Tensor, angles: torch.Tensor | None, documents: Documents | None = None
                     ) -> torch.Tensor:
         """The layers, with full recomputation where configured: 'uniform' checkpoints groups of
         --recompute-num-layers layers, 'block' the first --recompute-num-layers layers of this chunk."""

@@ -1,0 +1,64 @@
+"""Promise (docs/parallelism.md, "Packed documents"): with Megatron's --reset-position-ids,
+--reset-attention-mask and --eod-mask-loss, 5 iterations in every layout give the single-process loss curve
+and grad norms (fp32, relative 1e-5): TP2 + SP, PP2 interleaved, CP2 and CP4 with each comm type (p2p,
+a2a, allgather, a2a+p2p), DP2 with the distributed optimizer; GPT-2 and Llama GQA with 2 KV groups (which
+trains at CP4 only through a2a+p2p, 2 x 2). Every layout runs under NCCL's point-to-point rules, one also
+on plain gloo. The mock data's progressions pass the EOD token (vocab - 1) every few samples, so most
+sequences hold two to four documents. The serial run itself equals per-document runs:
+tests/test_packed_attention.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.layouts import P2P_MODES, ModeCache, assert_matches_serial, layout_curves, serial_curve
+from tests.tp_utils import GPT2, LLAMA_GQA, layout_flat
+
+VOCAB = 64  # EOD = 63: a progression of stride 1-7 meets it within 64 / stride tokens
+ITERS = 5
+PACKED = {"reset_position_ids": True, "reset_attention_mask": True, "eod_mask_loss": True}
+MODELS = {"gpt2": {**GPT2, "seq_length": 32}, "llama": {**LLAMA_GQA, "seq_length": 32, "num_layers": 4}}
+# name -> (tp, pp, cp, extra flags); all on 4 ranks, data parallelism fills the rest
+LAYOUTS = {
+    "tp2_sp": (2, 1, 1, {"sequence_parallel": True}),
+    "tp2_dp2_distopt": (2, 1, 1, {"use_distributed_optimizer": True}),
+    "pp2_interleaved": (1, 2, 1, {"num_layers_per_virtual_pipeline_stage": 1}),
+    "cp2_dp2_p2p": (1, 1, 2, {}),
+    "cp2_dp2_allgather_recompute": (1, 1, 2, {"cp_comm_type": "allgather", "recompute_granularity": "full",
+                                               "recompute_method": "uniform", "recompute_num_layers": 1}),
+    "cp2_tp2_sp": (2, 1, 2, {"sequence_parallel": True}),
+    "cp4_p2p": (1, 1, 4, {}),
+    "cp4_a2a": (1, 1, 4, {"cp_comm_type": "a2a"}),  # GPT-2 only: Llama's 2 query groups do not split 4 ways
+    "cp4_allgather": (1, 1, 4, {"cp_comm_type": "allgather"}),
+    "cp4_a2a+p2p": (1, 1, 4, {"cp_comm_type": "a2a+p2p", "hierarchical_context_parallel_sizes": [2, 2]}),
+}
+CASES = [("gpt2", "tp2_sp"), ("gpt2", "tp2_dp2_distopt"), ("gpt2", "cp4_p2p"), ("gpt2", "cp4_a2a"),
+         ("gpt2", "cp2_dp2_allgather_recompute"),
+         ("llama", "pp2_interleaved"), ("llama", "cp2_dp2_p2p"), ("llama", "cp2_tp2_sp"), ("llama", "cp4_allgather"),
+         ("llama", "cp4_a2a+p2p")]
+GLOO_CASES = [("llama", "cp4_a2a+p2p")]
+
+
+def flat(model: str, tp: int = 1, pp: int = 1, cp: int = 1, **extra) -> dict:
+    return layout_flat(MODELS[model], vocab=VOCAB, iters=ITERS, tp=tp, pp=pp, context_parallel_size=cp,
+                       **PACKED, **extra)
+
+
+def _layouts(mode: str) -> list[dict]:
+    cases = CASES if mode == "nccl_semantics" else GLOO_CASES
+    return layout_curves(4, {(m, n): flat(m, *LAYOUTS[n][:3], **LAYOUTS[n][3]) for m, n in cases})
+
+
+CURVES = ModeCache(_layouts)
+
+
+@pytest.mark.parametrize("mode,model,layout", [(mode, m, n) for mode in P2P_MODES for m, n in CASES
+                                               if mode == "nccl_semantics" or (m, n) in GLOO_CASES])
+def test_packed_loss_curve_matches_serial(mode, model, layout):
+    assert_matches_serial(CURVES(mode), (model, layout), serial_curve(flat(model)), ITERS)
+
+
+def test_the_flags_change_the_curve():
+    """The documents are real: the packed serial curve differs from the plain one."""
+    plain = serial_curve(layout_flat(MODELS["gpt2"], vocab=VOCAB, iters=ITERS))
+    assert abs(serial_curve(flat("gpt2")).losses[0] - plain.losses[0]) > 1e-3
