@@ -53,7 +53,8 @@ def _api(name: str) -> Callable | None:
 
 def reset() -> None:
     """Forget every detection (after a test hides or restores an API)."""
-    for fn in (_flat_collectives, grouped_mm_supported, cpu_flash_attention, cuda_flash_attention, sdpa_has_gqa):
+    for fn in (_flat_collectives, grouped_mm_supported, cpu_flash_attention, cuda_flash_attention,
+               cuda_varlen_flash_attention, sdpa_has_gqa):
         fn.cache_clear()
 
 
@@ -192,6 +193,31 @@ def cuda_flash_attention() -> tuple[Callable, Callable] | None:
         cum_q = torch.zeros(0, dtype=torch.int32, device=q.device)
         empty = torch.zeros(0, dtype=torch.int64, device=q.device)
         res = bwd_op(dout, q, k, v, out, lse, cum_q, cum_q, sq, sk, 0.0, causal, empty, empty)
+        return res[0], res[1], res[2]
+
+    return fwd, bwd
+
+
+@functools.cache
+def cuda_varlen_flash_attention() -> tuple[Callable, Callable] | None:
+    """(forward, backward) of the variable-length flash kernel on CUDA (all packed documents in one call) as
+    ``fwd(q, k, v, cu_seqlens, max_len) -> (out, lse, state)`` and ``bwd(dout, q, k, v, out, lse, cu_seqlens,
+    max_len, state) -> (dq, dk, dv)`` on [tokens, heads, d] fp16/bf16 tensors with equal head counts,
+    causal inside each document; None where this build lacks the ops (per-document calls are used). The
+    argument lists are those of torch 2.4 onwards (verified on a GPU only: docs/compatibility.md)."""
+    aten = torch.ops.aten
+    try:
+        fwd_op, bwd_op = aten._flash_attention_forward, aten._flash_attention_backward
+    except (AttributeError, RuntimeError):
+        return None
+
+    def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int) -> tuple:
+        res = fwd_op(q, k, v, cu, cu, max_len, max_len, 0.0, True, False)
+        return res[0], res[1], (res[2], res[3])
+
+    def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+            lse: torch.Tensor, cu: torch.Tensor, max_len: int, state: tuple) -> tuple:
+        res = bwd_op(dout, q, k, v, out, lse, cu, cu, max_len, max_len, 0.0, True, state[0], state[1])
         return res[0], res[1], res[2]
 
     return fwd, bwd

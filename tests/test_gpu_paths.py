@@ -30,7 +30,8 @@ import pytest
 import torch
 
 from megalite import compat, device
-from megalite.attention import core_attention
+from megalite.attention import Documents, core_attention
+from megalite.attention import core as attention_core
 from megalite.config.model import ModelConfig
 from megalite.model.norm import Norm
 from megalite.moe.experts import grouped_linear
@@ -171,6 +172,31 @@ def test_sdpa_kernel_matches_the_cpu_attention(target, backend, dtype, gqa):
     with on(target):
         refused = device.attention_backend_error("flash", torch.float32)
     assert (refused is not None) == (target == "cuda"), refused  # no flash kernel in fp32 on a GPU
+
+
+def _packed_pass(target: str, backend: str, dtype: torch.dtype, varlen: bool, monkeypatch) -> dict:
+    """core_attention inside packed documents (GQA), forward and backward; fp32 results on the host."""
+    monkeypatch.setattr(attention_core, "VARLEN", varlen)
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 8, 32, 16, generator=g)
+    k, v = (torch.randn(2, 2, 32, 16, generator=g) for _ in range(2))
+    dout = torch.randn(q.shape, generator=g)
+    docs = Documents.from_cu_seqlens(torch.tensor([0, 7, 23, 24, 32, 64]), 2, 32)
+    with on(target) as dev:
+        q, k, v = (leaf(t, dev, dtype) for t in (q, k, v))
+        out = core_attention(q, k, v, 0.0, backend, docs)
+        out.backward(dout.to(dev, dtype))
+        return {"out": out.float(), "dq": q.grad.float(), "dk": k.grad.float(), "dv": v.grad.float()}
+
+
+@targets("packed documents: CUDA's variable-length flash kernel (attention/varlen.py) and the per-document calls")
+@pytest.mark.parametrize("backend,dtype,varlen", [("auto", torch.bfloat16, True), ("flash", torch.bfloat16, True),
+                                                  ("auto", torch.bfloat16, False), ("fused", torch.float32, False)],
+                         ids=["varlen-auto-bf16", "varlen-flash-bf16", "per-document-bf16", "per-document-fp32"])
+def test_packed_attention_matches_the_cpu(target, backend, dtype, varlen, monkeypatch):
+    want = _packed_pass("cpu", "unfused", torch.float32, False, monkeypatch)
+    got = _packed_pass(target, backend, dtype, varlen, monkeypatch)
+    assert_close(got, want, OP_FP32 if dtype == torch.float32 else LOW, f"packed {backend} {dtype} varlen={varlen}")
 
 
 # ---- training curves ---------------------------------------------------------------------------------

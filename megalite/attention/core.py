@@ -5,8 +5,8 @@ all-to-all context-parallel path runs on its full sequences. Without documents i
 with ``Documents`` each document runs as its own causal sequence (one kernel call per document), so the
 work is Σ len_i² and no mask exists. That holds for every --attention-backend: SDPA's kernels per document
 (on CUDA the flash or memory-efficient kernel --attention-backend names), or the explicit softmax per
-document for 'unfused'/'local'. (Variable-length kernels that take all documents in one call exist on
-CUDA only; the per-document calls are the path every device runs, docs/parallelism.md.)
+document for 'unfused'/'local'. On CUDA in fp16/bf16 the variable-length flash kernel takes all documents
+in one call (``varlen.py``); the per-document calls are its fallback and the path every other device runs.
 """
 
 from __future__ import annotations
@@ -15,10 +15,13 @@ import torch
 import torch.nn.functional as F
 
 from megalite import compat, device
+from megalite.attention import varlen
 from megalite.attention.documents import Documents
 
 # --attention-backend choices that run the explicit softmax(QK^T)V reference instead of SDPA.
 UNFUSED_BACKENDS = ("unfused", "local")
+# CUDA's variable-length flash kernel for packed documents where it exists (tests switch it off for the fallback).
+VARLEN = True
 
 
 def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, backend: str) -> torch.Tensor:
@@ -53,6 +56,8 @@ def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p:
     if k.shape[2] != q.shape[2] or documents.seq_length != q.shape[2] or documents.batch != q.shape[0]:
         raise ValueError(f"document attention needs q, k, v of the documents' {documents.batch} x "
                          f"{documents.seq_length} positions, got q {list(q.shape)}, k {list(k.shape)}")
+    if VARLEN and varlen.usable(q, dropout_p, backend):
+        return varlen.varlen_attention(q, k, v, documents)
     # unbind and split (whose backwards are one stack and one concatenation), not slices (each of whose
     # backwards would fill a zero gradient of the whole tensor)
     rows = []
