@@ -5,20 +5,36 @@
   = c, Megatron-LM's levels for two sizes;
 - ProcessGroups builds them (only when the sizes are given; a sub-group that is all of CP shares CP's
   communicator) and they carry an all-to-all and a ring batch on real ranks, plain and under
-  MEGALITE_NCCL_SEMANTICS=1, and replay cleanly under the NCCL checker.
+  MEGALITE_NCCL_SEMANTICS=1, and replay cleanly under the NCCL checker;
+- --cp-comm-type takes one value or one per layer, both spellings of allgather, from flags and files; each
+  layer's Attention gets its own, and a CP4 run whose layers use p2p and a2a (hierarchical groups built,
+  unused) follows the single-process curve;
+- validation counts the heads as the model holds them (GQA with fewer groups than TP ranks included), at
+  the entry point too.
 """
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
 import torch
 
+from megalite.config import ConfigError, parse_args, validate
+from megalite.config.arguments import MegaliteConfig
+from megalite.model.gpt import GPTModel
 from megalite.parallel.groups import NCCL_SEMANTICS_ENV, Group, P2POp, ProcessGroups
 from megalite.parallel.layout import RankLayout, split_cp_group
 from megalite.parallel.nccl_check import replay
+from megalite.tensor_parallel.context import BuildContext
+from megalite.tensor_parallel.random import RNGTracker
 from tests.harness import run_ranks
+from tests.layouts import assert_matches_serial, layout_curves, serial_curve
+from tests.tp_utils import GPT2, layout_flat
+
+BASE = ["--mock-data", "--vocab-size", "64", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "8",
+        "--seq-length", "32"]
 
 
 # ---- rank arithmetic ------------------------------------------------------------------------------------
@@ -128,3 +144,95 @@ def test_a2a_and_ring_groups_communicate_on_real_ranks():
             assert got["a2a"] == got["want_a2a"] and got["ring"] == got["want_ring"], (mode, rank, got)
             assert got["bytes"] == {("cp_a2a", "a2a test"): 8, ("cp_ring", "send"): 12}, got["bytes"]
         replay([res[mode]["log"] for res in results])
+
+
+# ---- the flags -------------------------------------------------------------------------------------------
+def test_comm_type_spellings_and_per_layer_lists(tmp_path):
+    assert parse_args(BASE + ["--cp-comm-type", "all_gather"]).parallel.cp_comm_type == ["allgather"]
+    cli = parse_args(BASE + ["--cp-comm-type", "p2p", "all_gather", "a2a", "a2a+p2p"]).parallel
+    assert cli.layer_cp_comm_types(4) == ("p2p", "allgather", "a2a", "a2a+p2p")
+    assert parse_args(BASE).parallel.layer_cp_comm_types(4) == ("p2p",) * 4
+    yaml_path = tmp_path / "run.yaml"
+    yaml_path.write_text("cp_comm_type: all_gather\nhierarchical_context_parallel_sizes: [2, 2]\n")
+    p = parse_args(BASE + ["--config", str(yaml_path)]).parallel
+    assert p.cp_comm_type == ["allgather"] and p.hierarchical_context_parallel_sizes == [2, 2]
+    json_path = tmp_path / "run.json"
+    json_path.write_text(json.dumps({"parallel": {"cp_comm_type": ["a2a", "all_gather", "p2p", "allgather"]}}))
+    assert parse_args(BASE + ["--config", str(json_path)]).parallel.cp_comm_type == ["a2a", "allgather", "p2p",
+                                                                                      "allgather"]
+    assert MegaliteConfig.from_flat({"cp_comm_type": "a2a"}).parallel.cp_comm_type == ["a2a"]  # as callers write it
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("cp_comm_type: ring\n", "'cp_comm_type' must be one of p2p, a2a, allgather, a2a+p2p, all_gather, got 'ring'"),
+    ("cp_comm_type: [p2p, ring]\n", "got 'ring'"),
+    ("cp_comm_type: 3\n", "'cp_comm_type' expects a string or a list of strings, got int 3"),
+    ("hierarchical_context_parallel_sizes: 2\n", "'hierarchical_context_parallel_sizes' expects a list of integers"),
+])
+def test_bad_comm_type_in_a_file_is_named(tmp_path, capsys, text, expected):
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    with pytest.raises(SystemExit):
+        parse_args(BASE + ["--config", str(path)])
+    assert expected in capsys.readouterr().err
+
+
+def _errors(extra: list[str], world: int) -> str:
+    with pytest.raises(ConfigError) as err:
+        validate(parse_args(BASE + extra), world)
+    return str(err.value)
+
+
+def test_rules_apply_to_each_comm_type_present():
+    gqa1 = ["--group-query-attention", "--num-query-groups", "1"]
+    # TP2 x CP2: one query group replicated on both TP ranks does not split 2 ways, whichever layer asks
+    text = _errors(["--tensor-model-parallel-size", "2", "--context-parallel-size", "2", "--cp-comm-type", "p2p",
+                    "a2a", "p2p", "p2p", *gqa1], 4)
+    assert "--cp-comm-type a2a: --num-query-groups per tensor-parallel rank (1 over 2 ranks: 1 each, replicated)" \
+        in text
+    assert "--num-attention-heads" not in text, text  # 8 / 2 = 4 heads split 2 ways
+    # a2a+p2p is held to its all-to-all size only: 2 groups split 2 ways, not 4
+    ok = parse_args(BASE + ["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p", "--hierarchical-context-"
+                            "parallel-sizes", "2", "2", "--group-query-attention", "--num-query-groups", "2"])
+    validate(ok, 4)
+    text = _errors(["--context-parallel-size", "4", "--cp-comm-type", "a2a", "a2a+p2p", "a2a", "a2a+p2p",
+                    "--hierarchical-context-parallel-sizes", "2", "2", "--group-query-attention",
+                    "--num-query-groups", "2"], 4)
+    assert "--cp-comm-type a2a: --num-query-groups per tensor-parallel rank (2 / 1 = 2)" in text
+    assert "--cp-comm-type a2a+p2p:" not in text, text
+    # hierarchical sizes without a2a+p2p are accepted (Megatron-LM builds the groups, unused), but must multiply
+    validate(parse_args(BASE + ["--context-parallel-size", "4", "--hierarchical-context-parallel-sizes", "2", "2"]), 4)
+    assert "(4 x 2 = 8) must multiply to --context-parallel-size (4)" in _errors(
+        ["--context-parallel-size", "4", "--hierarchical-context-parallel-sizes", "4", "2"], 4)
+
+
+def test_attention_gets_its_layers_comm_type_and_the_models_head_counts():
+    cfg = MegaliteConfig.from_flat({**GPT2, "num_layers": 3, "num_attention_heads": 8, "group_query_attention": True,
+                                    "num_query_groups": 1}).model
+    pg = ProcessGroups.unconnected(RankLayout(4, tp=2, cp=2, hierarchical_cp=(2,)), 0)
+    ctx = BuildContext(pg, RNGTracker(), device=torch.device("meta"), cp_comm_types=("p2p", "a2a", "allgather"))
+    model = GPTModel(cfg, ctx, 64)
+    assert [model.layers[str(i)].attention.cp_comm_type for i in range(3)] == ["p2p", "a2a", "allgather"]
+    attn = model.layers["1"].attention
+    assert (attn.heads_local, attn.groups_local) == cfg.heads_per_tp_rank(2) == (4, 1)  # the replicated group
+    assert ctx.hierarchical_cp == (2,)
+    one = BuildContext(pg, RNGTracker(), device=torch.device("meta"), cp_comm_types=("a2a",))
+    assert GPTModel(cfg, one, 64).layers["2"].attention.cp_comm_type == "a2a"
+
+
+# ---- a run whose layers use different comm types ----------------------------------------------------------
+MIXED = layout_flat({**GPT2, "seq_length": 32}, vocab=256, iters=3, context_parallel_size=4,
+                    cp_comm_type=["p2p", "a2a"], hierarchical_context_parallel_sizes=[2, 2])
+
+
+def _cp_bytes(result, pg: ProcessGroups) -> dict:
+    return {op: n for (kind, op), n in pg.comm_bytes.items() if kind == "cp"}
+
+
+def test_layers_with_different_comm_types_follow_the_serial_curve():
+    per_rank = layout_curves(4, {"mixed": MIXED}, {"mixed": "nccl_semantics"}, extract={"mixed": _cp_bytes})
+    serial = {k: v for k, v in MIXED.items() if k not in ("context_parallel_size", "cp_comm_type",
+                                                          "hierarchical_context_parallel_sizes")}
+    assert_matches_serial(per_rank, "mixed", serial_curve(serial), 3)
+    for curves in per_rank:  # layer 0 passed K/V around the ring, layer 1 all-to-alled
+        assert curves["mixed"].extra.get("send", 0) > 0 and curves["mixed"].extra.get("all_to_all qkv", 0) > 0

@@ -1,7 +1,8 @@
 """``context_parallel_attention``: causal attention of this rank's zigzag rows over the whole sequence.
 
 The one entry point the model calls; it checks the shapes and dispatches on ``--cp-comm-type``: ``p2p``
-(ring, ``ring.py``), ``a2a`` (all-to-all, ``ulysses.py``) or ``allgather`` (``all_gather.py``). Every
+(ring, ``ring.py``), ``a2a`` (all-to-all, ``ulysses.py``), ``allgather`` (also spelled ``all_gather``,
+``all_gather.py``) or ``a2a+p2p`` (all-to-all inside groups, ring across them, ``hierarchical.py``). Every
 variant returns the rows of full-sequence causal attention this rank holds, in its local order.
 """
 
@@ -9,28 +10,40 @@ from __future__ import annotations
 
 import torch
 
+from megalite.config.parallel import normalise_cp_comm_type
 from megalite.context_parallel.all_gather import all_gather_attention
+from megalite.context_parallel.hierarchical import hierarchical_attention
 from megalite.context_parallel.ring import ring_attention
 from megalite.context_parallel.ulysses import a2a_attention
 from megalite.context_parallel.zigzag import check_divisible
 from megalite.parallel.groups import Group, ProcessGroups
 
-COMM_TYPES = {"p2p": ring_attention, "a2a": a2a_attention, "allgather": all_gather_attention}  # --cp-comm-type
+# --cp-comm-type, by its internal name (config/parallel.py: CP_COMM_TYPES)
+COMM_TYPES = {"p2p": ring_attention, "a2a": a2a_attention, "allgather": all_gather_attention,
+              "a2a+p2p": hierarchical_attention}
+# the group whose ranks split the heads, for the comm types that split them
+HEAD_SPLIT = {"a2a": (Group.CP, "--context-parallel-size"),
+              "a2a+p2p": (Group.CP_A2A, "the first --hierarchical-context-parallel-sizes")}
 
 
-def check_heads(comm_type: str, heads: int, groups: int, cp: int) -> None:
-    """The all-to-all splits the local heads (and their query groups) c ways."""
-    if comm_type == "a2a" and (heads % cp or groups % cp):
+def check_heads(comm_type: str, heads: int, groups: int, ways: int) -> None:
+    """The all-to-all splits the local heads (and their query groups) ``ways`` ways: c for a2a, the
+    all-to-all group's size for a2a+p2p (config/validate_cp.py refuses such a layout before it runs)."""
+    if comm_type in HEAD_SPLIT and (heads % ways or groups % ways):
         raise ValueError(
-            f"--cp-comm-type a2a needs the attention heads ({heads}) and query groups ({groups}) of each "
-            f"tensor-parallel rank divisible by --context-parallel-size {cp}; change --num-attention-heads / "
+            f"--cp-comm-type {comm_type} needs the attention heads ({heads}) and query groups ({groups}) of each "
+            f"tensor-parallel rank divisible by {HEAD_SPLIT[comm_type][1]} {ways}; change --num-attention-heads / "
             f"--num-query-groups (or --tensor-model-parallel-size), or use --cp-comm-type p2p")
 
 
-def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm_type: str, cp: int,
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm_type: str, pg: ProcessGroups,
            segment_ids: torch.Tensor | None) -> None:
+    cp = pg.size(Group.CP)
     if comm_type not in COMM_TYPES:
         raise ValueError(f"--cp-comm-type {comm_type!r} is not one of {', '.join(COMM_TYPES)}")
+    if comm_type == "a2a+p2p" and Group.CP_A2A not in pg.ranks:
+        raise ValueError("--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes (these ProcessGroups "
+                         "have no all-to-all and ring sub-groups of CP)")
     if q.dim() != 4 or k.shape != v.shape or k.dim() != 4 or q.shape[::2] != k.shape[::2] or q.shape[3] != k.shape[3]:
         raise ValueError(f"q [b, nq, s, d] and k, v [b, nkv, s, d] expected, got {list(q.shape)}, "
                          f"{list(k.shape)}, {list(v.shape)}")
@@ -40,7 +53,8 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm_type: str, cp
     if segment_ids is not None and tuple(segment_ids.shape) != (q.shape[0], q.shape[2] * cp):
         raise ValueError(f"segment_ids must be [b, seq] = [{q.shape[0]}, {q.shape[2] * cp}] (the full sequence), "
                          f"got {list(segment_ids.shape)}")
-    check_heads(comm_type, q.shape[1], k.shape[1], cp)
+    if comm_type in HEAD_SPLIT:
+        check_heads(comm_type, q.shape[1], k.shape[1], pg.size(HEAD_SPLIT[comm_type][0]))
 
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pg: ProcessGroups,
@@ -51,9 +65,10 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     q [b, nq, s_local, d]; k, v [b, nkv, s_local, d] (nq a multiple of nkv), s_local = seq / c, the rank's
     two zigzag chunks (``zigzag_split``). ``segment_ids`` [b, seq]: the document of every token of the full
     sequence, the same on every CP rank; attention does not cross documents (None: one document).
+    ``comm_type``: this layer's --cp-comm-type (either spelling of allgather).
     Returns [b, nq, s_local, d], the rows of full-sequence attention this rank holds."""
-    cp = pg.size(Group.CP)
-    _check(q, k, v, comm_type, cp, segment_ids)
+    comm_type = normalise_cp_comm_type(comm_type)
+    _check(q, k, v, comm_type, pg, segment_ids)
     if segment_ids is not None:
         segment_ids = segment_ids.to(q.device)
     return COMM_TYPES[comm_type](q, k, v, pg, segment_ids, dropout_p)
