@@ -10,7 +10,8 @@
   layer's Attention gets its own, and a CP4 run whose layers use p2p and a2a (hierarchical groups built,
   unused) follows the single-process curve;
 - validation counts the heads as the model holds them (GQA with fewer groups than TP ranks included), at
-  the entry point too.
+  the entry point too;
+- the planner prices each layer's comm type, a2a+p2p over its two groups' links.
 """
 
 from __future__ import annotations
@@ -236,3 +237,40 @@ def test_layers_with_different_comm_types_follow_the_serial_curve():
     assert_matches_serial(per_rank, "mixed", serial_curve(serial), 3)
     for curves in per_rank:  # layer 0 passed K/V around the ring, layer 1 all-to-alled
         assert curves["mixed"].extra.get("send", 0) > 0 and curves["mixed"].extra.get("all_to_all qkv", 0) > 0
+
+
+# ---- the planner -----------------------------------------------------------------------------------------
+def _shape(**flat):
+    from megalite.planning.shape import RunShape
+
+    cfg = MegaliteConfig.from_flat({**GPT2, "num_layers": 4, "seq_length": 64, "bf16": True, "micro_batch_size": 2,
+                                    "global_batch_size": 8, "tensor_model_parallel_size": 2, "context_parallel_size": 4,
+                                    **flat})
+    return RunShape.of(cfg, 8, 256)
+
+
+def test_planner_prices_each_layers_comm_type():
+    from megalite.planning.hardware import ClusterConfig
+    from megalite.planning.timing import cp_comm_s, cp_layer_bytes, link
+
+    cl = ClusterConfig(num_nodes=2, gpus_per_node=4)  # CP ranks 2 apart: an a2a pair inside a node, the ring across
+    p2p, a2a = cp_comm_s(_shape(cp_comm_type="p2p"), cl), cp_comm_s(_shape(cp_comm_type="a2a"), cl)
+    assert cp_comm_s(_shape(cp_comm_type=["p2p", "a2a", "a2a", "p2p"]), cl) == pytest.approx((p2p + a2a) / 2)
+    sh = _shape(cp_comm_type="a2a+p2p", hierarchical_context_parallel_sizes=[2, 2])
+    (ax1, n1, b1), (ax2, n2, b2) = cp_layer_bytes(sh, "a2a+p2p")
+    assert (ax1, n1, ax2, n2) == ("cp_a2a", 2, "cp_ring", 2)
+    assert b1 == pytest.approx(cp_layer_bytes(sh, "a2a")[0][2] * (1 / 2) / (3 / 4))  # (a - 1)/a of the buffer
+    assert b2 == pytest.approx(cp_layer_bytes(sh, "p2p")[0][2] / 3)  # one ring step of 2, not 3 of 4
+    assert link(sh, cl, "cp_a2a", 2) > link(sh, cl, "cp_ring", 2)  # NVLink vs the network
+    per_layer = b1 / link(sh, cl, "cp_a2a", 2) + b2 / link(sh, cl, "cp_ring", 2)
+    assert cp_comm_s(sh, cl) == pytest.approx(4 * sh.m * per_layer)
+
+
+def test_plan_tool_accepts_the_new_flags(capsys):
+    from megalite.planning.cli import plan_main
+
+    flags = [*BASE, "--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p", "p2p", "all_gather", "a2a",
+             "--hierarchical-context-parallel-sizes", "2", "2", "--num-nodes", "1", "--gpus-per-node", "8"]
+    assert plan_main(flags) == 0, capsys.readouterr().err
+    assert "CP comm" in capsys.readouterr().out
+    assert plan_main([*flags, "--search", "--top", "2"]) == 0, capsys.readouterr().err
