@@ -1,4 +1,4 @@
-"""Promises (docs/parallelism.md, "Hierarchical context parallelism and per-layer comm types"):
+"""Promises (docs/parallelism.md, "Context parallelism in training" and "Hierarchical context parallelism"):
 
 - the a2a+p2p sub-groups of every CP group are pure arithmetic: each CP rank in exactly one all-to-all group
   (a consecutive CP ranks) and one ring (the c/a CP ranks with its index in their all-to-all group), a x c/a
