@@ -96,6 +96,24 @@ def test_train_samples_below_one_batch(entry, monkeypatch, capsys):
     assert rc == 2 and "--train-samples (3) must be at least one global batch (4)" in err, err
 
 
+def test_a2a_with_fewer_query_groups_than_tp_ranks_is_refused_before_any_group(entry, monkeypatch, capsys):
+    """8 heads, 1 query group at TP2 x CP2 a2a: each TP rank holds a replica of the one group, which does not
+    split 2 ways. The entry point's full validation (--dry-run on 4 ranks) refuses it instead of the first
+    forward's ValueError."""
+    layout = [*BASE, "--num-attention-heads", "8", "--group-query-attention", "--num-query-groups", "1",
+              "--tensor-model-parallel-size", "2", "--context-parallel-size", "2"]
+    on_4_ranks = ["--dry-run", "--num-nodes", "1", "--gpus-per-node", "4"]
+    rc, err = run_main(entry, monkeypatch, capsys, [*layout, "--cp-comm-type", "a2a", *on_4_ranks])
+    assert rc == 2, err
+    assert ("--cp-comm-type a2a: --num-query-groups per tensor-parallel rank (1 over 2 ranks: 1 each, replicated) "
+            "must be divisible by --context-parallel-size (2)") in err, err
+    assert "Traceback" not in err
+    rc, err = run_main(entry, monkeypatch, capsys, [*layout, "--cp-comm-type", "p2p", "a2a", *on_4_ranks])
+    assert rc == 2 and "--cp-comm-type a2a: --num-query-groups" in err, err  # the one layer that uses it
+    rc, err = run_main(entry, monkeypatch, capsys, [*layout, "--cp-comm-type", "p2p", "all_gather", *on_4_ranks])
+    assert rc == 0, err  # the ring and the all-gather split no heads
+
+
 # (file name, file text, text the message must hold)
 FILE_CASES = {
     "yaml string number": ("run.yaml", "lr: 1e-3\n", "'lr' expects a number, got str '1e-3' (YAML reads"),

@@ -49,7 +49,22 @@ def test_valid_config_fills_global_batch_default():
     (["--context-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel", "--seq-length",
       "36", "--max-position-embeddings", "36"], 4, ["--seq-length (36)", "(sequence parallelism) = 8"]),
     (["--context-parallel-size", "4", "--cp-comm-type", "a2a", "--group-query-attention", "--num-query-groups", "2"],
-     4, ["--cp-comm-type a2a: --num-query-groups per tensor-parallel rank (2 / 1)", "--context-parallel-size (4)"]),
+     4, ["--cp-comm-type a2a: --num-query-groups per tensor-parallel rank (2 / 1 = 2)", "--context-parallel-size (4)"]),
+    # fewer query groups than TP ranks: each rank holds one group's replica, which does not split 2 ways
+    (["--context-parallel-size", "2", "--tensor-model-parallel-size", "2", "--cp-comm-type", "a2a",
+      "--group-query-attention", "--num-query-groups", "1"], 4,
+     ["--cp-comm-type a2a: --num-query-groups per tensor-parallel rank (1 over 2 ranks: 1 each, replicated) must be "
+      "divisible by --context-parallel-size (2)"]),
+    (["--context-parallel-size", "4", "--cp-comm-type", "p2p", "a2a"], 4,
+     ["--cp-comm-type has 2 values: give one (for every layer) or one per layer (--num-layers 4)"]),
+    (["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p"], 4,
+     ["--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes"]),
+    (["--context-parallel-size", "4", "--hierarchical-context-parallel-sizes", "2", "3"], 4,
+     ["--hierarchical-context-parallel-sizes (2 x 3 = 6) must multiply to --context-parallel-size (4)"]),
+    (["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "4", "1",
+      "--group-query-attention", "--num-query-groups", "2"], 4,
+     ["--cp-comm-type a2a+p2p: --num-query-groups per tensor-parallel rank (2 / 1 = 2) must be divisible by the "
+      "all-to-all size, the first --hierarchical-context-parallel-sizes (4)"]),
     (["--context-parallel-size", "2", "--hierarchical-dp-reduce"], 4, ["--hierarchical-dp-reduce is not supported"]),
     (["--data-path", "x"], 1, ["--mock-data and --data-path"]),
     (["--train-iters", "-1"], 1, ["--train-iters must be an integer in [1, ", "got -1"]),

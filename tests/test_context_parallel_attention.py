@@ -265,7 +265,7 @@ def test_bad_input_is_named():
 
 def test_p2p_travels_on_pipeline_or_cp_groups_only():
     pg = ProcessGroups.unconnected(RankLayout(4, tp=2, cp=2), 0, record=True)
-    with pytest.raises(ValueError, match="point-to-point messages travel on the pp or cp group, not tp"):
+    with pytest.raises(ValueError, match="point-to-point messages travel on the pp, cp or cp_ring group, not tp"):
         pg.post_p2p([P2POp("send", torch.zeros(1), 1)], kind=Group.TP)
     pg.post_p2p([P2POp("send", torch.zeros(1), 1, "x")], kind=Group.CP)
     assert pg.p2p_log[0].comm == "cp:0,2" and pg.p2p_log[0].ops[0].peer == 2

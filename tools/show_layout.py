@@ -6,9 +6,11 @@ for a cluster before asking for it:
 
     python tools/show_layout.py --world-size 16 --nproc-per-node 8 --tensor-model-parallel-size 4 \\
         --pipeline-model-parallel-size 2 [--use-tp-pp-dp-mapping] [--hierarchical-dp-reduce]
+        [--context-parallel-size 4 --hierarchical-context-parallel-sizes 2 2]
 
 Exit status 0, or 1 when a warning applies (a TP group crosses nodes) and --strict is given; 2 when the
-layout is impossible (world not divisible by TP x PP, uneven hierarchical split).
+layout is impossible (world not divisible by TP x PP, uneven hierarchical split, hierarchical CP sizes
+that do not multiply to the CP size).
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         layout = RankLayout(world, p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                             p.context_parallel_size, p.layout_order, ns["nproc_per_node"],
-                            ep=p.expert_model_parallel_size, etp=p.expert_tensor_parallel_size)
+                            ep=p.expert_model_parallel_size, etp=p.expert_tensor_parallel_size,
+                            hierarchical_cp=p.hierarchical_context_parallel_sizes)
         text = layout.describe(limit=None if ns["all"] else 16, hierarchical_dp=p.hierarchical_dp_reduce)
     except ValueError as e:
         print(f"show_layout.py: error: {e}", file=sys.stderr)

@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _file_fields() -> dict[str, tuple[Any, bool, list | None]]:
+def _file_fields() -> dict[str, tuple[Any, bool, list | None, bool]]:
     return {name: spec for klass in SECTIONS.values() for name, spec in field_specs(klass).items()}
 
 

@@ -89,17 +89,24 @@ def _hint(value: Any, tp: Any) -> str:
     return ""
 
 
-def check_value(key: str, value: Any, tp: Any, optional: bool, choices: list | None) -> Any:
-    """``value`` if it fits field ``key`` of type ``tp``; an int given for a float field becomes a float."""
+def check_value(key: str, value: Any, tp: Any, optional: bool, choices: list | None, scalar: bool = False) -> Any:
+    """``value`` if it fits field ``key`` of type ``tp``; an int given for a float field becomes a float.
+    ``scalar``: a list field that also takes one element (returned as a list of it). The choices of a list
+    field apply to each element."""
     if value is None:
         if optional:
             return None
         raise ConfigFileError(f"--config: '{key}' cannot be null: it expects {_type_name(tp)}")
+    is_list = typing.get_origin(tp) is list
+    if scalar and is_list and _fits(value, typing.get_args(tp)[0]):
+        value = [value]
     if not _fits(value, tp):
-        raise ConfigFileError(f"--config: '{key}' expects {_type_name(tp)}, got {type(value).__name__} "
-                              f"{value!r}{_hint(value, tp)}")
-    if choices is not None and value not in choices:
-        raise ConfigFileError(f"--config: '{key}' must be one of {', '.join(map(str, choices))}, got {value!r}")
+        expected = f"{_type_name(typing.get_args(tp)[0])} or {_type_name(tp)}" if scalar and is_list else _type_name(tp)
+        raise ConfigFileError(f"--config: '{key}' expects {expected}, got {type(value).__name__} "
+                              f"{value!r}{'' if scalar else _hint(value, tp)}")
+    for v in value if is_list else [value]:
+        if choices is not None and v not in choices:
+            raise ConfigFileError(f"--config: '{key}' must be one of {', '.join(map(str, choices))}, got {v!r}")
     return float(value) if tp is float else value
 
 
@@ -133,10 +140,13 @@ class ConfigFileValues:
     written: dict[str, str]
 
 
-def load_config_file(path: str, sections: dict[str, type], fields: dict[str, tuple[Any, bool, list | None]]
-                     ) -> ConfigFileValues:
+FieldSpec = tuple[Any, bool, list | None, bool]  # flags.field_specs: type, optional, choices, scalar
+
+
+def load_config_file(path: str, sections: dict[str, type], fields: dict[str, FieldSpec]) -> ConfigFileValues:
     """The checked values of a flat or section-nested file; ``fields`` maps each field name to (type,
-    optional, choices). A field set twice (flat and nested, or spelled with - and _) is refused."""
+    optional, choices, whether a list field takes one element alone). A field set twice (flat and nested,
+    or spelled with - and _) is refused."""
     data, lines = _parse(path)
     if data is None:
         return ConfigFileValues({}, {})

@@ -4,9 +4,10 @@ Each dataclass field becomes ``--field-name`` (underscores to dashes) unless its
 ``flag``. The field's ``help`` metadata is the flag's help text, so the dataclass is the one place a
 flag is documented. Booleans are ``store_true`` switches; a bool field defaulting to True gets a
 ``--no-...`` switch instead (its metadata names it via ``flag``, and its help says what the switch does:
-turn the feature off). ``list[...]`` fields take
-``nargs='+'``. Every int and float field declares its ``Domain`` (config/domain.py): the help states it,
-and ``domain_errors`` checks a config against every field's domain (validate runs it first).
+turn the feature off). ``list[...]`` fields take ``nargs='+'`` (their ``choices`` apply to each value); one
+with ``scalar=True`` also takes a single value in a --config file (``cp_comm_type: p2p``: every layer).
+Every int and float field declares its ``Domain`` (config/domain.py): the help states it, and
+``domain_errors`` checks a config against every field's domain (validate runs it first).
 """
 
 from __future__ import annotations
@@ -22,9 +23,13 @@ from megalite.config.domain import Domain
 
 
 def option(default: Any = dataclasses.MISSING, help: str = "", flag: str | None = None,
-           choices: typing.Sequence[Any] | None = None, domain: Domain | None = None, **kw: Any) -> Any:
-    """A dataclass field carrying its flag's documentation (and, for a number, its domain)."""
+           choices: typing.Sequence[Any] | None = None, domain: Domain | None = None, scalar: bool = False,
+           **kw: Any) -> Any:
+    """A dataclass field carrying its flag's documentation (and, for a number, its domain). ``scalar``: a
+    list field whose --config value may also be one element (a list of it)."""
     meta: dict[str, Any] = {"help": help}
+    if scalar:
+        meta["scalar"] = True
     if domain is not None:
         meta["domain"] = domain
     if flag:
@@ -135,18 +140,18 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, title: str |
         if domain is not None:
             help_text += f" [{domain.describe(numeric(tp) is int)}]"
         if default not in (None, [], False) and tp is not bool:
-            help_text += f" (default: {default})"
+            help_text += f" (default: {' '.join(map(str, default)) if isinstance(default, list) else default})"
         kw: dict[str, Any] = dict(dest=f.name, help=help_text, default=argparse.SUPPRESS)
         if tp is bool:
             # A True default is turned off by a --no-... flag named in the metadata.
             group.add_argument(name, action="store_false" if default else "store_true", **kw)
             continue
+        if "choices" in f.metadata:
+            kw["choices"] = f.metadata["choices"]
         if typing.get_origin(tp) is list:
             (elem,) = typing.get_args(tp)
             group.add_argument(name, nargs="+", type=elem, **kw)
             continue
-        if "choices" in f.metadata:
-            kw["choices"] = f.metadata["choices"]
         group.add_argument(name, type=tp, **kw)
 
 
@@ -155,7 +160,9 @@ def field_types(cls: type) -> dict[str, Any]:
     return {f.name: _unwrap(hints[f.name])[0] for f in dataclasses.fields(cls)}
 
 
-def field_specs(cls: type) -> dict[str, tuple[Any, bool, list | None]]:
-    """{field name: (type, accepts None, choices or None)}: what a --config file value must be."""
+def field_specs(cls: type) -> dict[str, tuple[Any, bool, list | None, bool]]:
+    """{field name: (type, accepts None, choices or None, a list that takes one element alone)}: what a
+    --config file value must be."""
     hints = _hints(cls)
-    return {f.name: (*_unwrap(hints[f.name]), f.metadata.get("choices")) for f in dataclasses.fields(cls)}
+    return {f.name: (*_unwrap(hints[f.name]), f.metadata.get("choices"), bool(f.metadata.get("scalar")))
+            for f in dataclasses.fields(cls)}

@@ -93,6 +93,14 @@ class ModelConfig(MoEFields):
         if not self.group_query_attention and self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads  # any other value is refused by validation
 
+    def heads_per_tp_rank(self, tp: int) -> tuple[int, int]:
+        """(query heads, query groups) one tensor-parallel rank holds: the groups split over the ranks or,
+        with fewer groups than ranks, one group's K/V replicated on each of the ranks sharing it. The model's
+        Attention is built from these, and validation and the planner read the same counts, so a rule on
+        them cannot disagree with the model."""
+        groups = self.num_query_groups or self.num_attention_heads
+        return self.num_attention_heads // tp, max(groups // tp, 1)
+
     @property
     def tied_embeddings(self) -> bool:
         return not self.untie_embeddings_and_output_weights

@@ -8,6 +8,16 @@ from megalite.config.domain import MAX_RANKS, positive, size
 from megalite.config.flags import option
 from megalite.config.moe import MAX_LAYERS
 
+# --cp-comm-type's values, under the names the attention code uses; CP_COMM_SPELLINGS maps the other
+# spellings accepted (megatron-core / Transformer Engine write all_gather) to them.
+CP_COMM_TYPES = ("p2p", "a2a", "allgather", "a2a+p2p")
+CP_COMM_SPELLINGS = {"all_gather": "allgather"}
+
+
+def normalise_cp_comm_type(name: str) -> str:
+    """The one internal name of a --cp-comm-type value (an unknown one is returned as is: validate names it)."""
+    return CP_COMM_SPELLINGS.get(name, name)
+
 
 @dataclass(kw_only=True)
 class ParallelConfig:
@@ -28,11 +38,20 @@ class ParallelConfig:
         1, help="Context-parallel size: ranks that split each sequence (2 x size chunks, rank r keeps chunks r "
         "and 2 x size - 1 - r so causal attention costs the same everywhere). Gradients are reduced over "
         "data x context parallel ranks.", domain=size(MAX_RANKS))
-    cp_comm_type: str = option(
-        "p2p", help="How context-parallel attention communicates: p2p (ring attention: K/V chunks passed "
-        "around the CP ring, overlapped with the block computation), a2a (all-to-all to head-sharded full "
-        "sequences; local heads and query groups must be divisible by the CP size) or allgather (gather "
-        "K/V, keep queries local).", choices=["p2p", "a2a", "allgather"])
+    cp_comm_type: list[str] = option(
+        ["p2p"], help="How context-parallel attention communicates, one value for every layer or one per layer "
+        "(--num-layers values, as Megatron-LM): p2p (ring attention: K/V chunks passed around the CP ring, "
+        "overlapped with the block computation), a2a (all-to-all to head-sharded full sequences; each "
+        "tensor-parallel rank's heads and query groups must be divisible by the CP size), allgather or "
+        "all_gather (gather K/V, keep queries local) or a2a+p2p (an all-to-all inside groups of the first "
+        "--hierarchical-context-parallel-sizes ranks, then the ring over the rest).",
+        choices=[*CP_COMM_TYPES, *CP_COMM_SPELLINGS], scalar=True)
+    hierarchical_context_parallel_sizes: list[int] | None = option(
+        None, help="Sizes of the levels of hierarchical context parallelism, multiplying to "
+        "--context-parallel-size (Megatron-LM's flag): the first is the all-to-all group (that many consecutive "
+        "CP ranks, inside a node), the ring of a2a+p2p runs over the product of the others (the CP ranks with "
+        "the same index in their all-to-all group). Needed by --cp-comm-type a2a+p2p; given without it, the "
+        "groups are built and unused, as in Megatron-LM.", domain=size(MAX_RANKS))
     expert_model_parallel_size: int = option(
         1, help="Expert-parallel size: ranks that split each MoE layer's experts, taken from the data-parallel "
         "(and context-parallel) ranks of a stage, as in Megatron-LM. Expert gradients are reduced over the "
@@ -56,6 +75,19 @@ class ParallelConfig:
     distributed_timeout_minutes: float = option(
         10.0, help="Timeout of every collective and of the rendezvous (ranks still missing then are named), "
         "in minutes; fractions allowed.", domain=positive(hi=10**6))
+
+    def __post_init__(self) -> None:
+        # one value stands for every layer; every spelling becomes its one internal name
+        types = [self.cp_comm_type] if isinstance(self.cp_comm_type, str) else list(self.cp_comm_type)
+        self.cp_comm_type = [normalise_cp_comm_type(t) if isinstance(t, str) else t for t in types]
+        if self.hierarchical_context_parallel_sizes is not None:
+            self.hierarchical_context_parallel_sizes = list(self.hierarchical_context_parallel_sizes)
+
+    def layer_cp_comm_types(self, num_layers: int) -> tuple[str, ...]:
+        """The comm type of every layer (0-based): one value repeated, or the per-layer list as given
+        (validate refuses any other length)."""
+        types = self.cp_comm_type
+        return tuple(types) * num_layers if len(types) == 1 else tuple(types)
 
     @property
     def layout_order(self) -> str:

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from megalite.config.flags import domain_errors
+from megalite.config.validate_cp import context_parallel_errors, cp_comm_errors
 from megalite.config.validate_moe import expert_layout_errors, moe_errors
 
 if TYPE_CHECKING:
@@ -127,31 +128,9 @@ def _hierarchical_errors(cfg: "MegaliteConfig", world_size: int, local_world_siz
     return []
 
 
-def context_parallel_errors(cfg: "MegaliteConfig") -> list[str]:
-    """--context-parallel-size c > 1: the sequence is cut into 2c equal chunks (each further split over
-    TP with sequence parallelism); all-to-all attention splits every rank's heads c ways."""
-    m, p = cfg.model, cfg.parallel
-    tp, cp = p.tensor_model_parallel_size, p.context_parallel_size
-    errors = []
-    unit = 2 * cp * (tp if p.sequence_parallel else 1)
-    if m.seq_length % unit:
-        sp = " x --tensor-model-parallel-size (sequence parallelism)" if p.sequence_parallel else ""
-        errors.append(f"--seq-length ({m.seq_length}) must be divisible by 2 x --context-parallel-size ({cp}){sp}"
-                      f" = {unit}")
-    if p.cp_comm_type == "a2a":
-        groups = m.num_query_groups or m.num_attention_heads
-        for flag, n in (("--num-attention-heads", m.num_attention_heads), ("--num-query-groups", groups)):
-            if n % tp == 0 and (n // tp) % cp:
-                errors.append(f"--cp-comm-type a2a: {flag} per tensor-parallel rank ({n} / {tp}) must be divisible "
-                              f"by --context-parallel-size ({cp}); use --cp-comm-type p2p or allgather")
-    if p.hierarchical_dp_reduce:
-        errors.append("--hierarchical-dp-reduce is not supported with --context-parallel-size > 1 (gradients are "
-                      "reduced over the data x context parallel group)")
-    return errors
-
-
 def parallel_errors(cfg: "MegaliteConfig", world_size: int, local_world_size: int) -> list[str]:
-    """The layout section: world size, the model cut over TP/PP/VP, sequence parallelism, topology."""
+    """The layout section: world size, the model cut over TP/PP/VP, context parallelism (validate_cp.py),
+    sequence parallelism, topology."""
     p = cfg.parallel
     tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
     errors = world_errors(world_size, tp, pp, cp) + moe_errors(cfg)
@@ -160,7 +139,7 @@ def parallel_errors(cfg: "MegaliteConfig", world_size: int, local_world_size: in
                                        p.expert_tensor_parallel_size or tp)
     if p.sequence_parallel and tp == 1:
         errors.append("--sequence-parallel needs --tensor-model-parallel-size > 1")
-    errors += layout_errors(cfg.model, tp, pp, p.num_layers_per_virtual_pipeline_stage)
+    errors += layout_errors(cfg.model, tp, pp, p.num_layers_per_virtual_pipeline_stage) + cp_comm_errors(cfg)
     if cp > 1:
         errors += context_parallel_errors(cfg)
     if p.hierarchical_dp_reduce and world_size % (tp * pp * cp) == 0:

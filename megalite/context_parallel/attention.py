@@ -1,9 +1,10 @@
 """``context_parallel_attention``: causal attention of this rank's zigzag rows over the whole sequence.
 
 The one entry point the model calls; it checks the shapes and dispatches on the layer's ``--cp-comm-type``:
-``p2p`` (ring, ``ring.py``), ``a2a`` (all-to-all, ``ulysses.py``), ``allgather`` (``all_gather.py``) or
-``a2a+p2p`` (``hierarchical.py``). Every variant returns the rows of full-sequence causal attention this
-rank holds, in its local order; with packed ``Documents`` attention stops at their boundaries.
+``p2p`` (ring, ``ring.py``), ``a2a`` (all-to-all, ``ulysses.py``), ``allgather`` (also spelled
+``all_gather``, ``all_gather.py``) or ``a2a+p2p`` (all-to-all inside groups, ring across them,
+``hierarchical.py``). Every variant returns the rows of full-sequence causal attention this rank holds, in
+its local order; with packed ``Documents`` attention stops at their boundaries.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from megalite.attention import Documents
+from megalite.config.parallel import normalise_cp_comm_type
 from megalite.context_parallel.all_gather import all_gather_attention
 from megalite.context_parallel.hierarchical import hierarchical_attention
 from megalite.context_parallel.ring import ring_attention
@@ -18,15 +20,22 @@ from megalite.context_parallel.ulysses import a2a_attention
 from megalite.context_parallel.zigzag import check_divisible
 from megalite.parallel.groups import Group, ProcessGroups
 
+# --cp-comm-type, by its internal name (config/parallel.py: CP_COMM_TYPES)
 COMM_TYPES = {"p2p": ring_attention, "a2a": a2a_attention, "allgather": all_gather_attention,
-              "a2a+p2p": hierarchical_attention}  # --cp-comm-type
+              "a2a+p2p": hierarchical_attention}
+# the group whose ranks split the heads, for the comm types that split them
+HEAD_SPLIT = {"a2a": (Group.CP, "--context-parallel-size"),
+              "a2a+p2p": (Group.CP_A2A, "the first --hierarchical-context-parallel-sizes")}
 
 
-def a2a_size(comm_type: str, pg: ProcessGroups) -> int:
-    """The ranks an all-to-all splits the heads over: all of CP for a2a, the first level for a2a+p2p."""
-    if comm_type == "a2a":
-        return pg.size(Group.CP)
-    return pg.size(Group.CP_A2A) if comm_type == "a2a+p2p" else 1
+def check_heads(comm_type: str, heads: int, groups: int, ways: int) -> None:
+    """The all-to-all splits the local heads (and their query groups) ``ways`` ways: c for a2a, the
+    all-to-all group's size for a2a+p2p (config/validate_cp.py refuses such a layout before it runs)."""
+    if comm_type in HEAD_SPLIT and (heads % ways or groups % ways):
+        raise ValueError(
+            f"--cp-comm-type {comm_type} needs the attention heads ({heads}) and query groups ({groups}) of each "
+            f"tensor-parallel rank divisible by {HEAD_SPLIT[comm_type][1]} {ways}; change --num-attention-heads / "
+            f"--num-query-groups (or --tensor-model-parallel-size), or use --cp-comm-type p2p")
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm_type: str, pg: ProcessGroups,
@@ -43,13 +52,8 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm_type: str, pg
     if documents is not None and (documents.batch, documents.seq_length) != (q.shape[0], q.shape[2] * cp):
         raise ValueError(f"documents must cover [b, seq] = [{q.shape[0]}, {q.shape[2] * cp}] (the full sequence), "
                          f"got [{documents.batch}, {documents.seq_length}]")
-    a = a2a_size(comm_type, pg)
-    if q.shape[1] % a or k.shape[1] % a:  # validate() refuses these layouts before any group exists
-        over = f"--context-parallel-size {a}" if comm_type == "a2a" else f"the a2a size {a}"
-        raise ValueError(
-            f"--cp-comm-type {comm_type} needs the attention heads ({q.shape[1]}) and query groups ({k.shape[1]}) "
-            f"of each tensor-parallel rank divisible by {over}; change --num-attention-heads / "
-            f"--num-query-groups (or --tensor-model-parallel-size), or use --cp-comm-type p2p")
+    if comm_type in HEAD_SPLIT:
+        check_heads(comm_type, q.shape[1], k.shape[1], pg.size(HEAD_SPLIT[comm_type][0]))
 
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pg: ProcessGroups,
@@ -59,8 +63,10 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
     q [b, nq, s_local, d]; k, v [b, nkv, s_local, d] (nq a multiple of nkv), s_local = seq / c, the rank's
     two zigzag chunks (``zigzag_split``). ``documents``: the packed documents of the full sequences, the same
-    on every CP rank; attention does not cross them (None: one document per sample).
+    on every CP rank; attention does not cross them (None: one document per sample). ``comm_type``: this
+    layer's --cp-comm-type (either spelling of allgather).
     Returns [b, nq, s_local, d], the rows of full-sequence attention this rank holds."""
+    comm_type = normalise_cp_comm_type(comm_type)
     cp = pg.size(Group.CP)
     _check(q, k, v, comm_type, pg, documents)
     if documents is None:

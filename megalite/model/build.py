@@ -21,7 +21,8 @@ def build_model(cfg: MegaliteConfig, pg: ProcessGroups, vocab_size: int, tracker
     m, p = cfg.model, cfg.parallel
     vp = num_chunks(m.num_layers, pg.pp_size, p.num_layers_per_virtual_pipeline_stage)
     last = pg.pp_size * vp - 1
-    ctx = BuildContext(pg, tracker, dtype, device.current_device(), p.sequence_parallel, p.cp_comm_type)
+    ctx = BuildContext(pg, tracker, dtype, device.current_device(), p.sequence_parallel,
+                       p.layer_cp_comm_types(m.num_layers))
     chunks = []
     for c in range(vp):
         stage = virtual_stage(pg.pp_rank, c, pg.pp_size)

@@ -30,14 +30,17 @@ from megalite.tensor_parallel.sharding import QKVShardSpec, ShardSpec
 class Attention(nn.Module):
     """Self-attention with one fused QKV GEMM in Megatron's per-group layout, heads split over TP."""
 
-    def __init__(self, cfg: ModelConfig, ctx: BuildContext) -> None:
+    def __init__(self, cfg: ModelConfig, ctx: BuildContext, layer_number: int = 0) -> None:
+        """``layer_number``: the global (0-based) number, which picks this layer's --cp-comm-type."""
         super().__init__()
         pg, tp = ctx.pg, ctx.pg.tp_size
         self.cfg, self.ctx = cfg, ctx
+        self.cp_comm_type = ctx.layer_cp_comm_type(layer_number)
         self.head_dim = cfg.kv_channels
-        self.heads_local = cfg.num_attention_heads // tp
         groups = cfg.num_query_groups
-        self.groups_local = max(groups // tp, 1)
+        # with fewer query groups than TP ranks each rank keeps a replica of its group's K/V (validation counts
+        # the heads by the same function)
+        self.heads_local, self.groups_local = cfg.heads_per_tp_rank(tp)
         self.q_per_group = self.heads_local // self.groups_local
         spec = QKVShardSpec(dim=0, heads=cfg.num_attention_heads, groups=groups, head_dim=self.head_dim)
         out_full = (cfg.num_attention_heads + 2 * groups) * self.head_dim
@@ -58,7 +61,7 @@ class Attention(nn.Module):
         ctx = self.ctx
         with ctx.tracker.fork() if p > 0 else contextlib.nullcontext():
             if ctx.pg.cp_size > 1:  # this rank's two sequence chunks against the whole sequence's keys
-                return context_parallel_attention(q, k, v, ctx.pg, ctx.cp_comm_type, dropout_p=p,
+                return context_parallel_attention(q, k, v, ctx.pg, self.cp_comm_type, dropout_p=p,
                                                   documents=documents)
             return core_attention(q, k, v, p, self.cfg.attention_backend, documents)
 
@@ -117,11 +120,12 @@ class MLP(nn.Module):
 
 class TransformerLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, ctx: BuildContext, layer_number: int = 0) -> None:
-        """``layer_number``: the global (0-based) number, which picks an MoE or a dense MLP."""
+        """``layer_number``: the global (0-based) number, which picks an MoE or a dense MLP and the
+        attention's --cp-comm-type."""
         super().__init__()
         self.cfg, self.ctx = cfg, ctx
         self.input_norm = Norm(cfg, ctx)
-        self.attention = Attention(cfg, ctx)
+        self.attention = Attention(cfg, ctx, layer_number)
         self.pre_mlp_norm = Norm(cfg, ctx)
         if cfg.is_moe and cfg.moe_layers()[layer_number]:
             shared = cfg.moe_shared_expert_intermediate_size

@@ -38,6 +38,8 @@ class Group(StrEnum):
     CP = "cp"  # context parallel
     DP_CP = "dp_cp"  # data x context parallel
     TP_CP = "tp_cp"  # tensor x context parallel: the ranks holding parts of the same sequences
+    CP_A2A = "cp_a2a"  # a2a+p2p: this rank's all-to-all group, consecutive CP ranks (--hierarchical-context-...)
+    CP_RING = "cp_ring"  # a2a+p2p: its ring, the CP ranks with the same index in their all-to-all group
     EP = "ep"  # expert parallel: ranks holding different experts of a layer (tokens dispatched among them)
     ETP = "etp"  # expert tensor parallel: ranks splitting the same experts' hidden size
     EMP = "emp"  # expert model parallel: expert-TP x EP, the ranks one token's experts may live on
@@ -60,10 +62,17 @@ NCCL_SEMANTICS_ENV = "MEGALITE_NCCL_SEMANTICS"
 
 def _derived_groups(layout: RankLayout) -> dict[str, list[list[int]]]:
     """Every group of the kinds beyond GROUP_AXES that ``layout`` needs communicators for: TP x CP (when
-    both are > 1) and the expert layout (when it differs from the dense one)."""
+    both are > 1), the expert layout (when it differs from the dense one) and, given hierarchical CP sizes,
+    the all-to-all and ring sub-groups of CP that differ from CP itself (a size-1 one has no communicator)."""
     kinds: dict[str, list[list[int]]] = {}
     if layout.tp > 1 and layout.cp > 1:
         kinds[Group.TP_CP] = layout.groups("tp-cp")
+    if layout.hierarchical_cp:
+        a2a, ring = layout.cp_hierarchical_groups()
+        if layout.cp_a2a < layout.cp:
+            kinds[Group.CP_A2A] = a2a
+        if layout.cp_ring < layout.cp:
+            kinds[Group.CP_RING] = ring
     if layout.ep > 1 or layout.etp != layout.tp:
         kinds.update({k: layout.expert_groups(axes) for k, axes in EXPERT_AXES.items()})
     return kinds
@@ -76,6 +85,10 @@ def _alias_missing(pg: "ProcessGroups") -> None:
         same = Group.CP if pg.size(Group.TP) == 1 else Group.TP
         pg.ranks[Group.TP_CP], pg.groups[Group.TP_CP] = pg.ranks[same], pg.groups[same]
         pg.comms[Group.TP_CP] = pg.comms[same]
+    for kind in (Group.CP_A2A, Group.CP_RING):  # the sub-group that is the whole CP group: CP's communicator
+        if pg.layout.hierarchical_cp and kind not in pg.ranks:
+            pg.ranks[kind], pg.groups[kind] = pg.ranks[Group.CP], pg.groups[Group.CP]
+            pg.comms[kind] = pg.comms[Group.CP]
     for kind, same in EXPERT_ALIASES.items():
         if kind not in pg.ranks:
             pg.ranks[kind] = pg.ranks[same] if same else [pg.rank]
@@ -183,6 +196,21 @@ class ProcessGroups:
     ep_rank = property(lambda self: self.index(Group.EP), doc="This rank's position in its expert-parallel group.")
     etp_size = property(lambda self: self.size(Group.ETP), doc="Ranks that split each expert's hidden size.")
     etp_rank = property(lambda self: self.index(Group.ETP), doc="This rank's position in its expert-TP group.")
+
+    def _hierarchical(self, kind: Group) -> Group:
+        if kind not in self.ranks:
+            raise RuntimeError(f"no {kind} group: these ProcessGroups were built without hierarchical "
+                               "context-parallel sizes (--hierarchical-context-parallel-sizes)")
+        return kind
+
+    cp_a2a_size = property(lambda self: self.size(self._hierarchical(Group.CP_A2A)),
+                           doc="a2a+p2p: ranks of this rank's all-to-all group (the first hierarchical size).")
+    cp_a2a_rank = property(lambda self: self.index(self._hierarchical(Group.CP_A2A)),
+                           doc="a2a+p2p: this rank's position in its all-to-all group (CP rank % a2a size).")
+    cp_ring_size = property(lambda self: self.size(self._hierarchical(Group.CP_RING)),
+                            doc="a2a+p2p: ranks of this rank's ring (the product of the other hierarchical sizes).")
+    cp_ring_rank = property(lambda self: self.index(self._hierarchical(Group.CP_RING)),
+                            doc="a2a+p2p: this rank's position in its ring (CP rank // a2a size).")
 
     @property
     def grad_kind(self) -> Group:
@@ -338,11 +366,12 @@ class ProcessGroups:
     # ---- point to point (pipeline, context-parallel ring): docs/parallelism.md, "Pipeline messages" --
     def post_p2p(self, ops: Sequence[P2POp], where: str = "", batched: bool = True,
                  kind: str = Group.PP) -> P2PWork:
-        """Post ``ops`` (toward ranks of group ``kind``, by index there: the pipeline, or the CP ring)
+        """Post ``ops`` (toward ranks of group ``kind``, by index there: the pipeline, or a CP ring)
         together as one batch on that group's communicator, or (``batched=False``, one op only) alone on
         the pair's communicator. Sends are counted under (kind, "send")."""
         if kind not in P2P_KINDS:
-            raise ValueError(f"point-to-point messages travel on the {' or '.join(P2P_KINDS)} group, not {kind}")
+            names = ", ".join(P2P_KINDS[:-1]) + f" or {P2P_KINDS[-1]}"
+            raise ValueError(f"point-to-point messages travel on the {names} group, not {kind}")
         peers = [self.ranks[kind][op.peer] for op in ops]
         for op in ops:
             if op.kind == "send":
@@ -386,8 +415,9 @@ class ProcessGroups:
             self.emulation.end_step(where)
 
 
-# Groups whose ranks exchange point-to-point batches: the pipeline stages and the context-parallel ring.
-P2P_KINDS = (Group.PP, Group.CP)
+# Groups whose ranks exchange point-to-point batches: the pipeline stages and the context-parallel ring (the
+# whole CP group's, or a2a+p2p's ring over CP_RING).
+P2P_KINDS = (Group.PP, Group.CP, Group.CP_RING)
 
 
 def _comm_name(kind: str, ranks: Sequence[int]) -> str:
@@ -397,7 +427,7 @@ def _comm_name(kind: str, ranks: Sequence[int]) -> str:
 
 class P2POp(NamedTuple):
     """One point-to-point message: ``kind`` "send" or "recv", the tensor (the receive buffer), the peer's
-    index in the group the batch is posted on (PP or CP), and what the message is (for the checkers'
+    index in the group the batch is posted on (PP, CP or CP_RING), and what the message is (for the checkers'
     reports; NCCL itself sees no label)."""
 
     kind: str

@@ -8,9 +8,22 @@ leftmost axis varying fastest (stride 1). With ranks filled node by node, TP ran
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, field
 
 AXES = ("tp", "cp", "dp", "pp")
+
+
+def split_cp_group(cp_ranks: list[int], a2a: int) -> tuple[list[list[int]], list[list[int]]]:
+    """(all-to-all groups, ring groups) of one CP group (its ranks in CP order) for a2a+p2p: the a2a
+    groups are ``a2a`` consecutive CP ranks (inside a node: CP is next to TP in the rank order), a ring
+    group holds the CP ranks with the same index inside their a2a group (c / a2a of them). CP rank i is
+    member i % a2a of a2a group i // a2a and member i // a2a of ring group i % a2a."""
+    c = len(cp_ranks)
+    if a2a <= 0 or c % a2a:
+        raise ValueError(f"an all-to-all group of {a2a} ranks does not divide a context-parallel group of {c}")
+    a2a_groups = [cp_ranks[i:i + a2a] for i in range(0, c, a2a)]
+    return a2a_groups, [cp_ranks[j::a2a] for j in range(a2a)]
 
 
 @dataclass(frozen=True)
@@ -23,6 +36,9 @@ class RankLayout:
     local_world_size: int | None = None  # ranks per node; None = all on one node
     ep: int = 1  # expert parallel: the ranks of a stage cut again as expert-TP x EP x expert-DP
     etp: int | None = None  # expert tensor parallel; None: tp
+    # --hierarchical-context-parallel-sizes: the all-to-all group's size, then the ring's levels (product cp;
+    # any sequence, kept as a tuple); None: not given, no sub-groups of CP
+    hierarchical_cp: tuple[int, ...] | None = None
     dp: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -40,6 +56,30 @@ class RankLayout:
         axes = self.order.split("-")
         if sorted(axes) != sorted(AXES):
             raise ValueError(f"rank order '{self.order}' must be a permutation of {'-'.join(AXES)}")
+        if self.hierarchical_cp is not None:
+            sizes = tuple(self.hierarchical_cp)
+            object.__setattr__(self, "hierarchical_cp", sizes)
+            if not sizes or math.prod(sizes) != self.cp or min(sizes) <= 0:
+                raise ValueError(f"hierarchical context-parallel sizes {list(sizes)} do not multiply to cp {self.cp}")
+
+    @property
+    def cp_a2a(self) -> int:
+        """Ranks of an a2a+p2p all-to-all group (the first hierarchical size; cp without them)."""
+        return self.hierarchical_cp[0] if self.hierarchical_cp else self.cp
+
+    @property
+    def cp_ring(self) -> int:
+        """Ranks of an a2a+p2p ring: the product of the other hierarchical sizes (1 without them)."""
+        return self.cp // self.cp_a2a
+
+    def cp_hierarchical_groups(self) -> tuple[list[list[int]], list[list[int]]]:
+        """(every all-to-all group, every ring group) of every CP group (``split_cp_group``), sorted."""
+        a2a, ring = [], []
+        for g in self.groups("cp"):
+            parts = split_cp_group(g, self.cp_a2a)
+            a2a += parts[0]
+            ring += parts[1]
+        return sorted(a2a), sorted(ring)
 
     @property
     def axes(self) -> list[str]:
@@ -185,6 +225,9 @@ class RankLayout:
         if hierarchical_dp:
             intra, inter = self.dp_node_groups()
             kinds += [("dp intra-node", intra), ("dp inter-node", inter)]
+        if self.hierarchical_cp:
+            a2a, ring = self.cp_hierarchical_groups()
+            kinds += [("cp all-to-all (a2a+p2p)", a2a), ("cp ring (a2a+p2p)", ring)]
         for name, groups in kinds:
             if len(groups[0]) == 1:
                 continue

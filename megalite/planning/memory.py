@@ -355,7 +355,7 @@ def comm_buffer_bytes(sh: RunShape) -> float:
     pp = 2 * sh.v * msg if sh.pp > 1 else 0.0
     sp = sh.local_tokens * sh.h * sh.act_bytes if sh.sp else 0.0
     m = sh.cfg.model
-    kv = 2 * sh.local_tokens * max(m.num_query_groups // sh.tp, 1) * m.kv_channels * sh.act_bytes
+    kv = 2 * sh.local_tokens * m.heads_per_tp_rank(sh.tp)[1] * m.kv_channels * sh.act_bytes
     cp = 2 * kv if sh.cp > 1 else 0.0
     return pp + sp + cp
 

@@ -59,6 +59,12 @@ class RunShape:
         return max(self.tp * self.cp * self.dp // (self.ep * self.etp), 1)
 
     @property
+    def cp_a2a(self) -> int:
+        """a2a+p2p's all-to-all group: the first --hierarchical-context-parallel-sizes (cp without them)."""
+        sizes = self.cfg.parallel.hierarchical_context_parallel_sizes
+        return sizes[0] if sizes else self.cp
+
+    @property
     def is_moe(self) -> bool:
         return any(self.moe)
 

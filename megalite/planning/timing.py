@@ -55,6 +55,8 @@ def bubble_s(sh: RunShape, cl: ClusterConfig) -> float:
 
 # ---- which link a group uses -----------------------------------------------------------------------------
 EXPERT_STRIDES = {"etp": lambda sh: 1, "emp": lambda sh: 1, "ep": lambda sh: sh.etp, "edp": lambda sh: sh.etp * sh.ep}
+# a2a+p2p's sub-groups of CP: consecutive CP ranks, and those a2a apart
+CP_SUB_STRIDES = {"cp_a2a": lambda sh: axis_stride(sh, "cp"), "cp_ring": lambda sh: axis_stride(sh, "cp") * sh.cp_a2a}
 
 
 def axis_stride(sh: RunShape, axis: str) -> int:
@@ -62,6 +64,8 @@ def axis_stride(sh: RunShape, axis: str) -> int:
     needs the default rank order) and cut expert-TP fastest, then EP, then expert-DP."""
     if axis in EXPERT_STRIDES:
         return EXPERT_STRIDES[axis](sh)
+    if axis in CP_SUB_STRIDES:
+        return CP_SUB_STRIDES[axis](sh)
     sizes = {"tp": sh.tp, "cp": sh.cp, "dp": sh.dp, "pp": sh.pp}
     stride = 1
     for a in sh.cfg.parallel.layout_order.split("-"):
@@ -100,26 +104,40 @@ def tp_comm_s(sh: RunShape, cl: ClusterConfig) -> float:
     return forward * (3 if sh.recompute == "full" else 2) * per * sh.m / link(sh, cl, "tp", t)
 
 
-def cp_comm_s(sh: RunShape, cl: ClusterConfig) -> float:
-    """Context parallelism per layer and micro-batch, by --cp-comm-type. p2p (ring): each rank sends its
-    K/V chunk (2·b·(s/c)·n_kv·d) c - 1 times forward and dK/dV c - 1 times backward; a2a: 4 all-to-alls
-    forward and 4 backward of the local activations, (c - 1)/c of each leaving the rank; allgather: K/V
-    gathered forward, dK/dV reduce-scattered backward."""
-    c = sh.cp
-    if c == 1:
-        return 0.0
-    m = sh.cfg.model
-    kv = 2 * sh.local_tokens * max(m.num_query_groups // sh.tp, 1) * m.kv_channels * sh.act_bytes
-    kind = getattr(sh.cfg.parallel, "cp_comm_type", "p2p")
+def cp_layer_bytes(sh: RunShape, kind: str) -> list[tuple[str, int, float]]:
+    """(group axis, group size, bytes on the link) of one layer and micro-batch of --cp-comm-type ``kind``.
+    p2p (ring): each rank sends its K/V chunk (2·b·(s/c)·n_kv·d) c - 1 times forward and dK/dV c - 1 times
+    backward; a2a: 4 all-to-alls forward and 4 backward of the local activations, (c - 1)/c of each leaving
+    the rank; allgather: K/V gathered forward, dK/dV reduce-scattered backward. a2a+p2p: the sum of an a2a
+    over the all-to-all group (a ranks, "cp_a2a") and a ring over the ring group (c/a ranks, "cp_ring") whose
+    K/V chunk, a·s/c tokens of n_kv/a groups, has the same bytes; modelled as the sum of the two, as
+    neither overlaps the other."""
+    c, m = sh.cp, sh.cfg.model
+    kv = 2 * sh.local_tokens * m.heads_per_tp_rank(sh.tp)[1] * m.kv_channels * sh.act_bytes
+
+    def a2a(n: int) -> float:
+        return 8 * sh.local_tokens * sh.h / sh.tp * sh.act_bytes * (n - 1) / n
+
     if kind == "a2a":
-        per = 8 * sh.local_tokens * sh.h / sh.tp * sh.act_bytes * (c - 1) / c
-    elif kind in ("allgather", "all_gather"):
-        per = 2 * kv * (c - 1)
-    else:
-        per = 2 * kv * (c - 1)
+        return [("cp", c, a2a(c))]
+    if kind == "a2a+p2p":
+        a = sh.cp_a2a
+        return [("cp_a2a", a, a2a(a)), ("cp_ring", c // a, 2 * kv * (c // a - 1))]
+    return [("cp", c, 2 * kv * (c - 1))]  # p2p and allgather move the same bytes
+
+
+def cp_comm_s(sh: RunShape, cl: ClusterConfig) -> float:
+    """Context parallelism per micro-batch: every layer of the first pipeline rank by its own --cp-comm-type
+    (``cp_layer_bytes``), each part over the link its group uses; full recomputation repeats the forward's."""
+    if sh.cp == 1:
+        return 0.0
+    kinds = sh.cfg.parallel.layer_cp_comm_types(sh.cfg.model.num_layers)
+    layers = [i for chunk in range(sh.v) for i in sh.chunk_layers(0, chunk)]
+    per = sum(nbytes / link(sh, cl, axis, size) for i in layers for axis, size, nbytes in cp_layer_bytes(sh, kinds[i])
+              if size > 1)
     if sh.recompute == "full":
         per *= 1.5
-    return per * sh.layers_per_stage * sh.m / link(sh, cl, "cp", c)
+    return per * sh.m
 
 
 def pp_comm_s(sh: RunShape, cl: ClusterConfig) -> float:
