@@ -1,7 +1,7 @@
 """Promise: context-parallel attention equals full-sequence causal attention (docs/parallelism.md,
 "Context parallelism").
 
-On real gloo ranks, CP 2 and 4, comm types p2p (ring), a2a and allgather, MHA and GQA, with and without
+On real gloo ranks, CP 2 and 4, comm types p2p (ring), a2a, allgather and a2a+p2p (2 x c/2), MHA and GQA, with and without
 document masks whose boundaries cross the zigzag chunks: every rank's output rows and dQ/dK/dV equal the
 serial attention's (fp32, 1e-5 of the largest value), and the bytes each rank hands to the CP group
 equal the formulas, exactly. Everything also runs under MEGALITE_NCCL_SEMANTICS=1 (``p2p_semantics``),
@@ -23,7 +23,7 @@ from megalite.parallel.nccl_check import NcclCheckError, Post, replay
 from tests.harness import run_ranks
 
 B, SEQ, D = 2, 32, 8
-COMM_TYPES = ["p2p", "a2a", "allgather"]
+COMM_TYPES = ["p2p", "a2a", "allgather", "a2a+p2p"]  # a2a+p2p: 2 x (c / 2)
 HEADS = {"mha": (4, 4), "gqa": (8, 4)}  # (query heads, query groups): both split 4 ways for a2a
 DOCS = [[5, 11, 3, 13], [20, 12]]  # document lengths per batch row: boundaries inside zigzag chunks
 CASES = [(h, docs) for h in HEADS for docs in (False, True)]
@@ -61,7 +61,7 @@ def inputs(nq: int, nkv: int, seed: int) -> list[torch.Tensor]:
 def _compare(rank: int, world: int, fused: bool, row_tile: int) -> dict:
     """Every comm type and case on this rank: worst error against serial and the bytes counted."""
     blocks.FUSED, blocks.ROW_TILE = fused, row_tile
-    pg = ProcessGroups.build(RankLayout(world, cp=world), rank)
+    pg = ProcessGroups.build(RankLayout(world, cp=world, hierarchical_cp=(2, world // 2)), rank)
     out = {}
     for comm in COMM_TYPES:
         for i, (heads, docs) in enumerate(CASES):
@@ -110,6 +110,14 @@ def expected_bytes(comm: str, cp: int, nq: int, nkv: int) -> tuple[dict, dict]:
         qkv, o = (nq + 2 * nkv) * B * s * D * e, nq * B * s * D * e
         fwd = {("cp", "all_to_all qkv"): qkv, ("cp", "all_to_all out"): o}
         return fwd, {**fwd, ("cp", "all_to_all out backward"): o, ("cp", "all_to_all qkv backward"): qkv}
+    if comm == "a2a+p2p":  # the all-to-all over a = 2 ranks, then the ring over c / 2
+        a, n = 2, cp // 2
+        qkv, o = (nq + 2 * nkv) * B * s * D * e, nq * B * s * D * e
+        fwd = {("cp_a2a", "all_to_all qkv"): qkv, ("cp_a2a", "all_to_all out"): o}
+        total = {**fwd, ("cp_a2a", "all_to_all out backward"): o, ("cp_a2a", "all_to_all qkv backward"): qkv}
+        if n > 1:
+            fwd[("cp_ring", "send")], total[("cp_ring", "send")] = (n - 1) * kv, 3 * (n - 1) * kv
+        return fwd, total
     fwd = {("cp", "all_gather kv"): cp * kv}
     return fwd, {**fwd, ("cp", "reduce_scatter dkv"): cp * kv}
 

@@ -94,7 +94,7 @@ def test_core_attention_equals_each_document_alone(backend, heads):
         torch.testing.assert_close(a, w, rtol=1e-5, atol=1e-5, msg=name)
 
 
-@pytest.mark.parametrize("comm", ["p2p", "a2a", "allgather"])
+@pytest.mark.parametrize("comm", ["p2p", "a2a", "allgather", "a2a+p2p"])
 @pytest.mark.parametrize("fused", [True, False], ids=["cpu_flash_kernel", "plain"])
 def test_blockwise_paths_equal_each_document_alone(comm, fused, monkeypatch):
     monkeypatch.setattr(blocks, "FUSED", fused)
@@ -123,7 +123,7 @@ class _Largest(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("path", ["core", "p2p", "a2a", "allgather"])
+@pytest.mark.parametrize("path", ["core", "p2p", "a2a", "allgather", "a2a+p2p"])
 def test_no_path_builds_a_mask(path):
     """8 documents in 512 positions, one head of 4 channels: q, k, v hold 2048 elements; an s x s mask 262,144.
     Every operation's result stays below s^2 / 8 (the largest document's own scores: 64 x 64 = 4096)."""

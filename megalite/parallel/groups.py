@@ -120,7 +120,7 @@ class ProcessGroups:
         """A one-rank layout with no communication (tests, tools, the single-process run)."""
         layout = RankLayout(1)
         pg = cls(layout, 0)
-        for kind in [*GROUP_AXES, Group.EMBD, Group.WORLD, Group.TP_CP, *EXPERT_AXES]:
+        for kind in [*GROUP_AXES, Group.EMBD, Group.WORLD, Group.TP_CP, Group.CP_A2A, Group.CP_RING, *EXPERT_AXES]:
             pg._join(kind, [0], None)
         return pg
 
