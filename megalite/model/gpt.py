@@ -55,12 +55,17 @@ class Embedding(nn.Module):
 
     def forward(self, tokens: torch.Tensor, position_offset: int = 0,
                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """``position_ids`` [s]: the tokens' positions when they are not consecutive (context parallelism)."""
+        """``position_ids``: the tokens' positions when they are not 0..s-1: [s] shared by the samples (context
+        parallelism), or [b, s] per sample (--reset-position-ids)."""
         x = self.word(tokens)  # [s, b, h], summed over TP
         if self.position is not None:
-            pos = (self.position.weight[position_offset: position_offset + tokens.shape[1]] if position_ids is None
-                   else self.position.weight[position_ids])
-            x = x + pos.unsqueeze(1)
+            if position_ids is None:
+                pos = self.position.weight[position_offset: position_offset + tokens.shape[1]].unsqueeze(1)
+            elif position_ids.dim() == 2:
+                pos = self.position.weight[position_ids.t()]  # [s, b, h]
+            else:
+                pos = self.position.weight[position_ids].unsqueeze(1)
+            x = x + pos
         ctx = self.ctx
         if ctx.sequence_parallel:
             x = scatter_to_sp(x, ctx.pg)
@@ -150,7 +155,8 @@ class GPTModel(nn.Module):
         [b, s, vocab] on the last stage without labels, else the hidden states for the next stage.
         ``kv_cache`` (inference, see megalite/inference/kv_cache.py): the new tokens sit at positions
         ``kv_cache.offset`` onwards and attend to the cached keys/values of ``kv_cache.layer(number)``.
-        ``position_ids`` [s] (context parallelism): the global positions of this rank's tokens."""
+        ``position_ids``: the positions of the tokens, [s] shared by the samples (context parallelism: the
+        global positions of this rank's tokens) or [b, s] per sample (--reset-position-ids)."""
         offset = 0 if kv_cache is None else kv_cache.offset
         x = self.embedding(tokens, offset, position_ids) if self.pre_process else hidden
         if position_ids is None:
@@ -158,7 +164,7 @@ class GPTModel(nn.Module):
             angles = self._rope(seq_len, x.device, offset)
         else:
             angles = self._rope(self.cfg.seq_length, x.device)
-            angles = None if angles is None else angles[position_ids]
+            angles = None if angles is None else angles[position_ids.t() if position_ids.dim() == 2 else position_ids]
         if kv_cache is None:
             x = self._run_layers(x, angles)
         else:

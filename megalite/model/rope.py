@@ -13,11 +13,13 @@ def rope_frequencies(seq_len: int, rot_dim: int, base: float, device: torch.devi
 
 
 def apply_rope(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
-    """Rotate the first angles.shape[-1] channels of x [s, b, heads, d] by angles [s, rot_dim]."""
+    """Rotate the first angles.shape[-1] channels of x [s, b, heads, d] by angles [s, rot_dim] (the same for
+    every sample) or [s, b, rot_dim] (per sample: --reset-position-ids)."""
     rot_dim = angles.shape[-1]
     x_rot, x_pass = x[..., :rot_dim], x[..., rot_dim:]
-    cos = angles.cos()[:, None, None, :].to(x.dtype)
-    sin = angles.sin()[:, None, None, :].to(x.dtype)
+    angles = angles[:, None, None, :] if angles.dim() == 2 else angles[:, :, None, :]
+    cos = angles.cos().to(x.dtype)
+    sin = angles.sin().to(x.dtype)
     half = rot_dim // 2
     rotated = torch.cat([-x_rot[..., half:], x_rot[..., :half]], dim=-1)
     out = x_rot * cos + rotated * sin
