@@ -147,6 +147,13 @@ def context_parallel_errors(cfg: "MegaliteConfig") -> list[str]:
     if p.hierarchical_dp_reduce:
         errors.append("--hierarchical-dp-reduce is not supported with --context-parallel-size > 1 (gradients are "
                       "reduced over the data x context parallel group)")
+    d = cfg.data
+    split = [f for f, on in (("--reset-position-ids", d.reset_position_ids),
+                             ("--reset-attention-mask", d.reset_attention_mask),
+                             ("--dataloader-inter-document-masking", d.dataloader_inter_document_masking)) if on]
+    if split:
+        errors.append(f"{', '.join(split)}: not yet supported with --context-parallel-size > 1 (the CP split of a "
+                      "micro-batch does not carry the position ids and document boundaries yet); --eod-mask-loss is")
     return errors
 
 
