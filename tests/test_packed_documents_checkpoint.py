@@ -26,12 +26,12 @@ def trained(tmp_path_factory) -> dict:
     root = str(tmp_path_factory.mktemp("packed"))
     t = tiny_bpe()
     ckpt = os.path.join(root, "ckpt")
-    proc = launch_pretrain(["--data-path", eod_corpus(), "--vocab-file", t["vocab_file"], "--merge-file", t["merge_file"],
-                            "--split", "90,10,0", "--data-cache-path", scratch_dir("packed-cache"), "--seq-length", "32",
-                            "--max-position-embeddings", "32", "--num-layers", "2", "--hidden-size", "32",
-                            "--num-attention-heads", "4", "--micro-batch-size", "2", "--global-batch-size", "4",
-                            "--train-iters", "3", "--eval-iters", "1", "--eval-interval", "2", "--log-interval", "1",
-                            "--lr", "1e-3", "--save", ckpt, "--calculate-per-token-loss", *FLAGS])
+    proc = launch_pretrain([
+        "--data-path", eod_corpus(), "--vocab-file", t["vocab_file"], "--merge-file", t["merge_file"], "--split",
+        "90,10,0", "--data-cache-path", scratch_dir("packed-cache"), "--seq-length", "32", "--max-position-embeddings",
+        "32", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--micro-batch-size", "2",
+        "--global-batch-size", "4", "--train-iters", "3", "--eval-iters", "1", "--eval-interval", "2",
+        "--log-interval", "1", "--lr", "1e-3", "--save", ckpt, "--calculate-per-token-loss", *FLAGS])
     wiki = os.path.join(root, "wiki.test.tokens")
     with open(wiki, "w") as f:
         f.write(wiki_text())

@@ -272,26 +272,33 @@ def test_flags_parse_from_the_command_line_and_a_config_file(tmp_path, capsys):
 
 
 def test_context_parallel_refuses_the_resets_by_name_and_takes_the_loss_mask():
-    cfg = parse_args(BASE + ["--context-parallel-size", "2", "--reset-position-ids", "--dataloader-inter-document-masking"])
+    cfg = parse_args(BASE + ["--context-parallel-size", "2", "--reset-position-ids",
+                             "--dataloader-inter-document-masking"])
     with pytest.raises(ConfigError, match=r"--reset-position-ids, --dataloader-inter-document-masking: not yet "
                                           r"supported with --context-parallel-size > 1"):
         validate(cfg, 2)
     validate(parse_args(BASE + ["--context-parallel-size", "2", "--eod-mask-loss"]), 2)
 
 
-def test_has_token_looks_at_sequence_ends_and_the_head_only(tmp_path):
-    prefix = str(tmp_path / "d")
+def write_sequences(prefix: str, eod_at: dict[int, int], every_end: bool = False) -> IndexedDataset:
+    """4000 sequences of 30 tokens of 5; ``eod_at``: sequence -> position of a 7; ``every_end``: each ends in 7."""
     with IndexedDatasetWriter(prefix, np.uint16) as w:
-        for _ in range(4000):
-            w.add_document(np.full(30, 5))
+        for k in range(4000):
+            seq = np.full(30, 5)
+            if k in eod_at:
+                seq[eod_at[k]] = 7
+            if every_end:
+                seq[-1] = 7
+            w.add_document(seq)
         w.finalize()
-    ix = IndexedDataset(prefix)
-    assert not ix.has_token(7)
-    with IndexedDatasetWriter(prefix + "e", np.uint16) as w:
-        for k in range(4000):  # an EOD ends every document
-            w.add_document(np.append(np.full(29, 5), 7))
-        w.finalize()
-    assert IndexedDataset(prefix + "e").has_token(7)
+    return IndexedDataset(prefix)
+
+
+def test_has_token_looks_at_sequence_ends_and_the_head_only(tmp_path):
+    assert not write_sequences(str(tmp_path / "none"), {}).has_token(7)
+    assert write_sequences(str(tmp_path / "ends"), {}, every_end=True).has_token(7)
+    assert write_sequences(str(tmp_path / "head"), {10: 15}).has_token(7)  # within the first 65536 tokens
+    assert not write_sequences(str(tmp_path / "buried"), {3000: 15}).has_token(7)  # bounded: not a scan
 
 
 @pytest.mark.parametrize("flags,warned", [({}, False), (dict(eod_mask_loss=True), True),

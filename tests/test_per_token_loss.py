@@ -17,6 +17,7 @@ from megalite.config.arguments import MegaliteConfig
 from megalite.config.model import ModelConfig
 from megalite.data.mock import MockGPTDataset
 from megalite.parallel.groups import ProcessGroups
+from megalite.parallel.loss_scaling import LossScaling
 from megalite.training.batches import global_batch
 from megalite.training.train_step import evaluate, reported_loss, run_microbatches, step_scaling
 from tests.layouts import assert_matches_serial, layout_curves, serial_curve
@@ -78,6 +79,15 @@ def expected(chunk, mbs: list[dict], per_token: bool) -> torch.Tensor:
         total = sum(counts)
         return sum(sums) / total if total > 0 else sum(sums) * 0
     return sum(s / c if c > 0 else s * 0 for s, c in zip(sums, counts)) / len(mbs)
+
+
+def test_per_token_divisor_is_the_global_batch_mean_count_per_micro_batch():
+    """T = 120 tokens over m = 3 micro-batches on each of 2 DP ranks (CP 2): each loss sum is divided by 20."""
+    s = LossScaling(3, cp=2, grad_size=4, global_tokens=torch.tensor([120.0], dtype=torch.float64))
+    mbs = s.normalised([{"loss_mask": torch.ones(2, 4), "num_tokens": torch.tensor(8.0)}] * 3)
+    assert [float(mb["num_tokens"]) for mb in mbs] == [20.0] * 3 and mbs[0]["num_tokens"].dtype == torch.float32
+    plain = [{"loss_mask": torch.ones(2, 4)}]
+    assert LossScaling(3).normalised(plain) == plain  # per micro-batch: each keeps its own count
 
 
 def grads(chunk) -> list[torch.Tensor]:

@@ -53,10 +53,12 @@ def document_warnings(cfg: MegaliteConfig, data: RunData) -> list[str]:
     document boundaries the attention does not read yet."""
     d = cfg.data
     out = []
-    if ATTENTION_IGNORES_BOUNDARIES and (d.reset_attention_mask or d.dataloader_inter_document_masking):
-        out.append("--reset-attention-mask / --dataloader-inter-document-masking: the micro-batches carry the "
-                   "document boundaries (cu_seqlens), but this build's attention does not read them yet: it stays "
-                   "causal over the whole sequence")
+    bounded = [flag for flag, on in (("--reset-attention-mask", d.reset_attention_mask),
+                                     ("--dataloader-inter-document-masking",
+                                      d.dataloader_inter_document_masking)) if on]
+    if ATTENTION_IGNORES_BOUNDARIES and bounded:
+        out.append(f"{', '.join(bounded)}: the micro-batches carry the document boundaries (cu_seqlens), but this "
+                   "build's attention does not read them yet: it stays causal over the whole sequence")
     return out + _eod_warnings(cfg, data)
 
 
