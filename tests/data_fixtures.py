@@ -91,23 +91,40 @@ def import_mcore():
 
 
 class RefTokenizer:
-    """The few tokenizer attributes megatron-core's GPT dataset reads."""
+    """The few tokenizer attributes megatron-core's GPT dataset reads (``eod`` default: the last id)."""
 
-    def __init__(self, vocab_size: int = 1001) -> None:
+    def __init__(self, vocab_size: int = 1001, eod: int | None = None) -> None:
         self.vocab_size = vocab_size
-        self.eod = vocab_size - 1
+        self.eod = vocab_size - 1 if eod is None else eod
         self.unique_identifiers = {"class": "RefTokenizer", "vocab_size": vocab_size}
 
 
-def mcore_datasets(data_path=None, per_split=None, split=None, sizes=(100, 20, 10), seq_length=16, seed=1234):
+@functools.cache
+def eod_corpus() -> str:
+    """corpus_texts cut into paragraphs (thousands of short documents, one with "<|endoftext|>" inside, one
+    empty), preprocessed with tiny_bpe and --append-eod (every document ends in EOD): the prefix."""
+    from megalite.data.preprocess import PreprocessOptions, preprocess
+
+    d = scratch_dir("eod-corpus")
+    paragraphs = [p for t in corpus_texts() for p in t.split("\n\n") if p.strip()] + [""]
+    jsonl = write_jsonl(os.path.join(d, "corpus.jsonl"), [{"text": t} for t in paragraphs])
+    out = preprocess(PreprocessOptions(inputs=[jsonl], output_prefix=os.path.join(d, "corpus"), tokenizer=bpe_fields(),
+                                       append_eod=True), log=lambda _m: None)
+    return out.outputs["text"]
+
+
+def mcore_datasets(data_path=None, per_split=None, split=None, sizes=(100, 20, 10), seq_length=16, seed=1234,
+                   tokenizer=None, reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
+                   create_attention_mask=True):
     """megatron-core's train/valid/test datasets for the same inputs (index cache under the data)."""
     builder, gpt_dataset, _, _, utils = import_mcore()
     blend = utils.get_blend_from_list(data_path) if data_path else None
     blend_per_split = [utils.get_blend_from_list(p) for p in per_split] if per_split else None
     cfg = gpt_dataset.GPTDatasetConfig(
         random_seed=seed, sequence_length=seq_length, blend=blend, blend_per_split=blend_per_split,
-        split=split, tokenizer=RefTokenizer(), reset_position_ids=False, reset_attention_mask=False,
-        eod_mask_loss=False, path_to_cache=None)
+        split=split, tokenizer=tokenizer or RefTokenizer(), reset_position_ids=reset_position_ids,
+        reset_attention_mask=reset_attention_mask, eod_mask_loss=eod_mask_loss,
+        create_attention_mask=create_attention_mask, path_to_cache=None)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return builder.BlendedMegatronDatasetBuilder(gpt_dataset.GPTDataset, list(sizes), lambda: True,

@@ -52,7 +52,8 @@ def train(flat: Mapping[str, Any], pg: ProcessGroups, world: int, extract: Extra
     cfg = MegaliteConfig.from_flat(dict(flat))
     validate(cfg, world, local_world_size=local_world)
     t = cfg.training
-    data = mock_data(flat["vocab_size"], cfg.model.seq_length, t.seed, t.train_iters * t.global_batch_size)
+    data = mock_data(flat["vocab_size"], cfg.model.seq_length, t.seed, t.train_iters * t.global_batch_size,
+                     documents=cfg.data.packs_documents)
     res = pretrain(cfg, pg, data=data, log=_quiet)
     extra = extract(res, pg) if extract is not None else None
     return Curve(list(res.losses), list(res.grad_norms), list(res.valid_losses), extra)

@@ -1,8 +1,8 @@
 """Promise: context-parallel attention equals full-sequence causal attention (docs/parallelism.md,
 "Context parallelism").
 
-On real gloo ranks, CP 2 and 4, comm types p2p (ring), a2a, allgather and a2a+p2p (2 x c/2), MHA and GQA, with and without
-document masks whose boundaries cross the zigzag chunks: every rank's output rows and dQ/dK/dV equal the
+On real gloo ranks, CP 2 and 4, comm types p2p (ring), a2a, allgather and a2a+p2p (2 x c/2), MHA and GQA,
+with and without document masks whose boundaries cross the zigzag chunks: every rank's output rows and dQ/dK/dV equal the
 serial attention's (fp32, 1e-5 of the largest value), and the bytes each rank hands to the CP group
 equal the formulas, exactly. Everything also runs under MEGALITE_NCCL_SEMANTICS=1 (``p2p_semantics``),
 and the ring's recorded batches replay cleanly under the NCCL checker for c = 2, 3, 4, forward and
@@ -111,7 +111,7 @@ def expected_bytes(comm: str, cp: int, nq: int, nkv: int) -> tuple[dict, dict]:
         fwd = {("cp", "all_to_all qkv"): qkv, ("cp", "all_to_all out"): o}
         return fwd, {**fwd, ("cp", "all_to_all out backward"): o, ("cp", "all_to_all qkv backward"): qkv}
     if comm == "a2a+p2p":  # the all-to-all over a = 2 ranks, then the ring over c / 2
-        a, n = 2, cp // 2
+        n = cp // 2
         qkv, o = (nq + 2 * nkv) * B * s * D * e, nq * B * s * D * e
         fwd = {("cp_a2a", "all_to_all qkv"): qkv, ("cp_a2a", "all_to_all out"): o}
         total = {**fwd, ("cp_a2a", "all_to_all out backward"): o, ("cp_a2a", "all_to_all qkv backward"): qkv}

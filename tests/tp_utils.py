@@ -49,9 +49,12 @@ def gather_full(param: torch.nn.Parameter, tensor: torch.Tensor, pg: ProcessGrou
     return param_meta(param).spec.unshard(parts)
 
 
-def mock_data(vocab: int, seq: int, seed: int, n: int) -> RunData:
+def mock_data(vocab: int, seq: int, seed: int, n: int, documents: bool = False) -> RunData:
+    """Mock train and valid data (EOD-terminated documents with ``documents``, as --mock-data with a
+    packed-document flag)."""
     tok = types.SimpleNamespace(vocab_size=vocab, eod=vocab - 1)
-    return RunData(tok, MockGPTDataset(n, seq, vocab, seed), MockGPTDataset(n, seq, vocab, seed + 1), None)
+    eod = tok.eod if documents else None
+    return RunData(tok, MockGPTDataset(n, seq, vocab, seed, eod), MockGPTDataset(n, seq, vocab, seed + 1, eod), None)
 
 
 def layout_flat(model: dict, *, vocab: int, iters: int, tp: int = 1, pp: int = 1, **extra) -> dict:

@@ -7,6 +7,9 @@ from dataclasses import dataclass
 from megalite.config.domain import MAX_SIZE, fraction, size
 from megalite.config.flags import option
 
+# The packed-document flags (docs/data.md, "Packed documents"); a checkpoint records them.
+DOCUMENT_FLAGS = ("eod_mask_loss", "reset_position_ids", "reset_attention_mask", "dataloader_inter_document_masking")
+
 
 @dataclass(kw_only=True)
 class DataConfig:
@@ -38,6 +41,25 @@ class DataConfig:
     merge_file: str | None = option(None, help="GPT-2 BPE merges.txt.")
     tokenizer_model: str | None = option(
         None, help="tokenizer.json / tokenizer folder, or SentencePiece .model.")
+    eod_mask_loss: bool = option(
+        False, help="No loss where the input token is the tokenizer's EOD (so the first token of the next "
+        "document is not predicted from the previous one; the EOD itself still is). docs/data.md.")
+    reset_position_ids: bool = option(
+        False, help="Position ids restart at 0 after each EOD in a sample (the EOD ends its document); the "
+        "micro-batch carries them as position_ids [b, s].")
+    reset_attention_mask: bool = option(
+        False, help="Attention stops at the same document boundaries: the micro-batch carries them as "
+        "cu_seqlens (no dense mask is ever built).")
+    dataloader_inter_document_masking: bool = option(
+        False, help="Document boundaries from the dataset's document index instead of EOD tokens (Megatron-LM): "
+        "positions restart and attention stops at each document of the index (works without EODs).")
+
+    @property
+    def packs_documents(self) -> bool:
+        """Whether any packed-document flag is on (the micro-batches then follow docs/data.md's rules, and
+        --mock-data yields EOD-terminated documents)."""
+        return any(getattr(self, name) for name in DOCUMENT_FLAGS)
+
     def __post_init__(self) -> None:
         if self.tokenizer_type is None:
             bpe = self.vocab_file is not None and self.merge_file is not None

@@ -28,8 +28,9 @@ IGNORED: dict[str, tuple[bool, str]] = {
     "--no-rope-fusion": (False, "megalite has no fused RoPE kernel to turn off"),
     "--num-workers": (True, "samples are read from memory-mapped files in the training process, no "
                             "DataLoader workers"),
-    "--no-create-attention-mask-in-dataloader": (False, "megalite never builds a mask in the data loader "
-                                                        "(attention is causal in the kernel)"),
+    "--no-create-attention-mask-in-dataloader": (False, "megalite never builds a dense attention mask: with "
+                                                        "--reset-attention-mask the micro-batch carries the "
+                                                        "document boundaries (cu_seqlens) instead"),
     "--no-mmap-bin-files": (False, "the .bin files are always memory-mapped"),
     "--ckpt-format": (True, "megalite writes its own sharded format (tools/convert_checkpoint.py converts)"),
     "--tiktoken-pattern": (True, "only Megatron-LM's TikTokenizer reads it, and megalite has none"),
@@ -44,9 +45,6 @@ REFUSED: dict[str, str] = {
 # flag -> why it is honoured although no config field stores it
 HONOURED: dict[str, str] = {
     "--log-throughput": "throughput is on the log line by default (--no-log-throughput removes it)",
-    "--calculate-per-token-loss": "pretraining counts every token (loss mask all ones) and every micro-batch has "
-                                  "seq-length x micro-batch tokens, so the mean over the global batch's tokens "
-                                  "is the loss megalite already computes",
 }
 
 _DEST = "megatron_compat__"

@@ -20,6 +20,10 @@ class TrainingConfig:
     train_samples: int | None = option(
         None, help="Samples to train on instead of --train-iters (iterations = samples // global batch); "
         "the learning-rate schedule is then counted in samples (--lr-*-samples).", domain=count())
+    calculate_per_token_loss: bool = option(
+        False, help="Normalise the loss by the global batch's unmasked-token count (all micro-batches, all "
+        "data-parallel ranks) instead of by each micro-batch's own count; the logged loss is then the per-token "
+        "mean of the global batch. Differs only when loss masks differ (--eod-mask-loss). docs/design.md §3.9.")
     seed: int = option(1234, help="Seed of model init, data order and dropout; equal in every layout (NumPy "
                        "takes seeds below 2^32; the test split uses seed + 2).", domain=at_least(0, 2**32 - 3))
     eval_interval: int = option(1000, help="Evaluate on the validation set every this many iterations.",

@@ -27,7 +27,8 @@ def build_datasets(cfg: DataConfig, *, seq_length: int, seed: int,
     """Train, valid and test datasets (each may be None).
 
     With ``--mock-data``: synthetic samples (vocabulary ``tokenizer.vocab_size``); train uses ``seed``,
-    valid and test ``seed + 1`` and ``seed + 2`` so that they are not copies of the training samples.
+    valid and test ``seed + 1`` and ``seed + 2`` so that they are not copies of the training samples; with a
+    packed-document flag they are documents ending in ``tokenizer.eod`` (docs/data.md).
     Otherwise Megatron's ``--data-path``/``--split``/blend semantics, and every file's largest token
     id must be below ``tokenizer.vocab_size`` (TokenRangeError names the file otherwise). The process
     with ``is_builder`` (global rank 0) computes and caches the index arrays; then every process calls ``barrier()`` (if
@@ -38,7 +39,8 @@ def build_datasets(cfg: DataConfig, *, seq_length: int, seed: int,
     if cfg.mock_data:
         from megalite.data.mock import MockGPTDataset
 
-        return tuple(MockGPTDataset(n, seq_length, tokenizer.vocab_size, seed + i) if n else None
+        eod = tokenizer.eod if cfg.packs_documents else None
+        return tuple(MockGPTDataset(n, seq_length, tokenizer.vocab_size, seed + i, eod) if n else None
                      for i, n in enumerate(num_samples))
     per_split = [cfg.train_data_path, cfg.valid_data_path, cfg.test_data_path]
     if cfg.data_path and any(per_split):

@@ -117,6 +117,20 @@ class GPTDataset:
             parts.append(get(int(self.document_index[last]), 0, last_off + extra))
         return np.concatenate(parts).astype(np.int64)
 
+    def document_starts(self, idx: int) -> np.ndarray:
+        """The input positions (1..seq_length-1) of sample ``idx`` where a sequence of the document index
+        begins (--dataloader-inter-document-masking): read from the sample and document indices and the
+        sequence lengths, not from the tokens."""
+        j = int(self.shuffle_index[idx])
+        first, first_off = (int(x) for x in self.sample_index[j])
+        last = int(self.sample_index[j + 1][0])
+        if first == last:
+            return np.empty(0, dtype=np.int64)
+        parts = self.indexed.sequence_lengths[self.document_index[first:last]].astype(np.int64)
+        parts[0] -= first_off
+        starts = np.cumsum(parts)  # where documents first + 1 .. last begin in the sample
+        return np.unique(starts[(starts > 0) & (starts < self.seq_length)])
+
 
 class BlendedDataset:
     """Samples drawn from several datasets in proportion to ``weights``; each position takes the dataset
@@ -175,6 +189,10 @@ class BlendedDataset:
         if not 0 <= idx < len(self):
             raise IndexError(f"blended sample {idx} out of range [0, {len(self)})")
         return self.datasets[int(self.dataset_index[idx])][int(self.dataset_sample_index[idx])]
+
+    def document_starts(self, idx: int) -> np.ndarray:
+        """The document starts of blended sample ``idx``: those of the sample it is (GPTDataset.document_starts)."""
+        return self.datasets[int(self.dataset_index[idx])].document_starts(int(self.dataset_sample_index[idx]))
 
 
 def _normalize(weights: list[float]) -> list[float]:

@@ -180,6 +180,19 @@ class IndexedDataset:
             top = max(top, int(self._tokens[lo:lo + chunk].max()))
         return top
 
+    def has_token(self, token: int, max_sequences: int = 1024, head_tokens: int = 1 << 16) -> bool:
+        """Whether ``token`` (an EOD id) is found by a bounded look, not a scan of the file: the last token of
+        up to ``max_sequences`` sequences spread over the file (where --append-eod puts it) and the first
+        ``head_tokens`` tokens."""
+        if len(self._tokens) == 0:
+            return False
+        lengths = self.sequence_lengths
+        picked = np.unique(np.linspace(0, len(lengths) - 1, min(len(lengths), max_sequences)).astype(np.int64))
+        picked = picked[lengths[picked] > 0]
+        last = self.sequence_pointers[picked] // self.dtype.itemsize + lengths[picked] - 1
+        self._check_size()
+        return bool(np.any(self._tokens[last] == token) or np.any(self._tokens[:head_tokens] == token))
+
     def get(self, idx: int, offset: int = 0, length: int | None = None) -> np.ndarray:
         """Tokens ``[offset, offset + length)`` of sequence ``idx`` (a view into the mapped file)."""
         n = len(self.sequence_lengths)

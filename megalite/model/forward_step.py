@@ -13,9 +13,11 @@ def lm_forward_step(chunk: nn.Module, mb: dict[str, torch.Tensor], hidden: torch
 
     With context parallelism the micro-batch holds this rank's part of each sequence (``sequence_index``)
     and ``num_tokens``, the loss-mask count of the whole sequences: the result is this part's share of
-    the sequences' mean (the shares of the CP ranks sum to it); the pipeline's LossScaling makes it the
-    micro-batch loss (docs/design.md §3.9). Packed documents (``make_microbatch``): ``position_ids`` restart
-    per document and ``documents`` bound the attention."""
+    the sequences' mean (the shares of the CP ranks sum to it); with --calculate-per-token-loss
+    ``num_tokens`` is the global batch's mean count per micro-batch (LossScaling.normalised). The pipeline's
+    LossScaling makes it the micro-batch loss (docs/design.md §3.9). A count of 0 (every label masked)
+    gives 0, not NaN: the loss sum is then 0 too. Packed documents (``make_microbatch``): ``position_ids``
+    restart per document and ``documents`` bound the attention."""
     assert isinstance(chunk, GPTModel)
     tokens = mb["tokens"] if chunk.pre_process else None
     where = {"sequence_index": mb.get("sequence_index"), "position_ids": mb.get("position_ids"),
@@ -24,9 +26,8 @@ def lm_forward_step(chunk: nn.Module, mb: dict[str, torch.Tensor], hidden: torch
         return chunk(tokens, hidden=hidden, **where)
     per_token = chunk(tokens, labels=mb["labels"], hidden=hidden, **where)
     mask = mb["loss_mask"]
-    if "num_tokens" not in mb:
-        return (per_token.float() * mask).sum() / mask.sum()
-    return (per_token.float() * mask).sum() / mb["num_tokens"]
+    count = mb["num_tokens"] if "num_tokens" in mb else mask.sum()
+    return (per_token.float() * mask).sum() / (count + (count == 0))
 
 
 def hidden_shape(chunk: GPTModel, tokens: torch.Tensor, tp_size: int) -> tuple[int, int, int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,6 +12,7 @@ import torch
 from megalite.attention import Documents
 from megalite.config.arguments import MegaliteConfig
 from megalite.context_parallel import zigzag_index
+from megalite.data.documents import DocumentMasking, prefixes_without_token, starts_from_positions
 from megalite.data.sampler import microbatch_indices
 from megalite.parallel.groups import ProcessGroups
 
@@ -35,27 +37,78 @@ def build_run_data(cfg: MegaliteConfig, pg: ProcessGroups) -> RunData:
     train, valid, test = build_datasets(cfg.data, seq_length=cfg.model.seq_length, seed=t.seed,
                                         num_samples=num_samples, tokenizer=tokenizer, is_builder=pg.rank == 0,
                                         barrier=pg.barrier)
-    return RunData(tokenizer, train, valid, test)
+    data = RunData(tokenizer, train, valid, test)
+    if pg.rank == 0:
+        for warning in document_warnings(cfg, data):
+            print(f"megalite: warning: {warning}", file=sys.stderr, flush=True)
+    return data
 
 
-def make_microbatch(dataset: Any, indices: list[int], device: torch.device) -> dict[str, torch.Tensor]:
-    """tokens/labels [b, s] from samples of seq+1 tokens (labels are tokens shifted by one)."""
-    text = torch.from_numpy(np.stack([np.asarray(dataset[i]["text"], dtype=np.int64) for i in indices]))
-    text = text.to(device, non_blocking=True)
-    tokens, labels = text[:, :-1], text[:, 1:]
-    return {"tokens": tokens, "labels": labels, "loss_mask": torch.ones_like(labels, dtype=torch.float32)}
+def document_warnings(cfg: MegaliteConfig, data: RunData) -> list[str]:
+    """What the start-up says about the packed-document flags: the EOD flags on a corpus where a bounded
+    look (IndexedDataset.has_token) finds no EOD, where they do nothing (one line for all such prefixes)."""
+    d = cfg.data
+    eod_flags = [flag for flag, on in (("--eod-mask-loss", d.eod_mask_loss),
+                                       ("--reset-position-ids", d.reset_position_ids),
+                                       ("--reset-attention-mask", d.reset_attention_mask)) if on]
+    if d.dataloader_inter_document_masking:  # the resets then come from the document index
+        eod_flags = [f for f in eod_flags if f == "--eod-mask-loss"]
+    if not eod_flags:
+        return []
+    eod = data.tokenizer.eod
+    missing = prefixes_without_token((data.train, data.valid, data.test), eod)
+    if not missing:
+        return []
+    return [f"{', '.join(eod_flags)}: no EOD token (id {eod}) found in {', '.join(missing)} (the last token of up "
+            "to 1024 of its sequences and its first 65536 tokens were read), so these flags do nothing there; "
+            "preprocess with --append-eod"]
 
 
-def global_batch(dataset: Any, consumed: int, cfg: MegaliteConfig, pg: ProcessGroups, device: torch.device
-                 ) -> list[dict[str, torch.Tensor]]:
-    """This DP rank's micro-batches of the global batch that starts at ``consumed`` samples."""
+def make_microbatch(dataset: Any, indices: list[int], device: torch.device,
+                    masking: DocumentMasking | None = None) -> dict[str, Any]:
+    """One micro-batch of the samples ``indices`` (``seq_length + 1`` tokens each), on ``device``. The contract
+    the model, the loss and context parallelism rely on (docs/data.md, "Micro-batches"):
+
+    - ``tokens``, ``labels``: int64 [b, s], ``labels`` the tokens shifted by one (text[:-1], text[1:]);
+    - ``loss_mask``: float32 [b, s], 1 where the label counts; all ones unless ``--eod-mask-loss`` (0 where the
+      *input* token is EOD) or a pad label (megalite never pads);
+    - only with ``--reset-position-ids``: ``position_ids`` int64 [b, s], each sample's positions restarting
+      at 0 after each input EOD (input index i is EOD -> position i + 1 is 0);
+    - only with ``--reset-attention-mask``: ``cu_seqlens`` int32 [n + 1], the document boundaries of the
+      micro-batch flattened into one b·s token stream (THD / varlen convention): 0, every multiple of s, b·s,
+      and b·s_index + i + 1 for each input EOD at index i < s - 1; strictly increasing; and ``max_seqlen``,
+      a python int: the longest document (the largest difference of ``cu_seqlens``);
+    - ``--dataloader-inter-document-masking`` gives both ``position_ids`` and ``cu_seqlens``/``max_seqlen``,
+      the documents taken from the dataset's document index instead of EOD tokens.
+
+    ``masking`` None (no packed-document flag): tokens, labels and an all-ones loss mask, as always."""
+    text = np.stack([np.asarray(dataset[i]["text"], dtype=np.int64) for i in indices])
+    on_device = torch.from_numpy(text).to(device, non_blocking=True)
+    tokens, labels = on_device[:, :-1], on_device[:, 1:]
+    if masking is None:
+        return {"tokens": tokens, "labels": labels, "loss_mask": torch.ones_like(labels, dtype=torch.float32)}
+    starts = None
+    if masking.inter_document:
+        starts = starts_from_positions((dataset.document_starts(i) for i in indices), text.shape[1] - 1)
+    fields = masking.fields(text[:, :-1], text[:, 1:], starts)
+    out: dict[str, Any] = {"tokens": tokens, "labels": labels}
+    for key, value in fields.items():
+        out[key] = torch.from_numpy(value).to(device, non_blocking=True) if isinstance(value, np.ndarray) else value
+    return out
+
+
+def global_batch(dataset: Any, consumed: int, cfg: MegaliteConfig, pg: ProcessGroups, device: torch.device,
+                 eod: int | None = None) -> list[dict[str, Any]]:
+    """This DP rank's micro-batches of the global batch that starts at ``consumed`` samples; ``eod``: the
+    tokenizer's EOD id, which the packed-document flags need."""
     t = cfg.training
     idx = microbatch_indices(consumed, t.global_batch_size, t.micro_batch_size, pg.dp_rank, pg.dp_size)
     n = len(dataset)
     if idx and idx[-1][-1] >= n:
         raise RuntimeError(f"dataset has {n} samples but sample {idx[-1][-1]} was requested; "
                            "it was sized for fewer iterations than asked")
-    mbs = [with_documents(make_microbatch(dataset, i, device)) for i in idx]
+    masking = DocumentMasking.of(cfg.data, eod)
+    mbs = [with_documents(make_microbatch(dataset, i, device, masking)) for i in idx]
     if pg.cp_size > 1:
         mbs = [context_parallel_part(mb, pg.cp_size, pg.cp_rank) for mb in mbs]
     return mbs

@@ -98,7 +98,8 @@ class Run:
         t, step = self.cfg.training, self.state.iteration
         self.optimizer.wait_param_gather()
         with self.gc.around_eval():
-            loss = evaluate(self.chunks, self.data.valid, self.state.valid_consumed, self.cfg, self.pg)
+            loss = evaluate(self.chunks, self.data.valid, self.state.valid_consumed, self.cfg, self.pg,
+                            self.data.tokenizer.eod)
         self.state.valid_consumed += t.eval_iters * t.global_batch_size
         self.result.valid_losses.append((step, loss))
         self.say(format_validation_line(step, loss))

@@ -16,6 +16,7 @@ from megalite.checkpointing import load_checkpoint, save_checkpoint
 from megalite.checkpointing.metadata import config_dict
 from megalite.checkpointing.paths import TRACKER
 from megalite.config.arguments import MegaliteConfig
+from megalite.config.data import DOCUMENT_FLAGS
 from megalite.optimizer.optimizer import MegaliteOptimizer
 from megalite.parallel.groups import ProcessGroups
 from megalite.tensor_parallel.random import RNGTracker
@@ -76,6 +77,8 @@ def save(cfg: MegaliteConfig, ts: TrainState, chunks: list[nn.Module], optimizer
     files = {"vocab_file": d.vocab_file, "merge_file": d.merge_file, "tokenizer_model": d.tokenizer_model}
     tokenizer = {"tokenizer_type": d.tokenizer_type, "vocab_size": d.vocab_size,
                  **{k: os.path.abspath(v) if v else None for k, v in files.items()}}
-    path = save_checkpoint(cfg.checkpoint.save, ts.iteration, chunks, optimizer, pg,
-                           config_dict(cfg.model, vocab_size), state, rng_states(tracker), {"tokenizer": tokenizer})
+    # the packed-document flags the weights were trained with (a record: tasks and generation score whole texts)
+    data = {name: getattr(d, name) for name in DOCUMENT_FLAGS}
+    path = save_checkpoint(cfg.checkpoint.save, ts.iteration, chunks, optimizer, pg, config_dict(cfg.model, vocab_size),
+                           state, rng_states(tracker), {"tokenizer": tokenizer, "data": data})
     say(f" saved checkpoint at iteration {ts.iteration} to {path}")

@@ -84,6 +84,15 @@ def reported_loss(losses: list[torch.Tensor], pg: ProcessGroups) -> float:
     return float(t)
 
 
+def step_scaling(cfg: MegaliteConfig, pg: ProcessGroups, microbatches: list[dict], loss_scale: float = 1.0
+                 ) -> LossScaling:
+    """The loss scaling of a step over ``microbatches``: per micro-batch, or per token of the global batch
+    with --calculate-per-token-loss (one all-reduce of the token count over DP x CP)."""
+    if cfg.training.calculate_per_token_loss:
+        return LossScaling.per_token(pg, microbatches, loss_scale)
+    return LossScaling.of(pg, len(microbatches), loss_scale)
+
+
 @dataclass
 class StepOutput:
     loss: float
@@ -113,9 +122,11 @@ def train_step(run: TrainingRun, timers: Timers) -> StepOutput:
     record = PipelineRecord(keep_timeline=bool(cfg.parallel.record_pipeline_timeline),
                             synchronize=timers.level > 0)
     with timers.phase("batch-generator"):
-        microbatches = global_batch(run.data.train, ts.consumed_samples, cfg, pg, device.current_device())
+        microbatches = global_batch(run.data.train, ts.consumed_samples, cfg, pg, device.current_device(),
+                                    run.data.tokenizer.eod)
     optimizer.zero_grad()
-    scaling = LossScaling.of(pg, len(microbatches), optimizer.loss_scale)
+    scaling = step_scaling(cfg, pg, microbatches, optimizer.loss_scale)
+    microbatches = scaling.normalised(microbatches)
     set_loss_scaling(run.chunks, scaling)
     optimizer.wait_param_gather()  # the last step's updated parameters (overlapped until here)
     losses = _forward_backward(run, microbatches, scaling, record)
@@ -153,18 +164,31 @@ def _forward_backward(run: TrainingRun, microbatches: list[dict], scaling: LossS
 
 
 @torch.no_grad()
-def evaluate(chunks: list[nn.Module], dataset, start: int, cfg: MegaliteConfig, pg: ProcessGroups) -> float:
+def evaluate(chunks: list[nn.Module], dataset, start: int, cfg: MegaliteConfig, pg: ProcessGroups,
+             eod: int | None = None) -> float:
+    """The loss over --eval-iters global batches from sample ``start``, with the training micro-batches' masks
+    (``eod``: the tokenizer's): the mean micro-batch loss, or with --calculate-per-token-loss the sum of all
+    token losses over all their unmasked tokens (as Megatron-LM; 0 when there are none)."""
     for c in chunks:
         c.eval()
     losses: list[torch.Tensor] = []
+    weighted, tokens = 0.0, 0.0
     gbs = cfg.training.global_batch_size
     for k in range(cfg.training.eval_iters):
-        mbs = global_batch(dataset, start + k * gbs, cfg, pg, device.current_device())
-        losses += run_microbatches(chunks, mbs, pg, forward_only=True)
+        mbs = global_batch(dataset, start + k * gbs, cfg, pg, device.current_device(), eod)
+        scaling = step_scaling(cfg, pg, mbs)
+        batch = run_microbatches(chunks, scaling.normalised(mbs), pg, scaling, forward_only=True)
+        if scaling.global_tokens is None:
+            losses += batch
+        else:  # this batch's per-token mean, weighted by its token count
+            count = float(scaling.global_tokens)
+            weighted, tokens = weighted + reported_loss(batch, pg) * count, tokens + count
         if cfg.training.empty_unused_memory_level >= 1:
             device.empty_cache()
     for c in chunks:
         c.train()
+    if cfg.training.calculate_per_token_loss:
+        return weighted / tokens if tokens else 0.0
     return reported_loss(losses, pg)
 
 
