@@ -2,8 +2,8 @@
 "Context parallelism").
 
 On real gloo ranks, CP 2 and 4, comm types p2p (ring), a2a, allgather and a2a+p2p (2 x c/2), MHA and GQA,
-with and without document masks whose boundaries cross the zigzag chunks: every rank's output rows and dQ/dK/dV equal the
-serial attention's (fp32, 1e-5 of the largest value), and the bytes each rank hands to the CP group
+with and without documents whose boundaries cross the zigzag chunks: every rank's output rows and dQ/dK/dV
+equal the serial attention's (fp32, 1e-5 of the largest value), and the bytes each rank hands to the CP group
 equal the formulas, exactly. Everything also runs under MEGALITE_NCCL_SEMANTICS=1 (``p2p_semantics``),
 and the ring's recorded batches replay cleanly under the NCCL checker for c = 2, 3, 4, forward and
 backward; a reordered batch is caught.
