@@ -3,8 +3,8 @@
 and grad norms (fp32, relative 1e-5): TP2 + SP, PP2 interleaved, CP2 and CP4 with each comm type (p2p,
 a2a, allgather, a2a+p2p), DP2 with the distributed optimizer; GPT-2 and Llama GQA with 2 KV groups (which
 trains at CP4 only through a2a+p2p, 2 x 2). Every layout runs under NCCL's point-to-point rules, one also
-on plain gloo. The mock data's progressions pass the EOD token (vocab - 1) every few samples, so most
-sequences hold two to four documents. The serial run itself equals per-document runs:
+on plain gloo. With the flags the mock data yields EOD-terminated documents of 2 to seq/2 tokens
+(docs/data.md), so every sequence holds several. The serial run itself equals per-document runs:
 tests/test_packed_attention.py."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 from tests.layouts import P2P_MODES, ModeCache, assert_matches_serial, layout_curves, serial_curve
 from tests.tp_utils import GPT2, LLAMA_GQA, layout_flat
 
-VOCAB = 64  # EOD = 63: a progression of stride 1-7 meets it within 64 / stride tokens
+VOCAB = 64
 ITERS = 5
 PACKED = {"reset_position_ids": True, "reset_attention_mask": True, "eod_mask_loss": True}
 MODELS = {"gpt2": {**GPT2, "seq_length": 32}, "llama": {**LLAMA_GQA, "seq_length": 32, "num_layers": 4}}
@@ -58,7 +58,12 @@ def test_packed_loss_curve_matches_serial(mode, model, layout):
     assert_matches_serial(CURVES(mode), (model, layout), serial_curve(flat(model)), ITERS)
 
 
-def test_the_flags_change_the_curve():
-    """The documents are real: the packed serial curve differs from the plain one."""
-    plain = serial_curve(layout_flat(MODELS["gpt2"], vocab=VOCAB, iters=ITERS))
-    assert abs(serial_curve(flat("gpt2")).losses[0] - plain.losses[0]) > 1e-3
+def test_each_flag_changes_the_curve():
+    """The documents are real and reach the model: dropping any one of the three flags changes the serial
+    curve (the attention's boundaries, the positions, the loss mask). GPT-2, whose learned positions see
+    the reset (RoPE's relative angles inside a document do not change when its positions shift)."""
+    packed = serial_curve(flat("gpt2")).losses
+    for name in PACKED:
+        fewer = {k: v for k, v in PACKED.items() if k != name}
+        other = serial_curve(layout_flat(MODELS["gpt2"], vocab=VOCAB, iters=ITERS, **fewer)).losses
+        assert max(abs(a - b) for a, b in zip(packed, other)) > 1e-4, f"{name} changed nothing"
