@@ -19,7 +19,6 @@ import pytest
 import torch
 
 from megalite.config import parse_args, validate
-from megalite.config.validate import ConfigError
 from megalite.data import DataConfig, build_datasets
 from megalite.data.documents import DocumentMasking, cu_seqlens, eod_starts, position_ids
 from megalite.data.indexed_dataset import IndexedDataset, IndexedDatasetWriter
@@ -271,13 +270,12 @@ def test_flags_parse_from_the_command_line_and_a_config_file(tmp_path, capsys):
     assert cfg.to_dict()["data"]["reset_position_ids"] is True
 
 
-def test_context_parallel_refuses_the_resets_by_name_and_takes_the_loss_mask():
-    cfg = parse_args(BASE + ["--context-parallel-size", "2", "--reset-position-ids",
-                             "--dataloader-inter-document-masking"])
-    with pytest.raises(ConfigError, match=r"--reset-position-ids, --dataloader-inter-document-masking: not yet "
-                                          r"supported with --context-parallel-size > 1"):
-        validate(cfg, 2)
-    validate(parse_args(BASE + ["--context-parallel-size", "2", "--eod-mask-loss"]), 2)
+def test_context_parallel_takes_every_flag():
+    """The CP split carries the position ids and the whole sequences' boundaries (the layouts against serial:
+    tests/test_packed_training.py)."""
+    for flags in (["--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss"],
+                  ["--dataloader-inter-document-masking"]):
+        validate(parse_args(BASE + ["--context-parallel-size", "2", *flags]), 2)
 
 
 def write_sequences(prefix: str, eod_at: dict[int, int], every_end: bool = False) -> IndexedDataset:
