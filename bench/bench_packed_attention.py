@@ -27,13 +27,13 @@ import sys
 import time
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megalite.context_parallel import context_parallel_attention, zigzag_split  # noqa: E402
 from megalite.parallel.groups import Group, ProcessGroups  # noqa: E402
 from megalite.parallel.layout import RankLayout  # noqa: E402
+from tests.asserts import LargestResult  # noqa: E402
 from tests.harness import run_ranks  # noqa: E402
 
 REPS = 5
@@ -78,19 +78,6 @@ def packed_ratio(seq: int, docs: int) -> None:
         print(f"| {name} | {a:.3f} | {b:.3f} | {b / a:.3f} |", flush=True)
 
 
-class _Largest(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel() * t.element_size())
-        return out
-
-
 def _ring_rank(rank: int, world: int, seq: int) -> tuple[int, int, int]:
     torch.manual_seed(0)
     q, k, v, dout = (torch.randn(B, n, seq, D, dtype=torch.bfloat16) for n in (NQ, NKV, NKV, NQ))
@@ -102,12 +89,12 @@ def _ring_rank(rank: int, world: int, seq: int) -> tuple[int, int, int]:
         seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
     pg.comm_bytes.clear()
-    with _Largest() as big:
+    with LargestResult() as big:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = context_parallel_attention(*local, pg, "p2p")
         out.backward(zigzag_split(dout, 2, world, rank))
     sent = sum(n for (kind, _), n in pg.comm_bytes.items() if kind == Group.CP)
-    return sum(seen.values()), sent, big.largest
+    return sum(seen.values()), sent, big.nbytes
 
 
 def ring_bytes(seq: int) -> None:

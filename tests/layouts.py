@@ -147,3 +147,27 @@ def assert_matches_serial(per_rank: list[dict[Any, Curve]], name: Any, ref: Curv
         assert len(got.losses) == iters, f"{name} rank {rank}: {len(got.losses)} iterations, not {iters}"
         assert_rel_close(got.losses, ref.losses, rtol, f"{name} rank {rank}: loss vs serial")
         assert_rel_close(got.grad_norms, ref.grad_norms, rtol, f"{name} rank {rank}: grad norm vs serial")
+
+
+class LayoutMatrix:
+    """(model, layout) cases trained on ``world`` ranks against their serial runs, in both point-to-point
+    modes: every case under NCCL semantics, the ``gloo`` ones also on plain gloo. ``flat(model, tp, pp, cp,
+    **extra)`` makes a case's config from ``layouts[name] = (tp, pp, cp, extra)``; one launch per mode."""
+
+    def __init__(self, world: int, flat: Callable[..., dict], layouts: Mapping[str, tuple],
+                 cases: list[tuple[str, str]], gloo: list[tuple[str, str]]) -> None:
+        self.world, self.flat, self.layouts, self.cases, self.gloo = world, flat, layouts, cases, gloo
+        self.curves = ModeCache(self._launch)
+
+    def _launch(self, mode: str) -> list[dict]:
+        cases = self.cases if mode == "nccl_semantics" else self.gloo
+        runs = {(m, n): self.flat(m, *self.layouts[n][:3], **self.layouts[n][3]) for m, n in cases}
+        return layout_curves(self.world, runs)
+
+    def params(self) -> list[tuple[str, str, str]]:
+        """(mode, model, layout) of every comparison, for ``pytest.mark.parametrize``."""
+        return [(mode, m, n) for mode in P2P_MODES for m, n in self.cases
+                if mode == "nccl_semantics" or (m, n) in self.gloo]
+
+    def check(self, mode: str, model: str, layout: str, iters: int) -> None:
+        assert_matches_serial(self.curves(mode), (model, layout), serial_curve(self.flat(model)), iters)

@@ -1,7 +1,8 @@
 """Promise, through pretrain_gpt.py's entry point on real ranks (the CP2 save through torchrun itself): with
 --context-parallel-size the logged lm loss and grad norm of 5 iterations equal the single-process run's
 (relative 1e-5) for CP4 (GPT-2), CP2 x TP2 with sequence parallelism and CP2 x PP2 interleaved (Llama GQA),
-CP2 x DP2 with the distributed optimizer (GPT-2); a checkpoint saved at one CP size resumes at another on
+CP2 x DP2 with the distributed optimizer (GPT-2), Llama with 2 KV groups on packed documents at CP4 a2a+p2p
+(2 x 2); a checkpoint saved at one CP size resumes at another on
 the same curve; bf16 follows the bf16 single-process run. Every CP layout of both models trains in-process
 against the single-process run in tests/test_context_parallel_training.py (the same code below the flags);
 here each CP flag combination goes through the command line once."""
@@ -44,6 +45,18 @@ def test_entry_point_context_parallel_matches_single_process(model, layout):
     flags, nproc = LAYOUTS[layout]
     got = losses(launch_pretrain(COMMON + MODELS[model] + flags, nproc=nproc))
     assert_same_log_curves(got, serial(model), range(1, ITERS + 1), f"{model} {layout}")
+
+
+PACKED = ["--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss"]
+
+
+def test_entry_point_packed_documents_at_cp4_a2a_p2p_match_single_process():
+    """Llama GQA with 2 KV groups at CP 4 through a2a+p2p (2 x 2), Megatron's packed-document flags on."""
+    flags = ["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes",
+             "2", "2"]
+    got = losses(launch_pretrain(COMMON + MODELS["llama"] + PACKED + flags, nproc=4))
+    assert_same_log_curves(got, serial_losses(COMMON + MODELS["llama"] + PACKED), range(1, ITERS + 1),
+                           "llama packed cp4 a2a+p2p")
 
 
 def test_checkpoint_saved_at_cp2_resumes_at_cp4_and_cp1(tmp_path):

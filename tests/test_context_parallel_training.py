@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.layouts import P2P_MODES, ModeCache, assert_matches_serial, layout_curves, serial_curve
+from tests.layouts import LayoutMatrix
 from tests.tp_utils import GPT2, LLAMA_GQA, layout_flat
 
 VOCAB = 256
@@ -37,15 +37,9 @@ def flat(model: str, tp: int = 1, pp: int = 1, cp: int = 1, **extra) -> dict:
     return layout_flat(MODELS[model], vocab=VOCAB, iters=ITERS, tp=tp, pp=pp, context_parallel_size=cp, **extra)
 
 
-def _layouts(mode: str) -> list[dict]:
-    cases = CASES if mode == "nccl_semantics" else GLOO_CASES
-    return layout_curves(4, {(m, n): flat(m, *LAYOUTS[n][:3], **LAYOUTS[n][3]) for m, n in cases})
+MATRIX = LayoutMatrix(4, flat, LAYOUTS, CASES, GLOO_CASES)
 
 
-CURVES = ModeCache(_layouts)
-
-
-@pytest.mark.parametrize("mode,model,layout", [(mode, m, n) for mode in P2P_MODES for m, n in CASES
-                                               if mode == "nccl_semantics" or (m, n) in GLOO_CASES])
+@pytest.mark.parametrize("mode,model,layout", MATRIX.params())
 def test_cp_loss_curve_matches_serial(mode, model, layout):
-    assert_matches_serial(CURVES(mode), (model, layout), serial_curve(flat(model)), ITERS)
+    MATRIX.check(mode, model, layout, ITERS)

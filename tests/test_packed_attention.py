@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from megalite.attention import Chunk, Documents, Piece, blocks, chunk_pieces, core_attention
 from megalite.config.model import ModelConfig
 from megalite.context_parallel import context_parallel_attention
 from megalite.parallel.groups import ProcessGroups
+from tests.asserts import LargestResult
 from tests.tp_utils import GPT2, LLAMA_GQA, build
 
 VOCAB = 64
@@ -108,21 +108,6 @@ def test_blockwise_paths_equal_each_document_alone(comm, fused, monkeypatch):
         torch.testing.assert_close(a, w, rtol=1e-5, atol=1e-5, msg=name)
 
 
-class _Largest(TorchDispatchMode):
-    """Records the element count of the largest tensor any operation returns."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
-
-
 @pytest.mark.parametrize("path", ["core", "p2p", "a2a", "allgather", "a2a+p2p"])
 def test_no_path_builds_a_mask(path):
     """8 documents in 512 positions, one head of 4 channels: q, k, v hold 2048 elements; an s x s mask 262,144.
@@ -131,13 +116,13 @@ def test_no_path_builds_a_mask(path):
     q, k, v, dout = qkv(1, 1, b=1, s=s, d=4)
     docs = packed([[64] * 8])
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    with _Largest() as seen:
+    with LargestResult() as seen:
         if path == "core":
             out = core_attention(*leaves, 0.0, "unfused", docs)
         else:
             out = context_parallel_attention(*leaves, ProcessGroups.single(), path, documents=docs)
         out.backward(dout)
-    assert seen.largest <= s * s // 8, f"{path}: an operation returned {seen.largest} elements"
+    assert seen.numel <= s * s // 8, f"{path}: an operation returned {seen.numel} elements"
 
 
 # ---- the whole model ---------------------------------------------------------------------------------

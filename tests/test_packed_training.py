@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.layouts import P2P_MODES, ModeCache, assert_matches_serial, layout_curves, serial_curve
+from tests.layouts import LayoutMatrix, serial_curve
 from tests.tp_utils import GPT2, LLAMA_GQA, layout_flat
 
 VOCAB = 64
@@ -24,6 +24,8 @@ LAYOUTS = {
     "tp2_dp2_distopt": (2, 1, 1, {"use_distributed_optimizer": True}),
     "pp2_interleaved": (1, 2, 1, {"num_layers_per_virtual_pipeline_stage": 1}),
     "cp2_dp2_p2p": (1, 1, 2, {}),
+    "cp2_dp2_a2a": (1, 1, 2, {"cp_comm_type": "a2a"}),
+    "cp2_dp2_a2a+p2p": (1, 1, 2, {"cp_comm_type": "a2a+p2p", "hierarchical_context_parallel_sizes": [2, 1]}),
     "cp2_dp2_allgather_recompute": (1, 1, 2, {"cp_comm_type": "allgather", "recompute_granularity": "full",
                                                "recompute_method": "uniform", "recompute_num_layers": 1}),
     "cp2_tp2_sp": (2, 1, 2, {"sequence_parallel": True}),
@@ -33,7 +35,7 @@ LAYOUTS = {
     "cp4_a2a+p2p": (1, 1, 4, {"cp_comm_type": "a2a+p2p", "hierarchical_context_parallel_sizes": [2, 2]}),
 }
 CASES = [("gpt2", "tp2_sp"), ("gpt2", "tp2_dp2_distopt"), ("gpt2", "cp4_p2p"), ("gpt2", "cp4_a2a"),
-         ("gpt2", "cp2_dp2_allgather_recompute"),
+         ("gpt2", "cp2_dp2_allgather_recompute"), ("gpt2", "cp2_dp2_a2a"), ("llama", "cp2_dp2_a2a+p2p"),
          ("llama", "pp2_interleaved"), ("llama", "cp2_dp2_p2p"), ("llama", "cp2_tp2_sp"), ("llama", "cp4_allgather"),
          ("llama", "cp4_a2a+p2p")]
 GLOO_CASES = [("llama", "cp4_a2a+p2p")]
@@ -44,18 +46,12 @@ def flat(model: str, tp: int = 1, pp: int = 1, cp: int = 1, **extra) -> dict:
                        **PACKED, **extra)
 
 
-def _layouts(mode: str) -> list[dict]:
-    cases = CASES if mode == "nccl_semantics" else GLOO_CASES
-    return layout_curves(4, {(m, n): flat(m, *LAYOUTS[n][:3], **LAYOUTS[n][3]) for m, n in cases})
+MATRIX = LayoutMatrix(4, flat, LAYOUTS, CASES, GLOO_CASES)
 
 
-CURVES = ModeCache(_layouts)
-
-
-@pytest.mark.parametrize("mode,model,layout", [(mode, m, n) for mode in P2P_MODES for m, n in CASES
-                                               if mode == "nccl_semantics" or (m, n) in GLOO_CASES])
+@pytest.mark.parametrize("mode,model,layout", MATRIX.params())
 def test_packed_loss_curve_matches_serial(mode, model, layout):
-    assert_matches_serial(CURVES(mode), (model, layout), serial_curve(flat(model)), ITERS)
+    MATRIX.check(mode, model, layout, ITERS)
 
 
 def test_each_flag_changes_the_curve():
