@@ -29,8 +29,13 @@ class ParallelConfig:
                                                domain=size(MAX_RANKS))
     num_layers_per_virtual_pipeline_stage: int | None = option(
         None, help="Layers per virtual stage for the interleaved 1F1B schedule.", domain=size(MAX_LAYERS))
-    pipeline_schedule: str = option("1f1b", help="Pipeline schedule (interleaved 1F1B when virtual stages are "
-                                    "used; GPipe for comparison).", choices=["1f1b", "gpipe"])
+    pipeline_schedule: str = option(
+        "1f1b", help="Pipeline schedule: 1f1b (interleaved 1F1B when virtual stages are used), gpipe (for "
+        "comparison), zb-h1 (zero bubble: each backward split into the input gradient B and the weight "
+        "gradients W, the W's filling 1F1B's waits at 1F1B's activation memory; about a third of 1F1B's "
+        "bubble) or zbv (zero bubble on two model chunks per rank placed in a V, the loss on the first rank; "
+        "needs --num-layers divisible by 2 x --pipeline-model-parallel-size and untied embeddings with "
+        "pipelining).", choices=["1f1b", "gpipe", "zb-h1", "zbv"])
     record_pipeline_timeline: str | None = option(
         None, help="Write each rank's forward/backward start/end times of the last step to this directory "
         "(JSON; plot with tools/plot_pipeline_timeline.py).")

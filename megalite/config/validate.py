@@ -104,6 +104,25 @@ def layout_errors(m: "ModelConfig", tp: int, pp: int, layers_per_virtual_stage: 
     return errors
 
 
+def pipeline_schedule_errors(cfg: "MegaliteConfig") -> list[str]:
+    """--pipeline-schedule's own rules: the zero-bubble schedules place their chunks themselves (ZB-H1 one
+    per rank, ZB-V two in a V, whose first rank holds both the embedding and the output layer)."""
+    p, m = cfg.parallel, cfg.model
+    kind, pp = p.pipeline_schedule, p.pipeline_model_parallel_size
+    errors = []
+    if kind in ("zb-h1", "zbv") and p.num_layers_per_virtual_pipeline_stage is not None:
+        chunks = "two per rank" if kind == "zbv" else "one per rank"
+        errors.append(f"--pipeline-schedule {kind} places its own model chunks ({chunks}); drop "
+                      "--num-layers-per-virtual-pipeline-stage")
+    if kind == "zbv" and m.num_layers % (2 * pp):
+        errors.append(f"--pipeline-schedule zbv needs --num-layers ({m.num_layers}) divisible by 2 x "
+                      f"--pipeline-model-parallel-size ({2 * pp}): two model chunks per rank")
+    if kind == "zbv" and pp > 1 and m.tied_embeddings:
+        errors.append("--pipeline-schedule zbv puts the embedding and the output layer on the same rank in two model "
+                      "chunks; tied embeddings are not supported there: add --untie-embeddings-and-output-weights")
+    return errors
+
+
 def world_errors(world_size: int, tp: int, pp: int, cp: int) -> list[str]:
     """What the number of ranks allows."""
     errors = []
@@ -140,6 +159,7 @@ def parallel_errors(cfg: "MegaliteConfig", world_size: int, local_world_size: in
     if p.sequence_parallel and tp == 1:
         errors.append("--sequence-parallel needs --tensor-model-parallel-size > 1")
     errors += layout_errors(cfg.model, tp, pp, p.num_layers_per_virtual_pipeline_stage) + cp_comm_errors(cfg)
+    errors += pipeline_schedule_errors(cfg)
     if cp > 1:
         errors += context_parallel_errors(cfg)
     if p.hierarchical_dp_reduce and world_size % (tp * pp * cp) == 0:

@@ -6,7 +6,14 @@ receives of what its neighbours produced in that round. It waits for a batch onl
 tensor it receives (NCCL completes a batch as one); other batches stay in flight, their buffers kept
 until they complete, and all are waited on before the pass ends (``ProcessGroups.end_step``). No message
 depends on a tag. A stage's output keeps only its autograd graph after it is handed to the send: its data
-is released, so 1F1B holds at most p micro-batches of activations.
+is released, so 1F1B holds at most p micro-batches of activations. Where the V shape turns (ZB-V, rank p-1's
+chunk 0 feeds its own chunk 1) the hand-off stays on the rank, no message.
+
+Tables with W actions (the zero-bubble schedules) split each backward: B runs inside
+``weight_grads.collect((chunk, micro-batch))``, so the layers that support it compute only their input
+gradient and queue their weight gradients, and W runs ``weight_grads.run((chunk, micro-batch))``
+(``tensor_parallel/weight_grad.py``). Without a store, B is the whole backward and W does nothing (the same
+gradients, the same messages).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from megalite.parallel.groups import P2POp, P2PWork, ProcessGroups
 from megalite.parallel.loss_scaling import LossScaling
 from megalite.pipeline.p2p_plan import Message, Step, needed, produced, round_plan
 from megalite.pipeline.schedule_table import Action
+from megalite.pipeline.stages import StageMap
 
 # forward_step(chunk_module, microbatch, hidden_or_None) -> loss (last stage) or hidden states
 ForwardStep = Callable[[nn.Module, dict, torch.Tensor | None], torch.Tensor]
@@ -62,7 +70,10 @@ class PipelinePass:
     share of the loss in training), ``recv_shape`` the hidden states passed between stages (their dtype is
     the chunks' parameters'). ``scaling`` turns the last stage's output into the micro-batch loss and its
     backward seed (docs/design.md §3.9); without one, the loss is the output and the seed output / m.
-    ``last_backward(chunk)`` runs just before each chunk's last backward (its buckets may start reducing)."""
+    ``last_backward(chunk)`` runs just before each chunk's last backward, or its last W where the table has
+    W's (its buckets may start reducing). ``weight_grads`` (split backward, see the module docstring): an
+    object with ``collect(key)`` and ``run(key)``; ``stages``: the placement of the chunks (default
+    round-robin)."""
 
     chunks: Sequence[nn.Module]
     microbatches: Sequence[dict]
@@ -73,6 +84,8 @@ class PipelinePass:
     record: PipelineRecord | None = None
     scaling: LossScaling | None = None
     last_backward: Callable[[int], None] | None = None
+    weight_grads: object | None = None
+    stages: StageMap | None = None
 
 
 @dataclass
@@ -86,6 +99,7 @@ class _Run:
     received: dict[Message, tuple[torch.Tensor, P2PWork]] = field(default_factory=dict)
     in_flight: list[P2PWork] = field(default_factory=list)
     losses: list[torch.Tensor] = field(default_factory=list)
+    local: dict[Message, torch.Tensor] = field(default_factory=dict)  # hand-offs between this rank's chunks
 
     def __post_init__(self) -> None:
         j = self.job
@@ -93,7 +107,8 @@ class _Run:
         self.forward_only = j.forward_only
         self.scaling = j.scaling or LossScaling(len(j.microbatches))
         self.p, self.r, self.vp = self.pg.pp_size, self.pg.pp_rank, len(self.chunks)
-        self.last_stage = self.p * self.vp - 1
+        self.stages = j.stages or StageMap(self.p, self.vp)
+        self.last_stage = self.stages.last
         first = next(self.chunks[0].parameters())
         self.device, self.dtype = first.device, first.dtype
 
@@ -119,9 +134,11 @@ class _Run:
 
     def take(self, action: Action) -> torch.Tensor | None:
         """The tensor ``action`` needs, waiting for its batch if it has not completed yet."""
-        need = needed(action, self.p, self.r, self.vp)
+        need = needed(action, self.p, self.r, self.vp, self.stages)
         if need is None:
             return None
+        if need[0] == self.r:
+            return self.local.pop(need[1])
         buf, work = self.received.pop(need[1])
         t0 = time.time()
         work.wait()
@@ -137,13 +154,13 @@ class _Run:
         with torch.set_grad_enabled(not self.forward_only):
             out = self.job.forward_step(self.chunks[c], self.microbatches[mb], hidden)
         end = self.clock()
-        if c * self.p + self.r == self.last_stage:
+        if self.stages.stage(self.r, c) == self.last_stage:
             out = self.scaling.microbatch_loss(out)
             self.losses.append(out.detach())
             if not self.forward_only:
                 out = self.scaling.backward_loss(out)
         else:
-            self.outbox.append(out.detach().contiguous())
+            self.hand_on(action, out.detach().contiguous())
             if not self.forward_only:
                 _release(out)
         if not self.forward_only:
@@ -159,18 +176,41 @@ class _Run:
         start = self.clock()
         if before is not None:
             before()
-        _backward(out, grad)
+        store = self.job.weight_grads
+        if store is not None and self.split:
+            with store.collect((action.chunk, action.microbatch)):
+                _backward(out, grad)
+        else:
+            _backward(out, grad)
         end = self.clock()
-        if produced(action, self.p, self.r, self.vp) is not None:
-            self.outbox.append(hidden.grad)
+        self.hand_on(action, hidden.grad if hidden is not None else None)
         return start, end
+
+    def weights(self, action: Action, before: Callable[[], None] | None) -> tuple[float, float]:
+        """W: the weight gradients the action's B queued (nothing without a store)."""
+        start = self.clock()
+        if before is not None:
+            before()
+        if self.job.weight_grads is not None:
+            self.job.weight_grads.run((action.chunk, action.microbatch))
+        return start, self.clock()
+
+    def hand_on(self, action: Action, t: torch.Tensor | None) -> None:
+        """What ``action`` produced, to the next stage: this round's send, or a hand-off on this rank."""
+        out = produced(action, self.p, self.r, self.vp, self.stages)
+        if out is None:
+            return
+        if out[0] == self.r:
+            self.local[out[1]] = t
+        else:
+            self.outbox.append(t)
 
     def note(self, action: Action, start: float, end: float) -> None:
         if self.record is None:
             return
         if action.kind == "F":
             self.record.forward_s += end - start
-        else:
+        else:  # B and W: the backward's two halves
             self.record.backward_s += end - start
         if self.record.keep_timeline:
             self.record.timeline.append((action.kind, action.chunk, action.microbatch, start, end))
@@ -183,21 +223,25 @@ def run_table(tables: Sequence[Sequence[Action]], job: PipelinePass) -> list[tor
     run = _Run(job)
     pg, last_backward = job.pg, job.last_backward
     table = tables[run.r]
-    final_backward = {a.chunk: i for i, a in enumerate(table) if a.kind == "B"}
-    plan = round_plan(tables, run.p, run.vp)[run.r]
+    run.split = any(a.kind == "W" for a in table)
+    final = "W" if run.split else "B"
+    last_of_chunk = {a.chunk: i for i, a in enumerate(table) if a.kind == final}
+    plan = round_plan(tables, run.p, run.vp, run.stages)[run.r]
     done = 0
     for step in plan:
         action = step.action
         if action is not None:
             assert action == table[done], f"round plan out of step with the table at {action}"
             received = run.take(action)
+            before = None
+            if last_backward is not None and action.kind == final and last_of_chunk[action.chunk] == done:
+                before = lambda c=action.chunk: last_backward(c)  # noqa: E731
             if action.kind == "F":
                 start, end = run.forward(action, received)
+            elif action.kind == "B":
+                start, end = run.backward(action, received, before if not run.split else None)
             else:
-                before = None
-                if last_backward is not None and final_backward[action.chunk] == done:
-                    before = lambda c=action.chunk: last_backward(c)  # noqa: E731
-                start, end = run.backward(action, received, before)
+                start, end = run.weights(action, before)
             run.note(action, start, end)
             done += 1
         run.exchange(step)

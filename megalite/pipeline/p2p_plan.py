@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from megalite.pipeline.schedule_table import Action
+from megalite.pipeline.stages import StageMap
 
 
 class Message(NamedTuple):
@@ -48,29 +49,35 @@ class Step(NamedTuple):
     recvs: tuple[tuple[int, Message], ...]
 
 
-def needed(action: Action, p: int, r: int, vp: int) -> tuple[int, Message] | None:
-    """(source pipeline rank, message) that ``action`` on rank ``r`` must receive first, if any."""
-    stage, last = action.chunk * p + r, p * vp - 1
-    if action.kind == "F":
-        return ((r - 1) % p, Message("F", action.chunk, action.microbatch)) if stage > 0 else None
-    return ((r + 1) % p, Message("B", action.chunk, action.microbatch)) if stage < last else None
-
-
-def produced(action: Action, p: int, r: int, vp: int) -> tuple[int, Message] | None:
-    """(destination pipeline rank, message) that ``action`` on rank ``r`` sends when it is done."""
-    stage, last = action.chunk * p + r, p * vp - 1
-    if action.kind == "F":
-        if stage == last:
-            return None
-        return (r + 1) % p, Message("F", action.chunk + (1 if r == p - 1 else 0), action.microbatch)
-    if stage == 0:
+def needed(action: Action, p: int, r: int, vp: int, stages: StageMap | None = None) -> tuple[int, Message] | None:
+    """(source pipeline rank, message) that ``action`` on rank ``r`` must receive first, if any; the source
+    is ``r`` itself where the V shape turns (rank p-1's chunk 0 feeds its chunk 1: a hand-off, no message).
+    Weight-gradient actions ("W") need nothing."""
+    stages = stages or StageMap(p, vp)
+    stage = stages.stage(r, action.chunk)
+    if action.kind == "W":
         return None
-    return (r - 1) % p, Message("B", action.chunk - (1 if r == 0 else 0), action.microbatch)
+    if action.kind == "F":
+        return (stages.holder(stage - 1)[0], Message("F", action.chunk, action.microbatch)) if stage > 0 else None
+    return (stages.holder(stage + 1)[0], Message("B", action.chunk, action.microbatch)) if stage < stages.last else None
 
 
-def round_plan(tables: Sequence[Sequence[Action]], p: int, vp: int) -> list[list[Step]]:
-    """Every rank's rounds (only those where it acts or communicates). Raises RuntimeError naming the
-    stuck ranks when the tables cannot complete."""
+def produced(action: Action, p: int, r: int, vp: int, stages: StageMap | None = None) -> tuple[int, Message] | None:
+    """(destination pipeline rank, message) that ``action`` on rank ``r`` hands on when it is done (to ``r``
+    itself where the V shape turns)."""
+    stages = stages or StageMap(p, vp)
+    stage = stages.stage(r, action.chunk)
+    if action.kind == "W" or (action.kind == "F" and stage == stages.last) or (action.kind == "B" and stage == 0):
+        return None
+    dst, chunk = stages.holder(stage + 1 if action.kind == "F" else stage - 1)
+    return dst, Message(action.kind, chunk, action.microbatch)
+
+
+def round_plan(tables: Sequence[Sequence[Action]], p: int, vp: int, stages: StageMap | None = None
+               ) -> list[list[Step]]:
+    """Every rank's rounds (only those where it acts or communicates). A hand-off to the rank itself is no
+    message (its table orders producer before consumer). Raises RuntimeError naming the stuck ranks when
+    the tables cannot complete."""
     pos, arrived = [0] * p, set()  # messages received by the end of the previous round
     plan: list[list[Step]] = [[] for _ in range(p)]
     k = 0
@@ -79,13 +86,14 @@ def round_plan(tables: Sequence[Sequence[Action]], p: int, vp: int) -> list[list
         for r in range(p):
             if pos[r] < len(tables[r]):
                 a = tables[r][pos[r]]
-                need = needed(a, p, r, vp)
-                if need is None or (r, need[1]) in arrived:
+                need = needed(a, p, r, vp, stages)
+                if need is None or need[0] == r or (r, need[1]) in arrived:
                     acted[r], pos[r] = a, pos[r] + 1
         if not any(acted):
             stuck = {r: tables[r][pos[r]] for r in range(p) if pos[r] < len(tables[r])}
             raise RuntimeError(f"pipeline schedule deadlocks; ranks wait at {stuck}")
-        out = {r: produced(a, p, r, vp) if a else None for r, a in enumerate(acted)}
+        out = {r: produced(a, p, r, vp, stages) if a else None for r, a in enumerate(acted)}
+        out = {r: o if o is None or o[0] != r else None for r, o in out.items()}  # hand-offs stay local
         for r in range(p):
             sends = (out[r],) if out[r] else ()
             recvs = tuple((src, msg) for src, o in out.items() if o for dst, msg in [o] if dst == r)

@@ -1,11 +1,14 @@
 """forward_backward(): pick this rank's schedule table for the step and run it.
 
 p = 1 is plain gradient accumulation (F0 B0 F1 B1 ...); p > 1 is 1F1B (or GPipe), interleaved when
-each rank holds several model chunks. The same executor runs all of them. The pipeline knows no model:
-the caller gives the step function and the shape of the hidden states passed between stages.
+each rank holds several model chunks, or a zero-bubble schedule (ZB-H1, ZB-V: zero_bubble.py). The same
+executor runs all of them. The pipeline knows no model: the caller gives the step function and the shape
+of the hidden states passed between stages.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 
@@ -19,4 +22,4 @@ def forward_backward(job: PipelinePass, schedule: str = "1f1b") -> list[torch.Te
     per-micro-batch losses, before the backward factor S / m (empty on other stages)."""
     spec = ScheduleSpec(job.pg.pp_size, len(job.chunks), len(job.microbatches), schedule)
     tables = [forward_only_table(spec)] * spec.pp if job.forward_only else build_tables(spec)
-    return run_table(tables, job)
+    return run_table(tables, replace(job, stages=spec.stages))

@@ -29,6 +29,7 @@ from megalite.optimizer.optimizer import MegaliteOptimizer
 from megalite.parallel.groups import Group, ProcessGroups
 from megalite.parallel.loss_scaling import LossScaling
 from megalite.pipeline.executor import PipelinePass, PipelineRecord
+from megalite.pipeline.partition import loss_rank
 from megalite.pipeline.schedules import forward_backward
 from megalite.tensor_parallel.param_meta import FAMILIES, param_meta
 from megalite.training.batches import RunData, global_batch
@@ -72,15 +73,17 @@ def run_microbatches(chunks: list[nn.Module], microbatches: list[dict], pg: Proc
                             schedule)
 
 
-def reported_loss(losses: list[torch.Tensor], pg: ProcessGroups) -> float:
-    """Mean micro-batch loss over DP, computed on the last stage and shared with every stage (the
-    average over DP x CP of LossScaling.microbatch_loss, docs/design.md §3.9)."""
+def reported_loss(losses: list[torch.Tensor], pg: ProcessGroups, schedule: str = "1f1b") -> float:
+    """Mean micro-batch loss over DP, computed on the stage that holds the loss (the last pipeline rank, or
+    the first under ZB-V) and shared with every stage (the average over DP x CP of
+    LossScaling.microbatch_loss, docs/design.md §3.9)."""
     t = torch.zeros(1, dtype=torch.float32, device=device.current_device())
-    if pg.is_last_stage:
+    src = loss_rank(pg.pp_size, schedule)
+    if pg.pp_rank == src:
         t += torch.stack(losses).float().mean()
         pg.all_reduce(t, pg.grad_kind)
         LossScaling.of(pg).reported(t)
-    pg.broadcast(t, Group.PP, src_index=pg.pp_size - 1)
+    pg.broadcast(t, Group.PP, src_index=src)
     return float(t)
 
 
@@ -143,7 +146,7 @@ def train_step(run: TrainingRun, timers: Timers) -> StepOutput:
     update_expert_bias(run.chunks, pg)
     if cfg.training.empty_unused_memory_level >= 2:
         device.empty_cache()
-    loss = reported_loss(losses, pg)
+    loss = reported_loss(losses, pg, cfg.parallel.pipeline_schedule)
     pg.end_step("training step")
     return StepOutput(loss, result.grad_norm, result.skipped, scaling.loss_scale, record)
 
@@ -173,23 +176,23 @@ def evaluate(chunks: list[nn.Module], dataset, start: int, cfg: MegaliteConfig, 
         c.eval()
     losses: list[torch.Tensor] = []
     weighted, tokens = 0.0, 0.0
-    gbs = cfg.training.global_batch_size
+    gbs, schedule = cfg.training.global_batch_size, cfg.parallel.pipeline_schedule
     for k in range(cfg.training.eval_iters):
         mbs = global_batch(dataset, start + k * gbs, cfg, pg, device.current_device(), eod)
         scaling = step_scaling(cfg, pg, mbs)
-        batch = run_microbatches(chunks, scaling.normalised(mbs), pg, scaling, forward_only=True)
+        batch = run_microbatches(chunks, scaling.normalised(mbs), pg, scaling, schedule, forward_only=True)
         if scaling.global_tokens is None:
             losses += batch
         else:  # this batch's per-token mean, weighted by its token count
             count = float(scaling.global_tokens)
-            weighted, tokens = weighted + reported_loss(batch, pg) * count, tokens + count
+            weighted, tokens = weighted + reported_loss(batch, pg, schedule) * count, tokens + count
         if cfg.training.empty_unused_memory_level >= 1:
             device.empty_cache()
     for c in chunks:
         c.train()
     if cfg.training.calculate_per_token_loss:
         return weighted / tokens if tokens else 0.0
-    return reported_loss(losses, pg)
+    return reported_loss(losses, pg, schedule)
 
 
 def write_timeline(cfg: MegaliteConfig, pg: ProcessGroups, record: PipelineRecord, vp: int) -> None:

@@ -1,0 +1,64 @@
+"""The vocabulary of schedule tables (``Action``, ``ScheduleSpec``) and which virtual stage each (pipeline
+rank, model chunk) holds (``StageMap``).
+
+Two placements: round-robin (1F1B, interleaved 1F1B: virtual stage s = chunk·p + rank, so a micro-batch
+goes round the ranks v times) and the V shape of ZB-V (two chunks per rank: chunk 0 is stage r, chunk 1
+stage 2p−1−r, so a micro-batch goes down the ranks and back up; rank p−1 hands its chunk 0's output to
+its own chunk 1, and rank 0 holds both the first and the last stage: the embedding and the loss).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+
+@dataclass(frozen=True)
+class StageMap:
+    pp: int
+    vp: int = 1
+    v_shape: bool = False
+
+    def __post_init__(self) -> None:
+        if self.v_shape and self.vp != 2:
+            raise ValueError(f"the V-shaped placement holds 2 chunks per rank, not {self.vp}")
+
+    @property
+    def last(self) -> int:
+        return self.pp * self.vp - 1
+
+    def stage(self, rank: int, chunk: int) -> int:
+        if self.v_shape:
+            return rank if chunk == 0 else 2 * self.pp - 1 - rank
+        return chunk * self.pp + rank
+
+    def holder(self, stage: int) -> tuple[int, int]:
+        """(rank, chunk) holding virtual stage ``stage``."""
+        if self.v_shape:
+            return (stage, 0) if stage < self.pp else (2 * self.pp - 1 - stage, 1)
+        return stage % self.pp, stage // self.pp
+
+
+class Action(NamedTuple):
+    kind: str  # "F", "B" (the whole backward, or its input-gradient part where the table has "W"s) or "W"
+    chunk: int
+    microbatch: int
+
+
+ZERO_BUBBLE = ("zb-h1", "zbv")  # the schedules whose backward is split into B and W
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    pp: int
+    vp: int
+    microbatches: int
+    kind: str = "1f1b"  # "1f1b", "gpipe" (interleaved when vp > 1), "zb-h1" or "zbv"
+
+    @property
+    def stages(self) -> StageMap:
+        return StageMap(self.pp, self.vp, v_shape=self.kind == "zbv")
+
+    @property
+    def split_backward(self) -> bool:
+        return self.kind in ZERO_BUBBLE
