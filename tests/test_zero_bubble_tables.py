@@ -131,3 +131,23 @@ def test_wrong_chunk_counts_are_named():
         build_tables(ScheduleSpec(2, 2, 4, "zb-h1"))
     with pytest.raises(ValueError, match="zbv runs 2 model chunks per rank"):
         build_tables(ScheduleSpec(2, 1, 4, "zbv"))
+
+
+@pytest.mark.parametrize("flags,rule", [
+    ({"pipeline_schedule": "zbv", "num_layers": 6}, "divisible by 2 x --pipeline-model-parallel-size"),
+    ({"pipeline_schedule": "zbv", "untie_embeddings_and_output_weights": False}, "untie-embeddings"),
+    ({"pipeline_schedule": "zb-h1", "num_layers_per_virtual_pipeline_stage": 1}, "places its own model chunks"),
+    ({"pipeline_schedule": "zbv", "save": "ck"}, "checkpoints of its V placement"),
+])
+def test_schedule_rules_are_named(flags, rule):
+    from megalite.config import ConfigError, validate
+    from megalite.config.arguments import MegaliteConfig
+    from tests.tp_utils import LLAMA_GQA, layout_flat
+
+    model = {**LLAMA_GQA, "num_layers": 4, **{k: v for k, v in flags.items() if k in ("num_layers",)}}
+    if "untie_embeddings_and_output_weights" in flags:
+        model["untie_embeddings_and_output_weights"] = False
+    rest = {k: v for k, v in flags.items() if k not in ("num_layers", "untie_embeddings_and_output_weights")}
+    cfg = MegaliteConfig.from_flat(layout_flat(model, vocab=64, iters=2, pp=2, **rest))
+    with pytest.raises(ConfigError, match=rule):
+        validate(cfg, 2)

@@ -120,6 +120,10 @@ def pipeline_schedule_errors(cfg: "MegaliteConfig") -> list[str]:
     if kind == "zbv" and pp > 1 and m.tied_embeddings:
         errors.append("--pipeline-schedule zbv puts the embedding and the output layer on the same rank in two model "
                       "chunks; tied embeddings are not supported there: add --untie-embeddings-and-output-weights")
+    ck = cfg.checkpoint
+    if kind == "zbv" and pp > 1 and (ck.save or ck.load):
+        errors.append("--pipeline-schedule zbv: checkpoints of its V placement are not supported yet (--save / "
+                      "--load); train with --pipeline-schedule 1f1b or zb-h1 to save or load")
     return errors
 
 
