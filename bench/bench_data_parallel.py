@@ -193,7 +193,7 @@ class Trainer:
         for b in self.buffers:
             b.last_microbatch = False
 
-        def last_backward(chunk: int) -> None:
+        def last_backward(chunk: int, deferred: set | None = None) -> None:
             self.buffers[chunk].last_microbatch = True
 
         self.optimizer.wait_param_gather()

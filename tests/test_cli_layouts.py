@@ -1,8 +1,8 @@
-"""Promise, end to end through pretrain_gpt.py's entry point on real ranks (and one case through torchrun
-itself): the log's lm loss equals the
-single-process run's within 1e-5 relative at every iteration, and so does the grad norm (the issues'
-acceptance commands: TP, GQA with groups < TP, interleaved PP, TP x PP, the distributed optimizer, TP with
-SP, ZeRO-3, CP's a2a and allgather, EP with each dispatcher; with scripts/test_torch.sh, on each torch release)."""
+"""Promise, end to end through pretrain_gpt.py's entry point on real ranks (and one case through torchrun itself):
+the log's lm loss equals the single-process run's within 1e-5 relative at every iteration, and so does the grad
+norm (the issues' acceptance commands: TP, GQA with groups < TP, interleaved PP, TP x PP, the distributed
+optimizer, TP with SP, ZeRO-3, CP's a2a and allgather, the zero-bubble schedules ZB-H1 and ZB-V at p = 2 and 4,
+EP with each dispatcher; with scripts/test_torch.sh, on each torch release)."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ LLAMA = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8
 MOE = [*LLAMA, "--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01"]
 PIPE = ["--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
         "--micro-batch-size", "1", "--global-batch-size", "4"]  # 4 micro-batches of 1 at DP 1
+PIPE_UNTIED = [*PIPE, "--untie-embeddings-and-output-weights"]  # ZB-V: the embedding and output on one rank
 
 CASES = {
     "gpt2_tp2": (GPT2, ["--tensor-model-parallel-size", "2"], 2),
@@ -35,6 +36,10 @@ CASES = {
     "pp2_1f1b_m4": (PIPE, ["--pipeline-model-parallel-size", "2"], 2),
     "pp2_interleaved": (PIPE, ["--pipeline-model-parallel-size", "2",
                                   "--num-layers-per-virtual-pipeline-stage", "1"], 2),
+    "pp2_zbh1": (PIPE, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1"], 2),
+    "pp4_zbh1": (PIPE, ["--pipeline-model-parallel-size", "4", "--pipeline-schedule", "zb-h1"], 4),
+    "pp2_zbv": (PIPE_UNTIED, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zbv"], 2),
+    "pp4_zbv": (PIPE_UNTIED, ["--pipeline-model-parallel-size", "4", "--pipeline-schedule", "zbv"], 4),
     "dp4_distopt": (PIPE, ["--use-distributed-optimizer"], 4),
     "tp2_dp2_distopt": (GPT2, ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer"], 4),
     "tp2_sp": (LLAMA, ["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2),
@@ -63,6 +68,11 @@ def test_torchrun_matches_single_process():
     """The same through torchrun itself (its processes, environment and rendezvous): a 1F1B pipeline on 2
     ranks under NCCL's point-to-point rules."""
     _check("pp2_1f1b_m4", {"MEGALITE_NCCL_SEMANTICS": "1"}, run_pretrain)
+
+
+def test_torchrun_zero_bubble_matches_single_process():
+    """ZB-H1 through torchrun on 2 ranks under NCCL's point-to-point rules (its split backward included)."""
+    _check("pp2_zbh1", {"MEGALITE_NCCL_SEMANTICS": "1"}, run_pretrain)
 
 
 def _check(case: str, env: dict | None = None, launch: Callable[..., subprocess.CompletedProcess] = launch_pretrain

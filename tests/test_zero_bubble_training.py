@@ -1,8 +1,9 @@
-"""Promise (docs/parallelism.md, "Zero-bubble schedules"): --pipeline-schedule zb-h1 and zbv give the
-single-process loss curve and grad norms (fp32, relative 1e-5, 5 iterations) at p = 2 and p = 4, with
-TP2 + SP, DP2 with the distributed optimizer and --overlap-grad-reduce, full recomputation, and MoE with
-EP2; every layout under NCCL's point-to-point rules, one also on plain gloo; evaluation (forward only)
-through the same placement. The tables themselves: tests/test_zero_bubble_tables.py."""
+"""Promise (docs/parallelism.md, "Zero-bubble schedules"): --pipeline-schedule zb-h1 and zbv give the single-
+process loss curve and grad norms (fp32, relative 1e-5, 5 iterations) at p = 2 and p = 4, with TP2 + SP, DP2
+with the distributed optimizer and --overlap-grad-reduce, ZeRO-2 (overlapped) and ZeRO-3 with the fused output
+layer + cross-entropy, full recomputation, and MoE with EP2 (the backward split into B and W:
+tests/test_split_backward.py); every layout under NCCL's point-to-point rules, one also on plain gloo;
+evaluation (forward only) through the same placement. The tables themselves: tests/test_zero_bubble_tables.py."""
 
 from __future__ import annotations
 
@@ -27,6 +28,10 @@ LAYOUTS = {
     "zbh1_pp2_dp2_distopt": (1, 2, 1, {"pipeline_schedule": "zb-h1", **DPO, **EVAL}),
     "zbh1_pp2_dp2_recompute": (1, 2, 1, {"pipeline_schedule": "zb-h1", **RECOMPUTE}),
     "zbh1_pp2_ep2": (1, 2, 1, {"pipeline_schedule": "zb-h1", "expert_model_parallel_size": 2}),
+    "zbh1_pp2_zero2": (1, 2, 1, {"pipeline_schedule": "zb-h1", "data_parallel_sharding_strategy": "optim_grads",
+                                 "overlap_grad_reduce": True}),
+    "zbh1_pp2_zero3_fused_ce": (1, 2, 1, {"pipeline_schedule": "zb-h1", "cross_entropy_loss_fusion": True,
+                                          "data_parallel_sharding_strategy": "optim_grads_params"}),
     "zbv_pp4": (1, 4, 1, {"pipeline_schedule": "zbv"}),
     "zbv_pp2_tp2_sp": (2, 2, 1, {"pipeline_schedule": "zbv", "sequence_parallel": True}),
     "zbv_pp2_dp2_distopt": (1, 2, 1, {"pipeline_schedule": "zbv", **DPO, **EVAL}),
@@ -34,7 +39,8 @@ LAYOUTS = {
     "zbv_pp2_ep2": (1, 2, 1, {"pipeline_schedule": "zbv", "expert_model_parallel_size": 2}),
 }
 CASES = [("llama4", "zbh1_pp4"), ("llama4", "zbh1_pp2_tp2_sp"), ("llama4", "zbh1_pp2_dp2_distopt"),
-         ("llama4", "zbh1_pp2_dp2_recompute"), ("moe4", "zbh1_pp2_ep2"),
+         ("llama4", "zbh1_pp2_dp2_recompute"), ("moe4", "zbh1_pp2_ep2"), ("llama4", "zbh1_pp2_zero2"),
+         ("llama4", "zbh1_pp2_zero3_fused_ce"),
          ("llama8", "zbv_pp4"), ("llama4", "zbv_pp2_tp2_sp"), ("llama4", "zbv_pp2_dp2_distopt"),
          ("llama4", "zbv_pp2_dp2_recompute"), ("moe4", "zbv_pp2_ep2")]
 GLOO_CASES = [("llama4", "zbv_pp2_tp2_sp")]

@@ -198,10 +198,22 @@ class GradBuffer:
             p.main_grad.add_(p.grad)
             p.grad = None
         if self.overlap and self.last_microbatch:
-            bucket = self.bucket_of[p]
-            bucket.ready.add(id(p))
-            if len(bucket.ready) == len(bucket.params):
-                self._start(bucket)
+            self._count_ready(p)
+
+    def mark_ready(self, params: list[nn.Parameter]) -> None:
+        """With --overlap-grad-reduce, count ``params`` as done for this step (a split backward: their
+        gradients, computed in B, are complete before the last W adds the others'); a bucket whose every
+        parameter is done starts reducing. ZeRO-2/3 reduce per micro-batch and need no count."""
+        if not self.overlap or self.shard_grads:
+            return
+        for p in params:
+            self._count_ready(p)
+
+    def _count_ready(self, p: nn.Parameter) -> None:
+        bucket = self.bucket_of[p]
+        bucket.ready.add(id(p))
+        if len(bucket.ready) == len(bucket.params):
+            self._start(bucket)
 
     def _sharded_hook(self, p: nn.Parameter) -> None:
         bucket = self.bucket_of[p]

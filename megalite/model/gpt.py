@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megalite.attention import Documents
@@ -33,6 +32,7 @@ from megalite.tensor_parallel.param_meta import amend_param
 from megalite.tensor_parallel.random import hidden_dropout
 from megalite.tensor_parallel.recompute import recompute
 from megalite.tensor_parallel.sharding import VocabShardSpec
+from megalite.tensor_parallel.weight_grad import linear
 
 TIED_EMBEDDING = "embedding.word.weight"
 
@@ -144,7 +144,7 @@ class GPTModel(nn.Module):
         if self.output_layer is None:
             if self.ctx.sequence_parallel:
                 return linear_gathering_sequence(hidden, self.embedding.word.weight, None, self.pg)
-            return F.linear(copy_to_tp(hidden, self.pg), self.embedding.word.weight)
+            return linear(copy_to_tp(hidden, self.pg), self.embedding.word.weight)
         return self.output_layer(hidden)
 
     def forward(self, tokens: torch.Tensor | None = None, labels: torch.Tensor | None = None,

@@ -18,6 +18,7 @@ from megalite.parallel.groups import Group
 from megalite.tensor_parallel.context import BuildContext
 from megalite.tensor_parallel.param_meta import EXPERT, amend_param, declare_param
 from megalite.tensor_parallel.sharding import ShardSpec
+from megalite.tensor_parallel.weight_grad import experts_linear
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -40,7 +41,11 @@ def _grouped_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int], grouped: bool) -> torch.Tensor:
     """Rows of ``x`` [n, in], consecutive blocks of ``counts`` rows, each times its expert's ``weight[e]``
     [out, in] transposed: [n, out]. Grouped where possible, else (no rows, sizes it refuses, a torch without it) the
-    loop."""
+    loop. In a split backward (``tensor_parallel/weight_grad.py``) the per-expert loop whose weight gradient
+    is deferred to W."""
+    deferrable = experts_linear(x, weight, counts)
+    if deferrable is not None:
+        return deferrable
     if grouped and x.shape[0] > 0 and compat.grouped_mm_supported(x.device.type, x.dtype) \
             and _grouped_mm_fits(x, weight):
         offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)

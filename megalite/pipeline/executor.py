@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -30,6 +31,7 @@ from megalite.parallel.loss_scaling import LossScaling
 from megalite.pipeline.p2p_plan import Message, Step, needed, produced, round_plan
 from megalite.pipeline.schedule_table import Action
 from megalite.pipeline.stages import StageMap
+from megalite.tensor_parallel.weight_grad import WeightGradStore
 
 # forward_step(chunk_module, microbatch, hidden_or_None) -> loss (last stage) or hidden states
 ForwardStep = Callable[[nn.Module, dict, torch.Tensor | None], torch.Tensor]
@@ -39,12 +41,15 @@ ForwardStep = Callable[[nn.Module, dict, torch.Tensor | None], torch.Tensor]
 class PipelineRecord:
     """What one step did on this rank: seconds of forward and backward compute and of waiting for p2p
     receives; optionally the timeline of (kind, chunk, micro-batch, start, end) in wall-clock seconds
-    (comparable across the ranks of a machine); and the peak number of live activations."""
+    (comparable across the ranks of a machine); the peak number of live activations and, in a split backward,
+    of queued weight gradients and their bytes."""
 
     keep_timeline: bool = True
     synchronize: bool = False  # make device timings real (costs a sync per action)
     timeline: list[tuple[str, int, int, float, float]] = field(default_factory=list)
     peak_live: int = 0
+    peak_deferred: int = 0  # split backward: most W's pending at once (chunk micro-batches)
+    peak_deferred_bytes: int = 0  # and the bytes they kept (output gradients, inputs)
     forward_s: float = 0.0
     backward_s: float = 0.0
     wait_s: float = 0.0
@@ -70,10 +75,11 @@ class PipelinePass:
     share of the loss in training), ``recv_shape`` the hidden states passed between stages (their dtype is
     the chunks' parameters'). ``scaling`` turns the last stage's output into the micro-batch loss and its
     backward seed (docs/design.md §3.9); without one, the loss is the output and the seed output / m.
-    ``last_backward(chunk)`` runs just before each chunk's last backward, or its last W where the table has
-    W's (its buckets may start reducing). ``weight_grads`` (split backward, see the module docstring): an
-    object with ``collect(key)`` and ``run(key)``; ``stages``: the placement of the chunks (default
-    round-robin)."""
+    ``last_backward(chunk, deferred)`` runs just before each chunk's last backward (``deferred`` None), or
+    its last W where the table has W's (``deferred``: the parameters whose gradients W's still add; every
+    other parameter's are complete): its buckets may start reducing. ``weight_grads``: the split
+    backward's ``WeightGradStore`` (see the module docstring); ``stages``: the placement of the chunks
+    (default round-robin)."""
 
     chunks: Sequence[nn.Module]
     microbatches: Sequence[dict]
@@ -83,8 +89,8 @@ class PipelinePass:
     forward_only: bool = False
     record: PipelineRecord | None = None
     scaling: LossScaling | None = None
-    last_backward: Callable[[int], None] | None = None
-    weight_grads: object | None = None
+    last_backward: Callable[[int, set | None], None] | None = None
+    weight_grads: WeightGradStore | None = None
     stages: StageMap | None = None
 
 
@@ -100,6 +106,7 @@ class _Run:
     in_flight: list[P2PWork] = field(default_factory=list)
     losses: list[torch.Tensor] = field(default_factory=list)
     local: dict[Message, torch.Tensor] = field(default_factory=dict)  # hand-offs between this rank's chunks
+    split: bool = False  # the table has W's: each B computes input gradients only
 
     def __post_init__(self) -> None:
         j = self.job
@@ -151,7 +158,9 @@ class _Run:
         if hidden is not None:
             hidden.requires_grad_(not self.forward_only)
         start = self.clock()  # compute starts once the input has arrived: waiting is bubble
-        with torch.set_grad_enabled(not self.forward_only):
+        store = self.job.weight_grads
+        deferrable = store.deferrable() if store is not None and self.split else nullcontext()
+        with torch.set_grad_enabled(not self.forward_only), deferrable:
             out = self.job.forward_step(self.chunks[c], self.microbatches[mb], hidden)
         end = self.clock()
         if self.stages.stage(self.r, c) == self.last_stage:
@@ -180,6 +189,9 @@ class _Run:
         if store is not None and self.split:
             with store.collect((action.chunk, action.microbatch)):
                 _backward(out, grad)
+            if self.record is not None:
+                self.record.peak_deferred = max(self.record.peak_deferred, store.pending())
+                self.record.peak_deferred_bytes = max(self.record.peak_deferred_bytes, store.pending_bytes())
         else:
             _backward(out, grad)
         end = self.clock()
@@ -194,6 +206,12 @@ class _Run:
         if self.job.weight_grads is not None:
             self.job.weight_grads.run((action.chunk, action.microbatch))
         return start, self.clock()
+
+    def before_last(self, last_backward: Callable[[int, set | None], None], chunk: int) -> Callable[[], None]:
+        store = self.job.weight_grads
+        if not self.split or store is None:
+            return lambda: last_backward(chunk, None)
+        return lambda: last_backward(chunk, store.deferred.get(chunk, set()))
 
     def hand_on(self, action: Action, t: torch.Tensor | None) -> None:
         """What ``action`` produced, to the next stage: this round's send, or a hand-off on this rank."""
@@ -235,7 +253,7 @@ def run_table(tables: Sequence[Sequence[Action]], job: PipelinePass) -> list[tor
             received = run.take(action)
             before = None
             if last_backward is not None and action.kind == final and last_of_chunk[action.chunk] == done:
-                before = lambda c=action.chunk: last_backward(c)  # noqa: E731
+                before = run.before_last(last_backward, action.chunk)
             if action.kind == "F":
                 start, end = run.forward(action, received)
             elif action.kind == "B":

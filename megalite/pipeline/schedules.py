@@ -14,12 +14,17 @@ import torch
 
 from megalite.pipeline.executor import PipelinePass, run_table
 from megalite.pipeline.schedule_table import ScheduleSpec, build_tables, forward_only_table
+from megalite.tensor_parallel.weight_grad import WeightGradStore
 
 
 def forward_backward(job: PipelinePass, schedule: str = "1f1b") -> list[torch.Tensor]:
     """Run all micro-batches of a step on ``schedule``'s tables; gradients accumulate in the chunks'
     parameters (each micro-batch's backward seeded as ``job.scaling`` says). Returns the last stage's
-    per-micro-batch losses, before the backward factor S / m (empty on other stages)."""
+    per-micro-batch losses, before the backward factor S / m (empty on other stages). A zero-bubble schedule
+    splits each backward through a fresh weight-gradient store (tensor_parallel/weight_grad.py)."""
     spec = ScheduleSpec(job.pg.pp_size, len(job.chunks), len(job.microbatches), schedule)
     tables = [forward_only_table(spec)] * spec.pp if job.forward_only else build_tables(spec)
-    return run_table(tables, replace(job, stages=spec.stages))
+    store = job.weight_grads
+    if store is None and spec.split_backward and not job.forward_only:
+        store = WeightGradStore()
+    return run_table(tables, replace(job, stages=spec.stages, weight_grads=store))

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.parallel.groups import Group, ProcessGroups
+from megalite.tensor_parallel.weight_grad import weight_grad
 
 # A chunk holds about CHUNK_ELEMENTS fp32 logits (64 MiB), and at least MIN_CHUNK_TOKENS tokens: below that
 # the per-chunk accumulation of the [v/tp, h] weight gradient costs more than the chunk's GEMMs gain
@@ -111,25 +112,36 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             grad_x = grad_x_unit.mul_(g.unsqueeze(-1))
         else:  # scale in fp32: g carries the fp16 loss scale, which alone may exceed the 16-bit range
             grad_x = (grad_x_unit.float() * g.unsqueeze(-1)).to(grad_x_unit.dtype)
-        g0 = g.mode().values if g.numel() else g.new_zeros(())
-        grad_w = grad_w_unit.mul_(g0)
-        redo = (g != g0).nonzero().squeeze(-1)  # the same on every TP rank (the loss is replicated there)
-        if redo.numel():
-            flat = (pg.all_gather(x, Group.TP, dim=0) if ctx.sp else x).reshape(-1, x.shape[-1])
-            n_real = min(max(ctx.vocab_size - pg.tp_rank * weight.shape[0], 0), weight.shape[0])
-            buf = torch.empty(min(ctx.rows, redo.numel()), weight.shape[0], dtype=torch.float32, device=x.device)
-            for lo in range(0, redo.numel(), ctx.rows):
-                idx = redo[lo:lo + ctx.rows]
-                xs = flat[idx]
-                exp = _chunk_logits(xs, weight, n_real, buf).sub_(global_max[idx].unsqueeze(-1)).exp_()
-                d = _softmax_minus_onehot(exp, sum_exp[idx], local_target[idx], outside[idx])
-                _accumulate(grad_w, d.mul_((g[idx] - g0).unsqueeze(-1)).to(weight.dtype), xs)
+        grad_w = weight_grad(weight, lambda: _weight_grad(ctx, g, weight, x, global_max, sum_exp, local_target,
+                                                          outside, grad_w_unit), g, grad_w_unit)
         grad_x = grad_x.view(-1, *x.shape[1:])  # [s, b, h], the gathered sequence with SP
         if ctx.sp:
             grad_x = pg.reduce_scatter(grad_x, Group.TP, dim=0)
         elif pg.tp_size > 1:
             pg.all_reduce(grad_x, Group.TP)  # every rank's vocab columns contributed to the replicated input
-        return grad_x, grad_w.to(weight.dtype), None, None, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None, None
+
+
+def _weight_grad(ctx, g: torch.Tensor, weight: torch.Tensor, x: torch.Tensor, global_max: torch.Tensor,
+                 sum_exp: torch.Tensor, local_target: torch.Tensor, outside: torch.Tensor,
+                 grad_w_unit: torch.Tensor) -> torch.Tensor:
+    """grad_W = g0 * P + the tokens whose upstream gradient differs from g0, their logits recomputed (W of a
+    split backward, or the rest of an unsplit one)."""
+    pg = ctx.pg
+    g0 = g.mode().values if g.numel() else g.new_zeros(())
+    grad_w = grad_w_unit.mul_(g0)
+    redo = (g != g0).nonzero().squeeze(-1)  # the same on every TP rank (the loss is replicated there)
+    if redo.numel():
+        flat = (pg.all_gather(x, Group.TP, dim=0) if ctx.sp else x).reshape(-1, x.shape[-1])
+        n_real = min(max(ctx.vocab_size - pg.tp_rank * weight.shape[0], 0), weight.shape[0])
+        buf = torch.empty(min(ctx.rows, redo.numel()), weight.shape[0], dtype=torch.float32, device=x.device)
+        for lo in range(0, redo.numel(), ctx.rows):
+            idx = redo[lo:lo + ctx.rows]
+            xs = flat[idx]
+            exp = _chunk_logits(xs, weight, n_real, buf).sub_(global_max[idx].unsqueeze(-1)).exp_()
+            d = _softmax_minus_onehot(exp, sum_exp[idx], local_target[idx], outside[idx])
+            _accumulate(grad_w, d.mul_((g[idx] - g0).unsqueeze(-1)).to(weight.dtype), xs)
+    return grad_w.to(weight.dtype)
 
 
 def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,

@@ -19,6 +19,7 @@ from megalite.tensor_parallel.mappings import (
 )
 from megalite.tensor_parallel.param_meta import declare_param
 from megalite.tensor_parallel.sharding import REPLICATED, ShardSpec, VocabShardSpec
+from megalite.tensor_parallel.weight_grad import linear, weight_grad
 
 
 def _new_param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | None) -> nn.Parameter:
@@ -33,7 +34,8 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:
 
 class _GatherLinear(torch.autograd.Function):
     """Sequence-parallel input -> all-gather -> GEMM, saving only the local sequence shard for backward
-    (the gathered input is gathered again in backward): the activation saving SP exists for."""
+    (the gathered input is gathered again in backward): the activation saving SP exists for. In a split
+    backward (``weight_grad.py``) the weight gradient's all-gather and GEMM run in W."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pg: ProcessGroups):
@@ -44,18 +46,22 @@ class _GatherLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g: torch.Tensor):
         x, weight = ctx.saved_tensors
-        full = ctx.pg.all_gather(x, Group.TP, dim=0)
-        grad_x = ctx.pg.reduce_scatter(g.matmul(weight), Group.TP, dim=0)
-        grad_w = g.reshape(-1, g.shape[-1]).t().matmul(full.reshape(-1, full.shape[-1]))
+        pg = ctx.pg
+
+        def grad_w() -> torch.Tensor:
+            full = pg.all_gather(x, Group.TP, dim=0)
+            return g.reshape(-1, g.shape[-1]).t().matmul(full.reshape(-1, full.shape[-1]))
+
+        grad_x = pg.reduce_scatter(g.matmul(weight), Group.TP, dim=0)
         grad_b = g.reshape(-1, g.shape[-1]).sum(0) if ctx.has_bias else None
-        return grad_x, grad_w, grad_b, None
+        return grad_x, weight_grad(weight, grad_w, g, x), grad_b, None
 
 
 def linear_gathering_sequence(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                               pg: ProcessGroups) -> torch.Tensor:
     """F.linear of the all-gathered sequence-parallel input [s/tp, b, in] -> [s, b, out/tp]."""
     if pg.tp_size == 1:
-        return F.linear(x, weight, bias)
+        return linear(x, weight, bias)
     return _GatherLinear.apply(x, weight, bias, pg)
 
 
@@ -87,7 +93,7 @@ class ColumnParallelLinear(nn.Module):
         if self.sequence_parallel:
             y = linear_gathering_sequence(x, self.weight, self.bias, self.pg)
         else:
-            y = F.linear(copy_to_tp(x, self.pg), self.weight, self.bias)
+            y = linear(copy_to_tp(x, self.pg), self.weight, self.bias)
         return gather_from_tp(y, self.pg) if self.gather_output else y
 
 
@@ -115,8 +121,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.pg.tp_size == 1:  # nothing to reduce: the GEMM adds the bias (one pass less each way)
-            return F.linear(x, self.weight, self.bias)
-        y = F.linear(x, self.weight)
+            return linear(x, self.weight, self.bias)
+        y = linear(x, self.weight)
         y = reduce_scatter_to_sp(y, self.pg) if self.sequence_parallel else reduce_from_tp(y, self.pg)
         return y + self.bias if self.bias is not None else y
 

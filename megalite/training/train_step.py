@@ -157,10 +157,12 @@ def _forward_backward(run: TrainingRun, microbatches: list[dict], scaling: LossS
     for b in run.buffers:
         b.last_microbatch = False
 
-    def last_backward(chunk: int) -> None:
+    def last_backward(chunk: int, deferred: set | None) -> None:
         for b in run.buffers:
             if b.chunk == chunk:
                 b.last_microbatch = True
+                if deferred is not None:  # split backward: what B computed is complete before the last W
+                    b.mark_ready([p for p in b.ranges if p not in deferred])
 
     return run_microbatches(run.chunks, microbatches, run.pg, scaling, run.cfg.parallel.pipeline_schedule,
                             record=record, last_backward=last_backward)

@@ -1,0 +1,168 @@
+"""The split backward of the zero-bubble schedules: B computes input gradients, W the weight gradients later.
+
+A zero-bubble table runs each micro-batch's backward as two actions. B (on the critical path: the previous
+stage waits for its input gradient) runs inside ``store.collect(key)``: every GEMM that supports it returns
+its input gradient and queues, instead of computing, its weight gradient, keeping what that needs (its
+output gradient and its input). W runs ``store.run(key)`` later, in what would be a bubble: each queued
+weight gradient is computed and accumulated through autograd (``param.backward(grad)``), so the
+gradient-accumulation hooks of bucketed DP, the distributed optimizer and ZeRO-2/3 fire exactly as in an
+unsplit backward and see the same sums.
+
+What is deferred: the weights of the tensor-parallel linear layers (column and row, with sequence
+parallelism: the input's local shard is kept and all-gathered again in W, as the unsplit backward does),
+the output layer (unfused; fused with the cross-entropy its GEMM runs in the forward by design, and only
+its scaling and per-token corrections move to W) and the routed experts. What stays in B: norms, biases,
+embeddings, the router and the shared-expert gate (vectors or small GEMMs; their gradients come with the
+input gradient's own kernels).
+
+The deferrable path is taken only where a store is armed: in forwards run under ``store.deferrable()``
+and in everything under ``collect`` (recomputation replays the forward there). Elsewhere the layers run
+their usual kernels and nothing changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+WeightGradFn = Callable[[], torch.Tensor]
+
+_ARMED: WeightGradStore | None = None  # the store whose deferrable path is in use (forward or B)
+_COLLECTING: tuple[WeightGradStore, Hashable] | None = None  # inside B: where W's go
+
+
+class WeightGradStore:
+    """The queued weight gradients of one pipeline pass, by (model chunk, micro-batch), run first in first
+    out. Every tensor-parallel rank queues the same GEMMs in the same order, so a W that communicates (the
+    sequence-parallel all-gather) pairs up across them."""
+
+    def __init__(self) -> None:
+        self._queues: dict[Hashable, list[tuple[nn.Parameter, WeightGradFn, int]]] = {}
+        self.deferred: dict[int, set[nn.Parameter]] = {}  # chunk -> parameters whose gradient W computes
+
+    @contextmanager
+    def deferrable(self) -> Iterator[None]:
+        """Forwards under this build the graph whose backward can defer its weight gradients."""
+        global _ARMED
+        before, _ARMED = _ARMED, self
+        try:
+            yield
+        finally:
+            _ARMED = before
+
+    @contextmanager
+    def collect(self, key: Hashable) -> Iterator[None]:
+        """A backward under this queues its deferrable weight gradients under ``key`` ((chunk, micro-batch))."""
+        global _ARMED, _COLLECTING
+        before = _ARMED, _COLLECTING
+        _ARMED, _COLLECTING = self, (self, key)
+        self._queues.setdefault(key, [])
+        try:
+            yield
+        finally:
+            _ARMED, _COLLECTING = before
+
+    def defer(self, key: Hashable, param: nn.Parameter, fn: WeightGradFn, nbytes: int) -> None:
+        self._queues[key].append((param, fn, nbytes))
+        if isinstance(key, tuple) and key:
+            self.deferred.setdefault(key[0], set()).add(param)
+
+    def run(self, key: Hashable) -> None:
+        """W of ``key``: compute its queued weight gradients and accumulate them (hooks fire)."""
+        for param, fn, _ in self._queues.pop(key, []):
+            with torch.no_grad():  # as inside a backward: W records no graph
+                grad = fn()
+            torch.autograd.backward([param], [grad.to(param.dtype)])
+
+    def queued(self) -> set[nn.Parameter]:
+        """The parameters with a weight gradient still queued."""
+        return {p for q in self._queues.values() for p, _, _ in q}
+
+    def pending(self) -> int:
+        """W's queued and not yet run (micro-batches of model chunks)."""
+        return sum(1 for q in self._queues.values() if q)
+
+    def pending_bytes(self) -> int:
+        """Bytes kept for the queued weight gradients (output gradients and inputs)."""
+        return sum(n for q in self._queues.values() for _, _, n in q)
+
+
+def armed() -> bool:
+    """Whether GEMMs should build the deferrable graph."""
+    return _ARMED is not None
+
+
+def _bytes(*tensors: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def weight_grad(param: nn.Parameter, fn: WeightGradFn, *kept: torch.Tensor) -> torch.Tensor | None:
+    """In an autograd backward: ``param``'s gradient now (returned), or, inside B, queued for W (None is
+    returned, so autograd accumulates nothing now). ``kept``: what ``fn`` holds, for the byte count."""
+    if _COLLECTING is None or not param.requires_grad:
+        return fn() if param.requires_grad else None
+    store, key = _COLLECTING
+    store.defer(key, param, fn, _bytes(*kept))
+    return None
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1])
+
+
+class _DeferrableLinear(torch.autograd.Function):
+    """y = x W^T + b whose weight gradient may move to W (the bias's stays in B)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: nn.Parameter, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        grad_x = g.matmul(weight) if ctx.needs_input_grad[0] else None
+        grad_w = weight_grad(weight, lambda: _flat(g).t().matmul(_flat(x)), g, x)
+        grad_b = _flat(g).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b
+
+
+def linear(x: torch.Tensor, weight: nn.Parameter, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, deferrable where a store is armed."""
+    if armed() and weight.requires_grad and torch.is_grad_enabled():
+        return _DeferrableLinear.apply(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+class _DeferrableExperts(torch.autograd.Function):
+    """The local experts' GEMMs over consecutive row blocks (x [n, in], weight [E, out, in]), the stacked
+    weight's gradient deferrable as one W."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: nn.Parameter, counts: list[int]) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.counts = counts
+        return torch.cat([p @ weight[e].t() for e, p in enumerate(x.split(counts))])
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        counts = ctx.counts
+        grad_x = torch.cat([q @ weight[e] for e, q in enumerate(g.split(counts))])
+
+        def grad_w() -> torch.Tensor:
+            return torch.stack([q.t() @ p for q, p in zip(g.split(counts), x.split(counts), strict=True)])
+
+        return grad_x, weight_grad(weight, grad_w, g, x), None
+
+
+def experts_linear(x: torch.Tensor, weight: nn.Parameter, counts: list[int]) -> torch.Tensor | None:
+    """The experts' GEMMs on the deferrable path, or None where no store is armed (the caller's kernels)."""
+    if armed() and weight.requires_grad and torch.is_grad_enabled() and x.shape[0] > 0:
+        return _DeferrableExperts.apply(x, weight, list(counts))
+    return None
