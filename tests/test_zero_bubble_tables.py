@@ -135,7 +135,6 @@ def test_wrong_chunk_counts_are_named():
 
 @pytest.mark.parametrize("flags,rule", [
     ({"pipeline_schedule": "zbv", "num_layers": 6}, "divisible by 2 x --pipeline-model-parallel-size"),
-    ({"pipeline_schedule": "zbv", "untie_embeddings_and_output_weights": False}, "untie-embeddings"),
     ({"pipeline_schedule": "zb-h1", "num_layers_per_virtual_pipeline_stage": 1}, "places its own model chunks"),
     ({"pipeline_schedule": "zbv", "save": "ck"}, "checkpoints of its V placement"),
 ])

@@ -16,6 +16,7 @@ VOCAB = 256
 ITERS = 5
 MODELS = {"llama4": {**LLAMA_GQA, "num_layers": 4, "hidden_size": 32},
           "llama8": {**LLAMA_GQA, "num_layers": 8, "hidden_size": 32},
+          "tied4": {**LLAMA_GQA, "num_layers": 4, "hidden_size": 32, "untie_embeddings_and_output_weights": False},
           "moe4": {**LLAMA_GQA, "num_layers": 4, "hidden_size": 32, "num_experts": 4, "moe_router_topk": 2,
                    "moe_ffn_hidden_size": 32}}
 DPO = {"use_distributed_optimizer": True, "overlap_grad_reduce": True}
@@ -42,7 +43,8 @@ CASES = [("llama4", "zbh1_pp4"), ("llama4", "zbh1_pp2_tp2_sp"), ("llama4", "zbh1
          ("llama4", "zbh1_pp2_dp2_recompute"), ("moe4", "zbh1_pp2_ep2"), ("llama4", "zbh1_pp2_zero2"),
          ("llama4", "zbh1_pp2_zero3_fused_ce"),
          ("llama8", "zbv_pp4"), ("llama4", "zbv_pp2_tp2_sp"), ("llama4", "zbv_pp2_dp2_distopt"),
-         ("llama4", "zbv_pp2_dp2_recompute"), ("moe4", "zbv_pp2_ep2")]
+         ("llama4", "zbv_pp2_dp2_recompute"), ("moe4", "zbv_pp2_ep2"), ("tied4", "zbv_pp2_dp2_distopt"),
+         ("tied4", "zbv_pp2_tp2_sp")]
 GLOO_CASES = [("llama4", "zbv_pp2_tp2_sp")]
 
 

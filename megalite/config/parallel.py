@@ -34,9 +34,10 @@ class ParallelConfig:
         "comparison), zb-h1 (zero bubble: each backward split into the input gradient B and the weight "
         "gradients W, the W's filling 1F1B's waits at 1F1B's activation memory; about a third of 1F1B's "
         "bubble) or zbv (zero bubble on two model chunks per rank placed in a V, the loss on the first rank; "
-        "needs --num-layers divisible by 2 x --pipeline-model-parallel-size and untied embeddings with "
-        "pipelining). Under both, B computes the input gradients (and those of norms, biases, embeddings and "
-        "the router) and W the linear layers', the output layer's and the experts' weight gradients.",
+        "needs --num-layers divisible by 2 x --pipeline-model-parallel-size; a tied embedding's two copies "
+        "are then on the first rank). Under both, B computes the input gradients (and those of norms, "
+        "biases, embeddings and the router) and W the linear layers', the output layer's and the experts' "
+        "weight gradients.",
         choices=["1f1b", "gpipe", "zb-h1", "zbv"])
     record_pipeline_timeline: str | None = option(
         None, help="Write each rank's forward/backward start/end times of the last step to this directory "

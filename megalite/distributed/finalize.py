@@ -3,7 +3,8 @@
 1. DP: wait for (or launch) every bucket's reduction of the gradient buffers.
 2. TP: sum partial gradients of replicated parameters (K/V copies shared by ranks, sequence-parallel
    norms); each ShardSpec knows its rule.
-3. PP: sum the tied embedding's gradient over the embedding group (first and last stage).
+3. PP: sum the tied embedding's gradient over the embedding group (first and last stage), or on the rank
+   when it holds both (ZB-V's V puts the first and the last stage on the first rank).
 The three are sums over different groups, so their order does not change the result; with the
 distributed optimizer only this rank's shard is final, which is all it reads. With sharded gradients
 (ZeRO-2/3) the TP sums ran per micro-batch before the reduce-scatter (they need whole gradients), and
@@ -34,9 +35,18 @@ def finalize_grads(modules: list[nn.Module], buffers: list[GradBuffer], pg: Proc
         for p in m.parameters():
             if p in owner and not owner[p].shard_grads:
                 param_meta(p).spec.finalize_grad(p.main_grad, pg)
-    if pg.pp_size > 1:
-        for p in tied_embedding_params(modules):
-            buf = owner[p]
-            region = buf.owned_region(p) if buf.shard_grads else (0, p.numel())
-            if region is not None:
-                pg.all_reduce(buf.grad_slice(p, *region), Group.EMBD)
+    tied = tied_embedding_params(modules)
+    slices = []
+    for p in tied:
+        buf = owner[p]
+        region = buf.owned_region(p) if buf.shard_grads else (0, p.numel())
+        if region is not None:
+            slices.append(buf.grad_slice(p, *region))
+    if len(tied) == 2:  # both copies on this rank (ZB-V's first rank holds the first and the last stage)
+        if slices:
+            total = slices[0] + slices[1]
+            for s in slices:
+                s.copy_(total)
+    elif pg.pp_size > 1:
+        for s in slices:
+            pg.all_reduce(s, Group.EMBD)

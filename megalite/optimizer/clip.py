@@ -18,7 +18,7 @@ from megalite.tensor_parallel.param_meta import param_meta, shard_coords
 def counted_ranges(param: nn.Parameter, pg: ProcessGroups, lo: int, hi: int) -> list[tuple[int, int]]:
     """Ranges, relative to ``lo``, of the slice [lo, hi) of ``param``'s flat gradient that count."""
     meta = param_meta(param)
-    if meta.tied_embedding and not pg.is_first_stage:
+    if meta.tied_embedding and meta.copy_of is not None:  # the output layer's copy (on the loss's stage)
         return []
     out = []
     for s, e in meta.spec.counted_ranges(tuple(param.shape), *shard_coords(meta, pg)):
