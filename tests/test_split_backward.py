@@ -229,3 +229,24 @@ def test_bf16_split_equals_unsplit():
     for got, want in zip(after_w, ref, strict=True):
         assert got.dtype == torch.bfloat16
         torch.testing.assert_close(got, want, rtol=2e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused_output", "fused_output"])
+def test_deferred_bytes_equal_the_formula(fused):
+    """docs/design.md's deferred-W bytes: what the store keeps after one B equals the formula exactly."""
+    from bench.split_backward_memory import measure
+
+    cfg = ModelConfig(**{**LLAMA_GQA, "hidden_size": 32, "num_layers": 2, "cross_entropy_loss_fusion": fused})
+    got, want = measure(cfg, PG, 16, 2, 64)
+    assert got == want > 0
+
+
+def _tp_bytes(rank: int, world: int) -> tuple[int, int]:
+    from bench.split_backward_memory import _rank
+
+    return _rank(rank, world, {**LLAMA_GQA, "hidden_size": 32, "num_layers": 2}, 16, 2, 64)
+
+
+def test_deferred_bytes_equal_the_formula_at_tp2_sp():
+    for got, want in run_ranks(_tp_bytes, 2):
+        assert got == want > 0

@@ -41,7 +41,7 @@ class WeightGradStore:
     sequence-parallel all-gather) pairs up across them."""
 
     def __init__(self) -> None:
-        self._queues: dict[Hashable, list[tuple[nn.Parameter, WeightGradFn, int]]] = {}
+        self._queues: dict[Hashable, list[tuple[nn.Parameter, WeightGradFn, tuple[torch.Tensor, ...]]]] = {}
         self.deferred: dict[int, set[nn.Parameter]] = {}  # chunk -> parameters whose gradient W computes
 
     @contextmanager
@@ -66,8 +66,8 @@ class WeightGradStore:
         finally:
             _ARMED, _COLLECTING = before
 
-    def defer(self, key: Hashable, param: nn.Parameter, fn: WeightGradFn, nbytes: int) -> None:
-        self._queues[key].append((param, fn, nbytes))
+    def defer(self, key: Hashable, param: nn.Parameter, fn: WeightGradFn, kept: tuple[torch.Tensor, ...]) -> None:
+        self._queues[key].append((param, fn, kept))
         if isinstance(key, tuple) and key:
             self.deferred.setdefault(key[0], set()).add(param)
 
@@ -87,17 +87,15 @@ class WeightGradStore:
         return sum(1 for q in self._queues.values() if q)
 
     def pending_bytes(self) -> int:
-        """Bytes kept for the queued weight gradients (output gradients and inputs)."""
-        return sum(n for q in self._queues.values() for _, _, n in q)
+        """Bytes kept for the queued weight gradients (output gradients and inputs), each tensor once."""
+        seen = {(t.data_ptr(), t.numel() * t.element_size()) for q in self._queues.values() for _, _, kept in q
+                for t in kept}
+        return sum(n for _, n in seen)
 
 
 def armed() -> bool:
     """Whether GEMMs should build the deferrable graph."""
     return _ARMED is not None
-
-
-def _bytes(*tensors: torch.Tensor) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def weight_grad(param: nn.Parameter, fn: WeightGradFn, *kept: torch.Tensor) -> torch.Tensor | None:
@@ -106,7 +104,7 @@ def weight_grad(param: nn.Parameter, fn: WeightGradFn, *kept: torch.Tensor) -> t
     if _COLLECTING is None or not param.requires_grad:
         return fn() if param.requires_grad else None
     store, key = _COLLECTING
-    store.defer(key, param, fn, _bytes(*kept))
+    store.defer(key, param, fn, kept)
     return None
 
 
