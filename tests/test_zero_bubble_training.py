@@ -33,6 +33,7 @@ LAYOUTS = {
                                  "overlap_grad_reduce": True}),
     "zbh1_pp2_zero3_fused_ce": (1, 2, 1, {"pipeline_schedule": "zb-h1", "cross_entropy_loss_fusion": True,
                                           "data_parallel_sharding_strategy": "optim_grads_params"}),
+    "zbh1_pp2_cp2": (1, 2, 2, {"pipeline_schedule": "zb-h1"}),
     "zbv_pp4": (1, 4, 1, {"pipeline_schedule": "zbv"}),
     "zbv_pp2_tp2_sp": (2, 2, 1, {"pipeline_schedule": "zbv", "sequence_parallel": True}),
     "zbv_pp2_dp2_distopt": (1, 2, 1, {"pipeline_schedule": "zbv", **DPO, **EVAL}),
@@ -41,7 +42,7 @@ LAYOUTS = {
 }
 CASES = [("llama4", "zbh1_pp4"), ("llama4", "zbh1_pp2_tp2_sp"), ("llama4", "zbh1_pp2_dp2_distopt"),
          ("llama4", "zbh1_pp2_dp2_recompute"), ("moe4", "zbh1_pp2_ep2"), ("llama4", "zbh1_pp2_zero2"),
-         ("llama4", "zbh1_pp2_zero3_fused_ce"),
+         ("llama4", "zbh1_pp2_zero3_fused_ce"), ("llama4", "zbh1_pp2_cp2"),
          ("llama8", "zbv_pp4"), ("llama4", "zbv_pp2_tp2_sp"), ("llama4", "zbv_pp2_dp2_distopt"),
          ("llama4", "zbv_pp2_dp2_recompute"), ("moe4", "zbv_pp2_ep2"), ("tied4", "zbv_pp2_dp2_distopt"),
          ("tied4", "zbv_pp2_tp2_sp")]
