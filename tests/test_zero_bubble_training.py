@@ -1,7 +1,7 @@
 """Promise (docs/parallelism.md, "Zero-bubble schedules"): --pipeline-schedule zb-h1 and zbv give the single-
 process loss curve and grad norms (fp32, relative 1e-5, 5 iterations) at p = 2 and p = 4, with TP2 + SP, DP2
 with the distributed optimizer and --overlap-grad-reduce, ZeRO-2 (overlapped) and ZeRO-3 with the fused output
-layer + cross-entropy, full recomputation, and MoE with EP2 (the backward split into B and W:
+layer + cross-entropy, CP2, full recomputation, and MoE with EP2 (the backward split into B and W:
 tests/test_split_backward.py); every layout under NCCL's point-to-point rules, one also on plain gloo;
 evaluation (forward only) through the same placement. The tables themselves: tests/test_zero_bubble_tables.py."""
 
