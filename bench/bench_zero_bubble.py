@@ -32,11 +32,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.bench_pipeline import MICRO_BATCH, MODEL, VOCAB, groups, make_cfg  # noqa: E402
-from bench.zero_bubble_formulas import deferred_w_bytes, paper_bubble  # noqa: E402
+from bench.zero_bubble_formulas import deferred_w_bytes, output_layer_w_bytes, paper_bubble  # noqa: E402
 from megalite.config.arguments import MegaliteConfig  # noqa: E402
 from megalite.model.gpt import GPTModel  # noqa: E402
 from megalite.parallel.groups import ProcessGroups  # noqa: E402
-from megalite.pipeline.schedule_table import bubble_fraction  # noqa: E402
+from megalite.pipeline.schedule_table import ScheduleSpec, bubble_fraction, build_tables, simulate  # noqa: E402
 from megalite.pipeline.timeline import SCHEDULES, play  # noqa: E402
 from megalite.tensor_parallel.context import BuildContext  # noqa: E402
 from megalite.tensor_parallel.init import initialize_parameters  # noqa: E402
@@ -183,7 +183,8 @@ def _p2_worker(rank: int, world: int, m: int, repeats: int) -> dict:
             rec = res.record
             if step:
                 out[kind].append(dict(timeline=list(rec.timeline), step_s=took, peak_live=rec.peak_live,
-                                      peak_deferred=rec.peak_deferred, deferred_bytes=rec.peak_deferred_bytes))
+                                      peak_deferred=rec.peak_deferred, deferred_bytes=rec.peak_deferred_bytes,
+                                      padded_vocab=run.chunks[0].padded_vocab))
     return out
 
 
@@ -200,28 +201,47 @@ def p2_rows(m: int, repeats: int) -> list[dict]:
             events = {r: results[r][kind][k]["timeline"] for r in range(2)}
             span = max(e[4] for ev in events.values() for e in ev) - min(e[3] for ev in events.values() for e in ev)
             took = max(results[r][kind][k]["step_s"] for r in range(2))
-            steps.append(dict(span=span, idle=bubble(events), step_s=took))
+            steps.append(dict(span=span, idle=bubble(events), step_s=took, replayed=replay(events, kind, m)))
         best = min(steps, key=lambda s: s["span"])
         last = [results[r][kind][-1] for r in range(2)]
         rows.append(dict(kind=kind, m=m, span=best["span"], idle=best["idle"], step_s=best["step_s"],
+                         replayed=best["replayed"],
                          span_median=statistics.median(s["span"] for s in steps),
                          idle_median=statistics.median(s["idle"] for s in steps),
                          peak_live=[x["peak_live"] for x in last], peak_deferred=[x["peak_deferred"] for x in last],
-                         deferred_bytes=[x["deferred_bytes"] for x in last]))
+                         deferred_bytes=[x["deferred_bytes"] for x in last],
+                         formula=[x["peak_deferred"] * expected_w_bytes(r, 2, x["padded_vocab"])
+                                  for r, x in enumerate(last)]))
     return rows
+
+
+def replay(events: dict[int, list], kind: str, m: int) -> float:
+    """The table's bubble with this step's measured action durations and free, instant messages: what
+    the schedule itself leaves idle, apart from waiting on messages and the OS."""
+    took = {r: {(k, c, mb): e - s for k, c, mb, s, e in ev} for r, ev in events.items()}
+    trace = simulate(build_tables(ScheduleSpec(2, 1, m, kind)), 2, 1, duration=lambda r, a: took[r][tuple(a)])
+    return bubble_fraction(trace)
+
+
+def expected_w_bytes(rank: int, p: int, padded_vocab: int) -> int:
+    """One pending W's bytes on pipeline rank ``rank``: its layers' GEMMs, and the unfused output layer's
+    on the last rank."""
+    s, b, h = MODEL["seq_length"], MICRO_BATCH, MODEL["hidden_size"]
+    layers = deferred_w_bytes(s, b, h, FFN, layers=MODEL["num_layers"] // p)
+    return layers + (output_layer_w_bytes(s, b, h, padded_vocab) if rank == p - 1 else 0)
 
 
 def print_p2(rows: list[dict], repeats: int) -> None:
     print(f"\n3. p = 2, 2 gloo ranks (one thread each), fastest of {repeats} steps per schedule, alternating\n"
-          "| m | schedule | pipeline span (s) | / 1F1B's | idle / busy | whole step (s) | median span | median idle "
-          "| peak live | peak W's pending | their bytes |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| m | schedule | pipeline span (s) | / 1F1B's | idle / busy | table replayed | whole step (s) | median span "
+          "| median idle | peak live | peak W's pending | their bytes | formula |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     base = {r["m"]: r for r in rows if r["kind"] == "1f1b"}
     for r in rows:
         ratio = r["span"] / base[r["m"]]["span"]
-        print(f"| {r['m']} | {r['kind']} | {r['span']:.3f} | {ratio:.3f} | {r['idle']:.3f} | "
+        print(f"| {r['m']} | {r['kind']} | {r['span']:.3f} | {ratio:.3f} | {r['idle']:.3f} | {r['replayed']:.3f} | "
               f"{r['step_s']:.3f} | {r['span_median']:.3f} | {r['idle_median']:.3f} | {r['peak_live']} | "
-              f"{r['peak_deferred']} | {r['deferred_bytes']} |")
+              f"{r['peak_deferred']} | {r['deferred_bytes']} | {r['formula']} |")
 
 
 # ---- 4. the picture -----------------------------------------------------------------------------------
@@ -272,7 +292,8 @@ def _commit() -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", choices=["fbw", "tables", "p2"])
-    ap.add_argument("--repeats", type=int, default=20, help="timed repetitions (fbw) / recorded steps (p2: a quarter)")
+    ap.add_argument("--repeats", type=int, default=20, help="timed repetitions of each action (fbw)")
+    ap.add_argument("--steps", type=int, default=10, help="recorded steps per schedule and m (p2)")
     ap.add_argument("--plot", help="also draw the p = 4, m = 8 timelines with the measured times to this PNG")
     a = ap.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -289,9 +310,8 @@ def main(argv: list[str] | None = None) -> int:
         print_tables(table_rows(fbw, grid), "the tables with the measured times (stage = 2 layers, chunk = 1)", "ms")
         print_tables(table_rows(None, grid), "the tables with F = B = W = 1 per stage (a chunk: 1/2)", "steps")
     if a.only in (None, "p2"):
-        repeats = max(a.repeats // 4, 2)
-        rows = [r for m in (4, 8) for r in p2_rows(m, repeats)]
-        print_p2(rows, repeats)
+        rows = [r for m in (4, 8) for r in p2_rows(m, a.steps)]
+        print_p2(rows, a.steps)
     if a.plot:
         plot(fbw, a.plot)
     print(f"\nload average {os.getloadavg()[0]:.1f} at the end", flush=True)
