@@ -5,7 +5,7 @@ played with them, a real p = 2 step of 1F1B against ZB-H1, the timeline picture.
    of 2 layers and a chunk of 1), the forward F, the whole backward, and the split backward the executor
    runs: B under ``WeightGradStore.collect`` (input gradients; norms and biases) and W (``store.run``,
    the deferred GEMMs); also B as ``torch.autograd.grad`` w.r.t. the input alone, W as whole minus that.
-   Median of ``--repeats``. The bytes the pending W keeps against ``zero_bubble_formulas.deferred_w_bytes``.
+   Median of ``--repeats``. The bytes the pending W keeps against ``split_backward_memory.deferred_w_bytes``.
 2. tables: every schedule played on the ideal machine (free messages) with those times, p = 2, 4, 8 and
    m = p, 2p, 4p: bubble (idle / busy, mean over ranks) and each ratio to 1F1B's, next to the paper's
    closed forms; and with F = B = W.
@@ -32,8 +32,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.bench_pipeline import MICRO_BATCH, MODEL, VOCAB, groups, make_cfg  # noqa: E402
-from bench.zero_bubble_formulas import deferred_w_bytes, output_layer_w_bytes, paper_bubble  # noqa: E402
+from bench.split_backward_memory import deferred_w_bytes  # noqa: E402
+from bench.zero_bubble_formulas import paper_bubble  # noqa: E402
 from megalite.config.arguments import MegaliteConfig  # noqa: E402
+from megalite.config.model import ModelConfig  # noqa: E402
 from megalite.model.gpt import GPTModel  # noqa: E402
 from megalite.parallel.groups import ProcessGroups  # noqa: E402
 from megalite.pipeline.schedule_table import ScheduleSpec, bubble_fraction, build_tables, simulate  # noqa: E402
@@ -47,14 +49,18 @@ FFN = 4 * MODEL["hidden_size"]
 
 
 # ---- 1. F, B, W of one stage ---------------------------------------------------------------------
-def build_stage(layers: int, **model) -> GPTModel:
-    """A middle pipeline stage (no embedding, no output layer) of ``layers`` layers on one process;
-    ``model``: options that replace bench_pipeline.py's MODEL."""
-    cfg = MegaliteConfig.from_flat(dict(MODEL, **model, vocab_size=VOCAB, mock_data=True))
+def model_cfg() -> ModelConfig:
+    """bench_pipeline.py's model."""
+    return MegaliteConfig.from_flat(dict(MODEL, vocab_size=VOCAB, mock_data=True)).model
+
+
+def build_stage(layers: int) -> GPTModel:
+    """A middle pipeline stage (no embedding, no output layer) of ``layers`` layers on one process."""
+    cfg = model_cfg()
     pg = ProcessGroups.single()
     ctx = BuildContext(pg, model_parallel_seed(1234, 0, 0))
-    chunk = GPTModel(cfg.model, ctx, VOCAB, layer_numbers=range(layers), pre_process=False, post_process=False)
-    initialize_parameters(chunk, pg, 1234, cfg.model.init_method_std, cfg.model.num_layers)
+    chunk = GPTModel(cfg, ctx, VOCAB, layer_numbers=range(layers), pre_process=False, post_process=False)
+    initialize_parameters(chunk, pg, 1234, cfg.init_method_std, cfg.num_layers)
     chunk.train()
     return chunk
 
@@ -103,7 +109,7 @@ def measure_fbw(layers: int, repeats: int) -> dict:
     runs = [split_backward(chunk, x, grad) for _ in range(repeats)]
     return dict(layers=layers, F=f, whole=whole_s, B=statistics.median(r[0] for r in runs),
                 W=statistics.median(r[1] for r in runs), B_grad=input_s, W_grad=whole_s - input_s,
-                kept=runs[0][2], formula=deferred_w_bytes(s, b, h, FFN, layers=layers))
+                kept=runs[0][2], formula=deferred_w_bytes(model_cfg(), layers, s * b, 0, output=False))
 
 
 def print_fbw(rows: list[dict]) -> None:
@@ -226,9 +232,8 @@ def replay(events: dict[int, list], kind: str, m: int) -> float:
 def expected_w_bytes(rank: int, p: int, padded_vocab: int) -> int:
     """One pending W's bytes on pipeline rank ``rank``: its layers' GEMMs, and the unfused output layer's
     on the last rank."""
-    s, b, h = MODEL["seq_length"], MICRO_BATCH, MODEL["hidden_size"]
-    layers = deferred_w_bytes(s, b, h, FFN, layers=MODEL["num_layers"] // p)
-    return layers + (output_layer_w_bytes(s, b, h, padded_vocab) if rank == p - 1 else 0)
+    return deferred_w_bytes(model_cfg(), MODEL["num_layers"] // p, MODEL["seq_length"] * MICRO_BATCH, padded_vocab,
+                            output=rank == p - 1)
 
 
 def print_p2(rows: list[dict], repeats: int) -> None:
