@@ -1,5 +1,5 @@
 """Zero-bubble schedules (docs/parallelism.md, "Zero-bubble schedules"): measured F, B, W, the tables
-played with them, a real p = 2 step of 1F1B against ZB-H1, the timeline picture.
+played with them, real p = 2 steps of 1F1B against ZB-H1 and ZB-V, the timeline picture.
 
 1. fbw: one thread times, on a middle stage of bench_pipeline.py's GPT (h = 256, s = 128, b = 2; a stage
    of 2 layers and a chunk of 1), the forward F, the whole backward, and the split backward the executor
@@ -9,9 +9,10 @@ played with them, a real p = 2 step of 1F1B against ZB-H1, the timeline picture.
 2. tables: every schedule played on the ideal machine (free messages) with those times, p = 2, 4, 8 and
    m = p, 2p, 4p: bubble (idle / busy, mean over ranks) and each ratio to 1F1B's, next to the paper's
    closed forms; and with F = B = W.
-3. p2: real ``train_step`` runs on 2 gloo ranks (one thread each), 1F1B and ZB-H1 alternating in one run:
-   the step's span and idle fraction from the PipelineRecord timelines, the fastest of ``--repeats``
-   steps and the median; peak W's pending and their bytes.
+3. p2: real ``train_step`` runs on 2 gloo ranks (one thread each), 1F1B, ZB-H1 and ZB-V side by side,
+   their steps alternating: the step's span and idle fraction from the PipelineRecord timelines (and the
+   table replayed with its measured durations), the fastest of ``--steps`` steps and the medians; peak
+   activations in flight, W's pending and their bytes against the formula.
 4. --plot FILE: 1F1B, interleaved 1F1B, ZB-H1 and ZB-V at p = 4, m = 8 with the measured chunk times.
 
     OMP_NUM_THREADS=1 python bench/bench_zero_bubble.py [--plot docs/pipeline_zero_bubble.png]
@@ -26,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -65,7 +67,7 @@ def build_stage(layers: int) -> GPTModel:
     return chunk
 
 
-def _time(fn, repeats: int) -> float:
+def _time(fn: Callable[[], object], repeats: int) -> float:
     """Median seconds of ``fn()`` over ``repeats`` calls after one warm-up."""
     fn()
     took = []
