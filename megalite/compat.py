@@ -264,3 +264,11 @@ def dtype_named(name: str) -> torch.dtype:
     message header. A string look-up on torch cannot be checked against the minimum API, so it lives here
     (tests/test_torch_api_scan.py)."""
     return getattr(torch, name.removeprefix("torch."))
+
+
+# ---- restricted loading -------------------------------------------------------------------------
+def load_weights_only(stream, extra_globals: list) -> object:
+    """``torch.load(stream, weights_only=True)`` on the CPU with ``extra_globals`` allowed for this call only
+    (``torch.serialization.safe_globals``, torch 2.5; the Megatron reader, checkpointing/safe_pickle.py)."""
+    with torch.serialization.safe_globals(extra_globals):
+        return torch.load(stream, map_location="cpu", weights_only=True)

@@ -26,6 +26,7 @@ from typing import Any, BinaryIO
 import numpy as np
 import torch
 
+from megalite import compat
 from megalite.checkpointing.errors import CheckpointError
 
 
@@ -71,9 +72,9 @@ METADATA_RECORDS: dict[tuple[str, str], type[Record]] = {
         "planner": ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData"),
         "filesystem": ("_StorageInfo",),
     }.items() for name in names}
-DTYPES = {name: getattr(torch, name) for name in (
-    "float32", "float64", "float16", "bfloat16", "int8", "uint8", "int16", "int32", "int64", "bool",
-    "complex64", "complex128")}
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16,
+          "int8": torch.int8, "uint8": torch.uint8, "int16": torch.int16, "int32": torch.int32, "int64": torch.int64,
+          "bool": torch.bool}
 
 
 def _size(*args: Any) -> tuple[int, ...]:
@@ -169,8 +170,7 @@ def load_torch_file(source: str | bytes, where: str | None = None) -> Any:
     where = where or str(source)
     stream: Any = io.BytesIO(source) if isinstance(source, bytes) else source
     try:
-        with torch.serialization.safe_globals(SAFE_TORCH_GLOBALS + _numpy_globals()):
-            return torch.load(stream, map_location="cpu", weights_only=True)
+        return compat.load_weights_only(stream, SAFE_TORCH_GLOBALS + _numpy_globals())
     except pickle.UnpicklingError as e:
         m = _UNSUPPORTED.search(str(e))
         if m:
