@@ -7,10 +7,11 @@ the rank process that calls it:
 - ``torch.cuda.current_device``: its global memory buffer (the local attention's matmul input) and the
   save's failure all-reduce allocate on it; here it names the CPU.
 - ``torch.cuda.synchronize``: the save's pre-load waits for the device; nothing to wait for.
-- the torch_dist writer hands its results over a queue of a spawned manager process and writes in
-  forked children; the test ranks are daemonic processes, which may not have children. Its result queue
-  becomes an in-process one and this rank is marked non-daemonic (the harness still kills it on timeout).
-  Its children log their memory through psutil, which the test environment need not have: 0 here.
+- the torch_dist writer hands its results over a queue of a spawned manager process and writes each
+  bucket in a forked child; the test ranks are daemonic (no children allowed) and hold gloo's threads (a
+  fork may deadlock on a lock one of them holds). Its result queue becomes an in-process one and the
+  buckets are written one after the other in this process (``_write_in_process``), by the writer's own
+  per-bucket function. That function logs its memory through psutil, which the tests need not have: 0.
 - the model-parallel RNG tracker's ``fork`` (dropout regions) saves and restores the CUDA RNG; with
   dropout off it draws nothing, so it becomes a plain context.
 """
@@ -20,9 +21,26 @@ from __future__ import annotations
 import contextlib
 
 
+def _write_in_process(transforms, use_msc, rank, buckets, results_queue) -> None:
+    """The torch_dist writer's multi-process write, bucket by bucket in this process (same results)."""
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    local, count, out = queue.Queue(), queue.Queue(), {}
+    for i, bucket in enumerate(buckets):
+        count.put(i)
+        FileSystemWriterAsync.write_preloaded_data(transforms, i, bucket, local, count, True)
+        idx, result = local.get()
+        if isinstance(result, Exception):
+            results_queue.put(result)
+            return
+        out[idx] = result
+    results_queue.put(out)
+
+
 def cpu_shim() -> None:
     """Patch the CUDA calls megatron-core makes on the CPU (see the module docstring)."""
-    import multiprocessing
     import queue
 
     import torch
@@ -33,5 +51,87 @@ def cpu_shim() -> None:
     torch.cuda.synchronize = lambda *a, **k: None
     mrandom.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
     filesystem_async._results_queue = queue.Queue()
-    multiprocessing.current_process()._config["daemon"] = False
+    writer = filesystem_async.FileSystemWriterAsync
+    writer.write_preloaded_data_multiproc = staticmethod(_write_in_process)
     filesystem_async._process_memory = lambda: 0
+
+
+# ---- tiny megatron-core models from Megatron-LM's argument names --------------------------------------
+
+
+def _config(args, tp: int, pp: int):
+    """megatron-core's TransformerConfig of a Megatron-LM ``args`` Namespace (the subset the cases use)."""
+    import torch
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    moe = {}
+    if getattr(args, "num_experts", None):
+        moe = dict(num_moe_experts=args.num_experts, moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+                   moe_router_topk=args.moe_router_topk, moe_token_dispatcher_type="alltoall",
+                   moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none")
+    return TransformerConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups if args.group_query_attention else None,
+        kv_channels=args.kv_channels, normalization=args.normalization, layernorm_epsilon=args.norm_epsilon,
+        gated_linear_unit=args.swiglu, activation_func=F.silu if args.swiglu else F.gelu,
+        add_bias_linear=args.add_bias_linear, hidden_dropout=0.0, attention_dropout=0.0,
+        use_cpu_initialization=True, params_dtype=torch.float32, tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp, bias_activation_fusion=False, bias_dropout_fusion=False,
+        masked_softmax_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False, **moe)
+
+
+def build_gpt(args, tp: int, pp: int = 1, seed: int = 1):
+    """megatron-core's GPTModel (local spec) for ``args`` on this rank, every parameter perturbed so that
+    norms and biases matter: replicated tensors alike on every TP rank, sharded ones per rank."""
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    cfg = _config(args, tp, pp)
+    torch.manual_seed(seed)
+    spec = get_gpt_layer_local_spec(num_experts=getattr(args, "num_experts", None), normalization=args.normalization)
+    model = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
+                     max_sequence_length=args.max_position_embeddings, parallel_output=False,
+                     pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
+                     share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                     position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base)
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    with torch.no_grad():
+        for i, (name, p) in enumerate(sorted(model.named_parameters())):
+            sharded = getattr(p, "tensor_model_parallel", False)
+            g = torch.Generator().manual_seed(1000 * seed + 7 * i + (tp_rank if sharded else 0))
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    return model.eval()
+
+
+def logits(model, tokens):
+    """megatron-core's [b, s, V] logits of ``tokens`` under a causal mask."""
+    import torch
+
+    b, s = tokens.shape
+    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1).view(1, 1, s, s)
+    with torch.no_grad():
+        return model(tokens, torch.arange(s).expand(b, s), mask)
+
+
+def save_megatron(model, args, folder: str, iteration: int) -> None:
+    """What Megatron-LM's training loop writes for a torch_dist checkpoint (the model's sharded state, the
+    args, the iteration) and its tracker, written by megatron-core's own dist_checkpointing.save."""
+    import os
+
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    it_dir = os.path.join(folder, f"iter_{iteration:07d}")
+    if dist.get_rank() == 0:
+        os.makedirs(it_dir, exist_ok=True)
+    dist.barrier()
+    state = {"model": model.sharded_state_dict(), "args": args, "iteration": iteration, "checkpoint_version": 3.0}
+    dist_checkpointing.save(state, it_dir)
+    if dist.get_rank() == 0:
+        with open(os.path.join(folder, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write(str(iteration))
+    dist.barrier()

@@ -9,6 +9,10 @@
     python tools/convert_checkpoint.py to-hf --load ckpt --save hf_out \\
         [--tokenizer-type GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt]
 
+    # a Megatron-LM checkpoint folder (torch_dist or legacy torch format, any TP/PP) -> a megalite checkpoint
+    python tools/convert_checkpoint.py from-megatron --load megatron_ckpt --save ckpt \\
+        --tensor-model-parallel-size 2 --pipeline-model-parallel-size 1
+
     # a local transformers folder (GPT-2, Llama, Mixtral, Qwen2-MoE) -> a megalite checkpoint to continue pretraining
     python tools/convert_checkpoint.py from-hf --load hf_folder --save ckpt \\
         --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
@@ -47,6 +51,7 @@ from megalite.checkpointing.hf import (  # noqa: E402
     to_hf_state_dict,
 )
 from megalite.checkpointing.hf_moe import moe_tp_errors  # noqa: E402
+from megalite.checkpointing.megatron import is_megatron_checkpoint, read_megatron  # noqa: E402
 from megalite.checkpointing.metadata import model_config  # noqa: E402
 from megalite.checkpointing.paths import TRACKER, iter_dirname, swap_into_place  # noqa: E402
 from megalite.checkpointing.reader import CheckpointError  # noqa: E402
@@ -100,6 +105,10 @@ def _check_source(load: str, iteration: int | None) -> None:
 
 def _open_checkpoint(load: str, iteration: int | None) -> FullCheckpoint:
     _check_source(load, iteration)
+    if is_megatron_checkpoint(load):
+        raise CheckpointError(f"--load {load} is a Megatron-LM checkpoint; import it first: python "
+                              f"tools/convert_checkpoint.py from-megatron --load {load} --save OUT, then to-hf "
+                              "--load OUT")
     return FullCheckpoint(load, iteration)
 
 
@@ -251,6 +260,31 @@ def cmd_from_hf(a: argparse.Namespace) -> None:
              if tok else ""))
 
 
+def cmd_from_megatron(a: argparse.Namespace) -> None:
+    if not is_megatron_checkpoint(a.load):
+        raise CheckpointError(f"--load {a.load} is not a Megatron-LM checkpoint (a tracker naming an iter_*/ or "
+                              "release/ folder with .metadata + common.pt, or mp_rank_*/model_optim_rng.pt)")
+    _refuse_existing(a.save, a.overwrite)
+    src = read_megatron(a.load, a.iteration, a.vocab_size)
+    cfg = model_config(src.config)[0]
+    tp, pp = a.tensor_model_parallel_size, a.pipeline_model_parallel_size
+    errors = layout_errors(cfg, tp, pp, a.num_layers_per_virtual_pipeline_stage) + moe_tp_errors(cfg, tp)
+    if errors:
+        raise ValueError(f"--load {a.load}: this model cannot be cut into TP={tp} PP={pp}:\n  " + "\n  ".join(errors))
+    note = {"tool": "convert_checkpoint.py from-megatron", "source": os.path.abspath(a.load),
+            "format": src.format, "weights_only": True}
+    with _staged_output(a.save) as staged:
+        path = write_checkpoint(staged, src.config, src.params.__getitem__, tp=tp, pp=pp, note=note,
+                                layers_per_virtual_stage=a.num_layers_per_virtual_pipeline_stage,
+                                ep=a.expert_model_parallel_size, etp=a.expert_tensor_parallel_size,
+                                iteration=src.iteration, state=src.state,
+                                dtype=DTYPES[a.dtype] if a.dtype else None)
+    path = os.path.join(a.save, os.path.basename(path))
+    print(f"wrote {path} (TP={tp} PP={pp}, {src.format} checkpoint of iteration {src.iteration}, vocab "
+          f"{src.config['vocab_size']}; weights only). Continue with:\n  --load {a.save} --no-load-optim "
+          f"{model_flags(src.config)}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -304,6 +338,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="store zero-centred norm weights (HF's weight - 1), for training with --apply-layernorm-1p")
     layout(f)
     f.set_defaults(func=cmd_from_hf)
+
+    m = sub.add_parser("from-megatron", help="import a Megatron-LM checkpoint (torch_dist or legacy torch format)")
+    m.add_argument("--load", required=True, help="Megatron-LM checkpoint directory (holding "
+                   "latest_checkpointed_iteration.txt)")
+    m.add_argument("--save", required=True, help="output checkpoint directory")
+    domain_option(m, "--iteration", domain=ITERATION, integer=True, default=None,
+                  help="iteration to read (default: the tracker's)")
+    domain_option(m, "--vocab-size", domain=Domain(lo=1, hi=MAX_COUNT), integer=True, default=None,
+                  help="true vocabulary size: drop Megatron's padding rows (default: args.vocab_size, else all rows)")
+    m.add_argument("--dtype", choices=list(DTYPES), default=None, help="cast weights (default: as stored)")
+    m.add_argument("--overwrite", action="store_true", help="replace a non-empty --save folder")
+    layout(m)
+    m.set_defaults(func=cmd_from_megatron)
     return p
 
 

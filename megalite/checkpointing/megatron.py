@@ -1,0 +1,121 @@
+"""A Megatron-LM checkpoint folder (``--save`` of Megatron-LM) as megalite's config and full tensors.
+
+    DIR/latest_checkpointed_iteration.txt     "1000", or "release"
+    DIR/iter_0001000/ (or DIR/release/)       torch_dist: metadata.json, common.pt, .metadata, __R_N.distcp
+                                              legacy torch: mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt
+
+Both formats are read without unpickling anything outside an allow-list (safe_pickle.py), checked file by
+file, and mapped to megalite's names (megatron_names.py); the model config comes from the saved ``args``
+(megatron_args.py). ``tools/convert_checkpoint.py from-megatron`` writes the result as a megalite
+checkpoint at any layout; ``--load`` of a Megatron folder does the same in-process (load.py's caller).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from megalite.checkpointing.errors import CheckpointError
+from megalite.checkpointing.megatron_args import config_from_args
+from megalite.checkpointing.megatron_names import check_params, to_megalite
+
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+def iteration_folder(load_dir: str, iteration: int | None = None) -> tuple[str, int]:
+    """(the iteration folder to read, its iteration: 0 for ``release``) from the tracker or ``iteration``."""
+    if iteration is None:
+        path = os.path.join(load_dir, TRACKER)
+        try:
+            text = open(path).read().strip()
+        except FileNotFoundError:
+            raise CheckpointError(f"{path} is missing: not a Megatron-LM checkpoint folder") from None
+        if text == "release":
+            folder, iteration = os.path.join(load_dir, "release"), 0
+        elif text.isdigit():
+            iteration = int(text)
+            folder = os.path.join(load_dir, f"iter_{iteration:07d}")
+        else:
+            raise CheckpointError(f"{path}: holds {text[:40]!r}, not an iteration number or 'release'")
+    else:
+        folder = os.path.join(load_dir, f"iter_{iteration:07d}")
+    if not os.path.isdir(folder):
+        raise CheckpointError(f"{folder} is missing (named by {os.path.join(load_dir, TRACKER)})")
+    return folder, iteration
+
+
+def checkpoint_format(folder: str) -> str | None:
+    """'torch_dist', 'torch' (legacy) or None for an iteration folder Megatron-LM did not write."""
+    if os.path.isfile(os.path.join(folder, ".metadata")) or os.path.isfile(os.path.join(folder, "common.pt")):
+        return "torch_dist"
+    if glob.glob(os.path.join(folder, "mp_rank_*", "model_optim_rng.pt")):
+        return "torch"
+    return None
+
+
+def is_megatron_checkpoint(load_dir: str) -> bool:
+    """Whether ``load_dir`` holds a Megatron-LM checkpoint (tracker + an iteration folder of its files)."""
+    try:
+        folder, _ = iteration_folder(load_dir)
+    except CheckpointError:
+        return False
+    return checkpoint_format(folder) is not None
+
+
+@dataclass
+class MegatronCheckpoint:
+    """What an import needs: megalite's model ``config``, the full ``params``, the training state."""
+
+    folder: str
+    format: str
+    config: dict[str, Any]
+    params: dict[str, torch.Tensor]
+    iteration: int
+    state: dict[str, Any] = field(default_factory=dict)
+
+
+def _vocab(args: Any, rows: int, vocab_size: int | None, where: str) -> int:
+    """The true vocabulary: given, else the args' ``vocab_size``, else the (padded) embedding rows."""
+    vocab = vocab_size or getattr(args, "vocab_size", None) or rows
+    if vocab > rows:
+        raise CheckpointError(f"{where}: vocab size {vocab} exceeds the embedding's {rows} rows")
+    return int(vocab)
+
+
+def _state(common: dict[str, Any], args: Any, iteration: int) -> dict[str, Any]:
+    consumed = common.get("consumed_train_samples", getattr(args, "consumed_train_samples", 0)) or 0
+    valid = getattr(args, "consumed_valid_samples", 0) or 0
+    return {"iteration": iteration, "consumed_samples": int(consumed), "valid_consumed": int(valid)}
+
+
+def read_megatron(load_dir: str, iteration: int | None = None, vocab_size: int | None = None
+                  ) -> MegatronCheckpoint:
+    """Read the Megatron-LM checkpoint in ``load_dir`` (the tracker's iteration, or ``iteration``)."""
+    folder, it = iteration_folder(load_dir, iteration)
+    fmt = checkpoint_format(folder)
+    if fmt == "torch_dist":
+        from megalite.checkpointing.megatron_dist import DistCheckpoint
+
+        src = DistCheckpoint(folder)
+        common, keys, get, where = src.common, src.keys(), src.tensor, os.path.join(folder, ".metadata")
+    elif fmt == "torch":
+        from megalite.checkpointing.megatron_legacy import LegacyCheckpoint
+
+        src = LegacyCheckpoint(folder)
+        common, keys, get, where = src.common, src.keys(), src.tensor, src.where
+    else:
+        raise CheckpointError(f"{folder}: neither a torch_dist checkpoint (.metadata, common.pt) nor a legacy "
+                              "one (mp_rank_*/model_optim_rng.pt)")
+    args = common.get("args")
+    params = to_megalite(keys, get, where)
+    emb = params.get("embedding.word.weight")
+    if emb is None:
+        raise CheckpointError(f"{where}: has no embedding.word_embeddings.weight")
+    config = config_from_args(args, _vocab(args, emb.shape[0], vocab_size, where), where)
+    params = check_params(params, config, where)
+    it = int(common.get("iteration", it) or it)
+    return MegatronCheckpoint(folder, fmt, config, params, it, _state(common, args, it))

@@ -1,0 +1,103 @@
+"""The megalite model config of a Megatron-LM checkpoint, from the ``args`` Namespace it saved.
+
+megalite's flags carry Megatron-LM's names, so most fields are copied; the exceptions are spelled out
+(``add_bias_linear`` is stored inverted as ``disable_bias_linear``; GQA is on when the groups differ from
+the heads). Features that change what the model computes and that megalite does not implement are
+refused, each named with its value, instead of importing a model that computes something else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from argparse import Namespace
+from typing import Any
+
+from megalite.checkpointing.errors import CheckpointError
+from megalite.checkpointing.metadata import config_dict, model_config
+from megalite.config.model import ModelConfig
+
+COPIED = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "kv_channels", "seq_length",
+          "max_position_embeddings", "rotary_base", "rotary_percent", "norm_epsilon", "apply_layernorm_1p",
+          "swiglu", "untie_embeddings_and_output_weights", "add_qkv_bias", "hidden_dropout", "attention_dropout",
+          "init_method_std", "make_vocab_size_divisible_by", "num_experts", "moe_ffn_hidden_size",
+          "moe_router_topk", "moe_shared_expert_intermediate_size", "moe_router_score_function",
+          "moe_router_pre_softmax", "moe_router_topk_scaling_factor", "moe_aux_loss_coeff",
+          "moe_router_enable_expert_bias", "moe_router_load_balancing_type", "moe_z_loss_coeff")
+REQUIRED = ("num_layers", "hidden_size", "num_attention_heads")
+
+# arg -> (the value megalite can honour, what it would change)
+REFUSED: dict[str, tuple[Any, str]] = {
+    "qk_layernorm": (False, "norms on queries and keys"),
+    "multi_latent_attention": (False, "multi-latent attention"),
+    "rotary_interleaved": (False, "interleaved RoPE (megalite rotates halves)"),
+    "squared_relu": (False, "a squared-ReLU MLP"),
+    "openai_gelu": (False, "the tanh GELU (megalite computes exact GELU)"),
+    "mtp_num_layers": (None, "multi-token prediction layers"),
+    "moe_shared_expert_gate": (False, "a gated shared expert (Megatron's gate differs from megalite's)"),
+    "heterogeneous_layers_config_path": (None, "heterogeneous layers"),
+    "use_rope_scaling": (False, "RoPE scaling"),
+}
+
+
+def _refusals(args: Namespace, where: str) -> list[str]:
+    out = []
+    for name, (ok, what) in REFUSED.items():
+        value = getattr(args, name, ok)
+        if value not in (ok, None) and not (ok is None and value in (0, False)):
+            out.append(f"{name}={value!r} ({what}) is not implemented in megalite")
+    position = _position(args)
+    if position not in ("learned_absolute", "rope"):
+        out.append(f"position_embedding_type={position!r} is not implemented (learned_absolute or rope)")
+    norm = getattr(args, "normalization", "LayerNorm")
+    if norm not in ("LayerNorm", "RMSNorm"):
+        out.append(f"normalization={norm!r} is not implemented (LayerNorm or RMSNorm)")
+    if getattr(args, "num_experts", None) and getattr(args, "add_bias_linear", True):
+        out.append("num_experts with add_bias_linear=True: megalite's routed experts have no biases")
+    return [f"{where}: {e}" for e in out]
+
+
+def _position(args: Namespace) -> str:
+    if getattr(args, "use_rotary_position_embeddings", False):  # the flag of older Megatron-LM releases
+        return "rope"
+    return getattr(args, "position_embedding_type", "learned_absolute")
+
+
+def _layer_freq(value: Any) -> str:
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, list | tuple):
+        return "[" + ",".join(str(int(v)) for v in value) + "]"
+    return str(value)
+
+
+def config_from_args(args: Any, vocab_size: int, where: str) -> dict[str, Any]:
+    """megalite's checkpoint ``config`` (incl. ``vocab_size``) for a Megatron run's saved ``args``; every
+    argument megalite cannot honour is named in one error."""
+    if not isinstance(args, Namespace):
+        raise CheckpointError(f"{where}: has no 'args' Namespace (got {type(args).__name__}); the model "
+                              "config is read from it")
+    missing = [n for n in REQUIRED if getattr(args, n, None) is None]
+    if missing:
+        raise CheckpointError(f"{where}: its args lack {', '.join(missing)}")
+    errors = _refusals(args, where)
+    if errors:
+        raise CheckpointError("\n  ".join(["this Megatron model cannot be imported:"] + errors)
+                              if len(errors) > 1 else errors[0])
+    names = {f.name for f in dataclasses.fields(ModelConfig)}
+    fields = {n: getattr(args, n) for n in COPIED if n in names and getattr(args, n, None) is not None}
+    heads = int(args.num_attention_heads)
+    groups = getattr(args, "num_query_groups", None) or heads
+    if not getattr(args, "group_query_attention", False):
+        groups = heads  # Megatron ignores num_query_groups without --group-query-attention
+    fields.update(position_embedding_type=_position(args), normalization=getattr(args, "normalization", "LayerNorm"),
+                  disable_bias_linear=not getattr(args, "add_bias_linear", True),
+                  group_query_attention=groups != heads, num_query_groups=groups if groups != heads else None)
+    if getattr(args, "moe_layer_freq", None) is not None and fields.get("num_experts"):
+        fields["moe_layer_freq"] = _layer_freq(args.moe_layer_freq)
+    try:
+        cfg = ModelConfig(**fields)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{where}: its args describe no megalite model ({e})") from None
+    config = config_dict(cfg, vocab_size)
+    model_config(config)  # every size in its domain
+    return config

@@ -1,0 +1,154 @@
+"""megatron-core parameter names -> megalite's layout-free keys, for full (un-sharded) tensors.
+
+megalite's tensors are Megatron's: the fused QKV rows are the same per-group interleave
+(docs/design.md §3.3), SwiGLU's fc1 is the same [gate; up] stack, and a routed expert's fc1/fc2 are the
+same matrices, stacked [E, ...] by megalite. So the mapping is names only, once the tensors are whole:
+
+- both layer specs: the local spec's ``input_layernorm`` / ``pre_mlp_layernorm`` and Transformer
+  Engine's fused ``self_attention.linear_qkv.layer_norm_*`` / ``mlp.linear_fc1.layer_norm_*`` (the local
+  spec saves its norms under the fused names too);
+- per-layer keys ``decoder.layers.{i}.…`` and keys stacked over layers ``decoder.layers.…`` [L, ...];
+- experts per key (``mlp.experts.local_experts.{j}.linear_fc1.weight``, grouped
+  ``mlp.experts.linear_fc1.weight{j}``) or already stacked [E, ...].
+
+``_extra_state`` (Transformer Engine's fp8 metadata) has no megalite counterpart and is skipped.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from megalite.checkpointing.errors import CheckpointError
+from megalite.checkpointing.stored import all_specs
+
+TOP = {"embedding.word_embeddings.weight": "embedding.word.weight",
+       "embedding.position_embeddings.weight": "embedding.position.weight",
+       "decoder.final_layernorm.weight": "final_norm.weight", "decoder.final_layernorm.bias": "final_norm.bias",
+       "decoder.final_norm.weight": "final_norm.weight", "decoder.final_norm.bias": "final_norm.bias",
+       "output_layer.weight": "output_layer.weight"}
+LAYER = {"input_layernorm.weight": "input_norm.weight", "input_layernorm.bias": "input_norm.bias",
+         "self_attention.linear_qkv.layer_norm_weight": "input_norm.weight",
+         "self_attention.linear_qkv.layer_norm_bias": "input_norm.bias",
+         "self_attention.linear_qkv.weight": "attention.qkv.weight",
+         "self_attention.linear_qkv.bias": "attention.qkv.bias",
+         "self_attention.linear_proj.weight": "attention.proj.weight",
+         "self_attention.linear_proj.bias": "attention.proj.bias",
+         "pre_mlp_layernorm.weight": "pre_mlp_norm.weight", "pre_mlp_layernorm.bias": "pre_mlp_norm.bias",
+         "mlp.linear_fc1.layer_norm_weight": "pre_mlp_norm.weight",
+         "mlp.linear_fc1.layer_norm_bias": "pre_mlp_norm.bias",
+         "mlp.linear_fc1.weight": "mlp.fc1.weight", "mlp.linear_fc1.bias": "mlp.fc1.bias",
+         "mlp.linear_fc2.weight": "mlp.fc2.weight", "mlp.linear_fc2.bias": "mlp.fc2.bias",
+         "mlp.router.weight": "mlp.router.weight", "mlp.router.expert_bias": "mlp.router.expert_bias",
+         "mlp.shared_experts.linear_fc1.weight": "mlp.shared_expert.fc1.weight",
+         "mlp.shared_experts.linear_fc1.bias": "mlp.shared_expert.fc1.bias",
+         "mlp.shared_experts.linear_fc2.weight": "mlp.shared_expert.fc2.weight",
+         "mlp.shared_experts.linear_fc2.bias": "mlp.shared_expert.fc2.bias"}
+EXPERT_KEY = re.compile(r"mlp\.experts\.(?:local_experts\.(?P<j>\d+)\.linear_(?P<a>fc[12])\.weight"
+                        r"|linear_(?P<b>fc[12])\.weight(?P<k>\d+)"
+                        r"|(?:local_experts\.)?linear_(?P<c>fc[12])\.weight)$")
+SKIPPED = re.compile(r"(^|\.)_extra_state(/|$)")
+LAYER_KEY = re.compile(r"^decoder\.layers\.(?:(\d+)\.)?(.+)$")
+
+
+def _per_layer(key: str, get: Callable[[str], torch.Tensor]) -> Iterable[tuple[int, str, torch.Tensor]]:
+    """(layer, suffix, tensor) of one source key: one item per layer of a stacked [L, ...] key."""
+    m = LAYER_KEY.match(key)
+    assert m is not None
+    suffix, t = m.group(2), get(key)
+    if m.group(1) is not None:
+        yield int(m.group(1)), suffix, t
+        return
+    for i in range(t.shape[0]):
+        yield i, suffix, t[i]
+
+
+def _expert(suffix: str) -> tuple[str, int | None] | None:
+    """(fc1 or fc2, expert index or None for a stacked tensor) of an expert weight's suffix."""
+    m = EXPERT_KEY.search(suffix)
+    if not m or not suffix.startswith("mlp.experts."):
+        return None
+    if m.group("a"):
+        return m.group("a"), int(m.group("j"))
+    if m.group("b"):
+        return m.group("b"), int(m.group("k"))
+    return m.group("c"), None
+
+
+def to_megalite(keys: Iterable[str], get: Callable[[str], torch.Tensor], where: str) -> dict[str, torch.Tensor]:
+    """Full megatron-core tensors (any spec, per-layer or stacked) under megalite's keys; a key that maps
+    to nothing is named."""
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
+    for key in keys:
+        if SKIPPED.search(key):
+            continue
+        if key in TOP:
+            out[TOP[key]] = get(key)
+            continue
+        if not LAYER_KEY.match(key):
+            raise CheckpointError(f"{where}: {key} is not a parameter megalite knows")
+        for i, suffix, t in _per_layer(key, get):
+            if suffix in LAYER:
+                out[f"layers.{i}.{LAYER[suffix]}"] = t
+            elif (e := _expert(suffix)) is not None:
+                fc, j = e
+                if j is None:
+                    out[f"layers.{i}.mlp.experts.{fc}_weight"] = t
+                else:
+                    experts.setdefault((i, fc), {})[j] = t
+            else:
+                raise CheckpointError(f"{where}: {key} ({suffix}) is not a parameter megalite knows")
+    for (i, fc), per in experts.items():
+        if sorted(per) != list(range(len(per))):
+            raise CheckpointError(f"{where}: layer {i} has {fc} weights of experts {sorted(per)}, not 0..{len(per)-1}")
+        out[f"layers.{i}.mlp.experts.{fc}_weight"] = torch.stack([per[j] for j in range(len(per))])
+    return out
+
+
+def _trim_vocab(params: dict[str, torch.Tensor], vocab: int) -> None:
+    """Megatron's embedding holds the padded vocabulary; megalite's full tensors the true one."""
+    for key in ("embedding.word.weight", "output_layer.weight"):
+        t = params.get(key)
+        if t is not None and t.shape[0] > vocab:
+            params[key] = t[:vocab]
+
+
+def check_params(params: dict[str, torch.Tensor], config: dict[str, Any], where: str) -> dict[str, torch.Tensor]:
+    """The imported tensors are exactly the parameters ``config``'s model has, each of its full shape."""
+    if config["untie_embeddings_and_output_weights"] is False:
+        params.pop("output_layer.weight", None)  # a tied copy (saved by the last stage of some releases)
+    _trim_vocab(params, int(config["vocab_size"]))
+    specs = all_specs(config, 1)
+    missing, extra = sorted(set(specs) - set(params)), sorted(set(params) - set(specs))
+    if missing or extra:
+        raise CheckpointError(f"{where}: its tensors do not match the model its args describe (missing "
+                              f"{missing[:6]}, unexpected {extra[:6]})")
+    expected = _full_shapes(config)
+    for key in specs:
+        if tuple(params[key].shape) != expected[key]:
+            raise CheckpointError(f"{where}: {key} has shape {tuple(params[key].shape)}, the model its args "
+                                  f"describe needs {expected[key]}")
+    return {k: params[k].contiguous() for k in specs}
+
+
+def _full_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Each parameter's full shape: the TP-1 model built on the meta device (true vocab rows)."""
+    from megalite.checkpointing.metadata import model_config
+    from megalite.model.gpt import GPTModel
+    from megalite.parallel.groups import ProcessGroups
+    from megalite.parallel.layout import RankLayout
+    from megalite.tensor_parallel.context import BuildContext
+    from megalite.tensor_parallel.random import RNGTracker
+
+    cfg, vocab = model_config(config)
+    ctx = BuildContext(ProcessGroups.unconnected(RankLayout(1, 1, 1), 0), RNGTracker(), device=torch.device("meta"))
+    model = GPTModel(cfg, ctx, vocab, layer_numbers=list(range(cfg.num_layers)), pre_process=True, post_process=True)
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    for key in ("embedding.word.weight", "output_layer.weight"):
+        if key in shapes:
+            shapes[key] = (vocab, *shapes[key][1:])
+    return shapes

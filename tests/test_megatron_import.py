@@ -1,0 +1,119 @@
+"""Promise (docs/checkpoints.md, "Megatron-LM checkpoints"): a checkpoint megatron-core saved (torch_dist,
+local layer spec) imports into megalite at any layout and computes megatron-core's logits.
+
+The reference is megatron-core itself (pip package, tests only), run on the CPU over gloo with the shim of
+tests/mcore_cpu.py: a GPT-2-style and a Llama-style model (GQA, SwiGLU, RoPE, untied) are built at TP2,
+every parameter perturbed, saved with ``dist_checkpointing.save`` as Megatron-LM's training loop does
+(model state, ``args``, iteration, tracker), and their logits recorded. ``convert_checkpoint.py
+from-megatron`` imports each folder; megalite's model loads the result at TP1 (one process) and TP2 and
+must give the same logits (fp32, 1e-5).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megalite.checkpointing.load import load_checkpoint
+from megalite.checkpointing.metadata import model_config
+from megalite.model.gpt import GPTModel
+from megalite.parallel.groups import ProcessGroups
+from megalite.parallel.layout import RankLayout
+from megalite.tensor_parallel.context import BuildContext
+from megalite.tensor_parallel.random import RNGTracker
+from tests.harness import run_ranks
+from tools.convert_checkpoint import main as convert
+
+pytest.importorskip("megatron.core")
+
+TOKENS = torch.tensor([[3, 17, 42, 5, 88, 1, 64, 9, 23, 50, 7, 11], [60, 2, 33, 91, 14, 8, 0, 77, 45, 19, 6, 30]])
+
+
+def megatron_args(**kw) -> argparse.Namespace:
+    """The arguments Megatron-LM saves, under its own names (those the cases set; the rest default)."""
+    base = dict(num_layers=2, hidden_size=32, ffn_hidden_size=128, num_attention_heads=4, kv_channels=8,
+                group_query_attention=False, num_query_groups=1, seq_length=16, max_position_embeddings=16,
+                position_embedding_type="learned_absolute", rotary_base=10000, rotary_percent=1.0,
+                normalization="LayerNorm", norm_epsilon=1e-5, swiglu=False, add_bias_linear=True,
+                add_qkv_bias=False, untie_embeddings_and_output_weights=False, padded_vocab_size=96,
+                hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=2,
+                pipeline_model_parallel_size=1, consumed_train_samples=40, params_dtype=torch.float32)
+    return argparse.Namespace(**{**base, **kw})
+
+
+CASES = {
+    "gpt2": megatron_args(),
+    "llama": megatron_args(ffn_hidden_size=48, group_query_attention=True, num_query_groups=2,
+                           position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
+                           add_bias_linear=False, untie_embeddings_and_output_weights=True, padded_vocab_size=100),
+}
+
+
+def _save(rank: int, world: int, root: str) -> dict:
+    """Each case built and saved by megatron-core at TP2; its logits from rank 0."""
+    from tests.mcore_cpu import build_gpt, cpu_shim, logits, save_megatron
+
+    cpu_shim()
+    from megatron.core import parallel_state as ps
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=2)
+    out = {}
+    for name, args in CASES.items():
+        model = build_gpt(args, tp=2)
+        save_megatron(model, args, os.path.join(root, name), iteration=7)
+        got = logits(model, TOKENS)  # every TP rank takes part in the logits' all-gather
+        out[name] = got if rank == 0 else None
+    ps.destroy_model_parallel()
+    return out
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> tuple[str, dict]:
+    root = str(tmp_path_factory.mktemp("megatron"))
+    return root, run_ranks(_save, 2, root, timeout=120)[0]
+
+
+def _megalite_logits(load: str, pg: ProcessGroups) -> torch.Tensor:
+    from megalite.checkpointing.reader import CheckpointReader
+
+    config = CheckpointReader(load).config
+    cfg, vocab = model_config(config)
+    model = GPTModel(cfg, BuildContext(pg, RNGTracker()), vocab).eval()
+    load_checkpoint(load, [model], None, pg, config, load_optim=False, load_rng=False)
+    with torch.no_grad():
+        return model(TOKENS)
+
+
+def _tp2_logits(rank: int, world: int, loads: dict) -> dict:
+    pg = ProcessGroups.build(RankLayout(world, tp=2, pp=1), rank)
+    out = {name: _megalite_logits(load, pg) for name, load in loads.items()}
+    dist.barrier()
+    return out if rank == 0 else {}
+
+
+def _import(saved, name: str, tmp_path, tp: int) -> str:
+    root, _ = saved
+    out = str(tmp_path / f"{name}_tp{tp}")
+    assert convert(["from-megatron", "--load", os.path.join(root, name), "--save", out,
+                    "--tensor-model-parallel-size", str(tp)]) == 0
+    return out
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_megatron_core_checkpoint_gives_its_logits_at_tp1(saved, name, tmp_path):
+    load = _import(saved, name, tmp_path, 1)
+    got = _megalite_logits(load, ProcessGroups.unconnected(RankLayout(1, 1, 1), 0))
+    want = saved[1][name]
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def test_megatron_core_checkpoint_gives_its_logits_at_tp2(saved, tmp_path):
+    loads = {name: _import(saved, name, tmp_path, 2) for name in CASES}
+    got = run_ranks(_tp2_logits, 2, loads, timeout=120)[0]
+    for name in CASES:
+        torch.testing.assert_close(got[name], saved[1][name], rtol=0, atol=1e-5, msg=name)
