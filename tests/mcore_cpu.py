@@ -100,7 +100,7 @@ def build_gpt(args, tp: int, pp: int = 1, seed: int = 1):
                      position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base)
     tp_rank = ps.get_tensor_model_parallel_rank()
     with torch.no_grad():
-        for i, (name, p) in enumerate(sorted(model.named_parameters())):
+        for i, (_, p) in enumerate(sorted(model.named_parameters())):
             sharded = getattr(p, "tensor_model_parallel", False)
             g = torch.Generator().manual_seed(1000 * seed + 7 * i + (tp_rank if sharded else 0))
             p.add_(0.05 * torch.randn(p.shape, generator=g))
