@@ -41,7 +41,7 @@ def megatron_args(**kw) -> argparse.Namespace:
                 normalization="LayerNorm", norm_epsilon=1e-5, swiglu=False, add_bias_linear=True,
                 add_qkv_bias=False, untie_embeddings_and_output_weights=False, padded_vocab_size=96,
                 hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=2,
-                pipeline_model_parallel_size=1, consumed_train_samples=40, params_dtype=torch.float32)
+                pipeline_model_parallel_size=1, consumed_train_samples=14, params_dtype=torch.float32)
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -118,3 +118,25 @@ def test_megatron_core_checkpoint_gives_its_logits_at_tp1(saved, name, tmp_path)
 @pytest.mark.parametrize("name", list(CASES))
 def test_megatron_core_checkpoint_gives_its_logits_at_tp2(saved, name):
     torch.testing.assert_close(saved[1][name + "_tp2"], saved[1][name], rtol=0, atol=1e-5)
+
+
+def test_pretrain_loads_a_megatron_checkpoint_in_process(saved):
+    """``pretrain_gpt.py --load`` of Megatron-LM's folder: weights read in-process, training continues
+    from its iteration; without --no-load-optim the missing optimizer state is named."""
+    from megalite.checkpointing.megatron import read_megatron
+    from tests.cli_utils import launch_pretrain
+    from tools.convert_checkpoint import model_flags
+
+    load = os.path.join(saved[0], "gpt2")
+    flags = model_flags(read_megatron(load).config).split()
+    run = ["--mock-data", "--vocab-size", "95", *flags, "--seq-length", "16", "--micro-batch-size", "2",
+           "--global-batch-size", "2", "--log-interval", "1", "--train-iters", "9", "--load", load]  # 95 + EOD
+    proc = launch_pretrain([*run, "--no-load-optim"], timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "as a Megatron-LM checkpoint" in proc.stdout and "at iteration 7" in proc.stdout, proc.stdout[-2000:]
+    assert "iteration        9/" in proc.stdout or "iteration 9/" in proc.stdout.replace("  ", " "), proc.stdout[-1500:]
+    from megalite.checkpointing.errors import CheckpointError
+    from megalite.checkpointing.megatron_load import load_megatron
+
+    with pytest.raises(CheckpointError, match="its optimizer state does not; pass --no-load-optim"):
+        load_megatron(load, [], None, {}, weights_only=False)  # what maybe_load calls without the flag

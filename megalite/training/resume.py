@@ -13,6 +13,8 @@ from torch import nn
 
 from megalite import device
 from megalite.checkpointing import load_checkpoint, save_checkpoint
+from megalite.checkpointing.megatron import is_megatron_checkpoint
+from megalite.checkpointing.megatron_load import load_megatron
 from megalite.checkpointing.metadata import config_dict
 from megalite.checkpointing.paths import TRACKER
 from megalite.config.arguments import MegaliteConfig
@@ -52,8 +54,13 @@ def maybe_load(cfg: MegaliteConfig, chunks: list[nn.Module], optimizer: Megalite
         say(f" no checkpoint in {ck.load} yet ({TRACKER} absent): starting from iteration 0")
         return TrainState()
     weights_only = ck.finetune or ck.no_load_optim
-    loaded, rng = load_checkpoint(ck.load, chunks, optimizer, pg, config_dict(cfg.model, vocab_size),
-                                  load_optim=not weights_only, load_rng=not (ck.no_load_rng or ck.finetune))
+    if is_megatron_checkpoint(ck.load):  # Megatron-LM's own folder: its weights, read in-process
+        loaded, rng = load_megatron(ck.load, chunks, pg, config_dict(cfg.model, vocab_size),
+                                    weights_only=weights_only), None
+        say(f" reading {ck.load} as a Megatron-LM checkpoint (weights only)")
+    else:
+        loaded, rng = load_checkpoint(ck.load, chunks, optimizer, pg, config_dict(cfg.model, vocab_size),
+                                      load_optim=not weights_only, load_rng=not (ck.no_load_rng or ck.finetune))
     if ck.finetune:
         say(f" loaded weights of iteration {loaded.iteration} from {ck.load} for finetuning")
         return TrainState()
