@@ -6,6 +6,8 @@ the rank process that calls it:
 
 - ``torch.cuda.current_device``: its global memory buffer (the local attention's matmul input) and the
   save's failure all-reduce allocate on it; here it names the CPU.
+- ``Tensor.cuda``: with pipeline stages, the tied output layer's copy is moved to the device before the
+  all-reduce that makes it equal to the embedding; here it stays on the CPU.
 - ``torch.cuda.synchronize``: the save's pre-load waits for the device; nothing to wait for.
 - the torch_dist writer hands its results over a queue of a spawned manager process and writes each
   bucket in a forked child; the test ranks are daemonic (no children allowed) and hold gloo's threads (a
@@ -49,6 +51,7 @@ def cpu_shim() -> None:
 
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda *a, **k: None
+    torch.Tensor.cuda = lambda self, *a, **k: self
     mrandom.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
     filesystem_async._results_queue = queue.Queue()
     writer = filesystem_async.FileSystemWriterAsync
@@ -78,8 +81,21 @@ def _config(args, tp: int, pp: int):
         gated_linear_unit=args.swiglu, activation_func=F.silu if args.swiglu else F.gelu,
         add_bias_linear=args.add_bias_linear, hidden_dropout=0.0, attention_dropout=0.0,
         use_cpu_initialization=True, params_dtype=torch.float32, tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp, bias_activation_fusion=False, bias_dropout_fusion=False,
+        pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32, bias_activation_fusion=False,
+        bias_dropout_fusion=False,
         masked_softmax_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False, **moe)
+
+
+def _global_seed(name: str, layer_offset: int, tied: bool) -> int:
+    """A seed per parameter of the whole model: layer numbers made global, a tied output layer (the last
+    stage's copy of the embedding) seeded as the embedding, so the copies stay equal."""
+    import re
+    import zlib
+
+    if tied and name == "output_layer.weight":
+        name = "embedding.word_embeddings.weight"
+    name = re.sub(r"decoder\.layers\.(\d+)", lambda m: f"decoder.layers.{int(m[1]) + layer_offset}", name)
+    return zlib.crc32(name.encode()) % 100_000
 
 
 def build_gpt(args, tp: int, pp: int = 1, seed: int = 1):
@@ -98,23 +114,36 @@ def build_gpt(args, tp: int, pp: int = 1, seed: int = 1):
                      pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
                      share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
                      position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base)
-    tp_rank = ps.get_tensor_model_parallel_rank()
+    tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+    tied = not args.untie_embeddings_and_output_weights
     with torch.no_grad():
-        for i, (_, p) in enumerate(sorted(model.named_parameters())):
+        for name, p in model.named_parameters():
             sharded = getattr(p, "tensor_model_parallel", False)
-            g = torch.Generator().manual_seed(1000 * seed + 7 * i + (tp_rank if sharded else 0))
+            g = torch.Generator().manual_seed(1000 * seed + _global_seed(name, pp_rank * args.num_layers // pp, tied)
+                                              + (tp_rank + 1 if sharded else 0))
             p.add_(0.05 * torch.randn(p.shape, generator=g))
     return model.eval()
 
 
-def logits(model, tokens):
-    """megatron-core's [b, s, V] logits of ``tokens`` under a causal mask."""
+def logits(model, tokens, hidden_size: int):
+    """megatron-core's [b, s, V] logits of ``tokens`` under a causal mask on the last pipeline stage (None
+    elsewhere), the hidden states passed stage to stage by hand (no schedule needed for a forward)."""
     import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
 
     b, s = tokens.shape
     mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1).view(1, 1, s, s)
     with torch.no_grad():
-        return model(tokens, torch.arange(s).expand(b, s), mask)
+        if not ps.is_pipeline_first_stage():
+            x = torch.empty(s, b, hidden_size)
+            dist.recv(x, src=ps.get_pipeline_model_parallel_prev_rank())
+            model.set_input_tensor(x)
+        out = model(tokens, torch.arange(s).expand(b, s), mask)
+        if not ps.is_pipeline_last_stage():
+            dist.send(out.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
+            return None
+        return out
 
 
 def save_megatron(model, args, folder: str, iteration: int) -> None:
@@ -131,6 +160,38 @@ def save_megatron(model, args, folder: str, iteration: int) -> None:
     dist.barrier()
     state = {"model": model.sharded_state_dict(), "args": args, "iteration": iteration, "checkpoint_version": 3.0}
     dist_checkpointing.save(state, it_dir)
+    _tracker(folder, iteration)
+
+
+
+def save_megatron_legacy(model, args, folder: str, iteration: int) -> None:
+    """The legacy ``torch`` format as Megatron-LM's training loop writes it: per (TP, PP) rank
+    ``mp_rank_TT[_PPP]/model_optim_rng.pt`` holding the rank's plain state dict (layer numbers local to
+    its stage) under 'model', the args, the iteration, the checkpoint version and the RNG states
+    (Python's, numpy's, torch's), written with torch.save; no Megatron-LM code is involved."""
+    import os
+    import random
+
+    import numpy as np
+    import torch
+    from megatron.core import parallel_state as ps
+
+    tp, pp = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+    rank_dir = f"mp_rank_{tp:02d}" + (f"_{pp:03d}" if ps.get_pipeline_model_parallel_world_size() > 1 else "")
+    path = os.path.join(folder, f"iter_{iteration:07d}", rank_dir, "model_optim_rng.pt")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    rng = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+           "torch_rng_state": torch.get_rng_state()}
+    torch.save({"model": model.state_dict(), "args": args, "iteration": iteration, "checkpoint_version": 3.0,
+                "rng_state": [rng]}, path)
+    _tracker(folder, iteration)
+
+
+def _tracker(folder: str, iteration: int) -> None:
+    import os
+
+    import torch.distributed as dist
+
     if dist.get_rank() == 0:
         with open(os.path.join(folder, "latest_checkpointed_iteration.txt"), "w") as f:
             f.write(str(iteration))

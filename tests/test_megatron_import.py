@@ -41,11 +41,11 @@ def megatron_args(**kw) -> argparse.Namespace:
                 normalization="LayerNorm", norm_epsilon=1e-5, swiglu=False, add_bias_linear=True,
                 add_qkv_bias=False, untie_embeddings_and_output_weights=False, padded_vocab_size=96,
                 hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=2,
-                pipeline_model_parallel_size=1, consumed_train_samples=14, params_dtype=torch.float32)
+                pipeline_model_parallel_size=2, consumed_train_samples=14, params_dtype=torch.float32)
     return argparse.Namespace(**{**base, **kw})
 
 
-CASES = {
+CASES = {  # saved by megatron-core at TP2 x PP2
     "gpt2": megatron_args(),
     "llama": megatron_args(ffn_hidden_size=48, group_query_attention=True, num_query_groups=2,
                            position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
@@ -54,28 +54,30 @@ CASES = {
 
 
 def _save_and_load(rank: int, world: int, root: str) -> dict:
-    """Each case built and saved by megatron-core at TP2 (its logits from rank 0), then imported at TP2 by
-    rank 0 and loaded by megalite on both ranks (its logits from rank 0): one start of the ranks for both."""
-    from tests.mcore_cpu import build_gpt, cpu_shim, logits, save_megatron
+    """Each case built by megatron-core at TP2 x PP2 and saved in both formats (its logits from the last
+    stage), then imported at TP2 by rank 0 and loaded by megalite at TP2 x DP2 (its logits from rank 0):
+    one start of the ranks for all of it."""
+    from tests.mcore_cpu import build_gpt, cpu_shim, logits, save_megatron, save_megatron_legacy
 
     cpu_shim()
     from megatron.core import parallel_state as ps
 
-    ps.initialize_model_parallel(tensor_model_parallel_size=2)
+    ps.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
     out = {}
     for name, args in CASES.items():
-        model = build_gpt(args, tp=2)
+        model = build_gpt(args, tp=2, pp=2)
         save_megatron(model, args, os.path.join(root, name), iteration=7)
-        got = logits(model, TOKENS)  # every TP rank takes part in the logits' all-gather
-        out[name] = got if rank == 0 else None
+        save_megatron_legacy(model, args, os.path.join(root, name + "_legacy"), iteration=7)
+        got = logits(model, TOKENS, args.hidden_size)  # every TP rank takes part in the logits' all-gather
+        out[name] = got if got is not None and ps.get_tensor_model_parallel_rank() == 0 else None
     ps.destroy_model_parallel()
     if rank == 0:
-        for name in CASES:
+        for name in FOLDERS:
             assert convert(["from-megatron", "--load", os.path.join(root, name), "--save",
                             os.path.join(root, name + "_tp2"), "--tensor-model-parallel-size", "2"]) == 0
     dist.barrier()
     pg = ProcessGroups.build(RankLayout(world, tp=2, pp=1), rank)
-    for name in CASES:
+    for name in FOLDERS:
         got = _megalite_logits(os.path.join(root, name + "_tp2"), pg)
         out[name + "_tp2"] = got if rank == 0 else None
     return out
@@ -84,7 +86,12 @@ def _save_and_load(rank: int, world: int, root: str) -> dict:
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> tuple[str, dict]:
     root = str(tmp_path_factory.mktemp("megatron"))
-    return root, run_ranks(_save_and_load, 2, root, timeout=150)[0]
+    ranks = run_ranks(_save_and_load, 4, root, timeout=180)
+    merged = {k: next(r[k] for r in ranks if r[k] is not None) for k in ranks[0]}
+    return root, merged
+
+
+FOLDERS = [name + fmt for name in CASES for fmt in ("", "_legacy")]  # torch_dist, legacy torch
 
 
 def _megalite_logits(load: str, pg: ProcessGroups) -> torch.Tensor:
@@ -106,18 +113,19 @@ def _import(saved, name: str, tmp_path, tp: int) -> str:
     return out
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", FOLDERS)
 def test_megatron_core_checkpoint_gives_its_logits_at_tp1(saved, name, tmp_path):
     load = _import(saved, name, tmp_path, 1)
     got = _megalite_logits(load, ProcessGroups.unconnected(RankLayout(1, 1, 1), 0))
-    want = saved[1][name]
+    want = saved[1][name.removesuffix("_legacy")]
     assert got.shape == want.shape
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", FOLDERS)
 def test_megatron_core_checkpoint_gives_its_logits_at_tp2(saved, name):
-    torch.testing.assert_close(saved[1][name + "_tp2"], saved[1][name], rtol=0, atol=1e-5)
+    want = saved[1][name.removesuffix("_legacy")]
+    torch.testing.assert_close(saved[1][name + "_tp2"], want, rtol=0, atol=1e-5)
 
 
 def test_pretrain_loads_a_megatron_checkpoint_in_process(saved):

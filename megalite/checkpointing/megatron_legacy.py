@@ -1,0 +1,164 @@
+"""Megatron-LM's legacy ``torch`` checkpoint format merged into full tensors under megatron-core names.
+
+An iteration folder holds one ``mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt`` per (TP rank, PP rank, EP
+rank): a torch.save'd dict of ``model`` (the rank's state dict; ``model0``, ``model1``, ... per model
+chunk with interleaving), ``args``, ``iteration``, ``checkpoint_version``, optimizer and RNG state. Layer
+numbers are local to each chunk and expert numbers local to each EP rank. Merging:
+
+- pipeline: chunk c of stage p is virtual stage c·PP + p; its layers follow those of the virtual stages
+  before it (counted from the files, so uneven stages need no flag);
+- tensor parallel: column-parallel tensors (embedding and output rows, QKV — each rank holds whole KV
+  groups, so the per-group order survives —, fc1) are joined on dim 0, row-parallel weights (proj, fc2)
+  on dim 1, everything else is replicated and must be equal on every rank; SwiGLU's fc1 holds
+  [gate_r; up_r] per rank and is joined as [gate_0 … gate_n; up_0 … up_n];
+- expert parallel: EP rank e's local expert j is expert e·E/EP + j.
+
+Each file is read through safe_pickle.py; missing files, unknown or inconsistent keys are named.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+from typing import Any
+
+import torch
+
+from megalite.checkpointing.errors import CheckpointError
+from megalite.checkpointing.safe_pickle import load_torch_file
+
+FILE = "model_optim_rng.pt"
+RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
+COLUMN = re.compile(r"(word_embeddings\.weight|output_layer\.weight|linear_qkv\.(weight|bias)|linear_fc1\.(weight|bias)"
+                    r"|linear_fc1\.weight\d+)$")
+ROW = re.compile(r"(linear_proj\.weight|linear_fc2\.weight|linear_fc2\.weight\d+)$")
+LAYER = re.compile(r"^(decoder\.layers\.)(\d+)(\..+)$")
+EXPERT = re.compile(r"(\.mlp\.experts\.local_experts\.)(\d+)(\..+)$")
+SKIPPED = re.compile(r"(^|\.)_extra_state$")
+
+
+def _grid(folder: str) -> dict[tuple[int, int, int], str]:
+    """(tp, pp, ep) rank -> its file, every rank of the grid present."""
+    files = {}
+    for path in glob.glob(os.path.join(folder, "mp_rank_*")):
+        m = RANK_DIR.match(os.path.basename(path))
+        if m:
+            files[int(m[1]), int(m[2] or 0), int(m[3] or 0)] = os.path.join(path, FILE)
+    if not files:
+        raise CheckpointError(f"{folder}: no mp_rank_*/{FILE}")
+    sizes = [max(k[i] for k in files) + 1 for i in range(3)]
+    for t in range(sizes[0]):
+        for p in range(sizes[1]):
+            for e in range(sizes[2]):
+                path = files.get((t, p, e))
+                if path is None or not os.path.isfile(path):
+                    raise CheckpointError(f"{folder}: {FILE} of TP rank {t}, PP rank {p}, EP rank {e} is missing "
+                                          f"(the folder holds TP {sizes[0]} x PP {sizes[1]} x EP {sizes[2]} ranks)")
+    return files
+
+
+def _chunks(state: dict[str, Any], path: str) -> list[dict[str, torch.Tensor]]:
+    """The model state dict of each model chunk in one file (``model``, or ``model0``, ``model1``...)."""
+    if "model" in state:
+        chunks = [state["model"]]
+    else:
+        names = sorted((k for k in state if re.fullmatch(r"model\d+", k)), key=lambda k: int(k[5:]))
+        chunks = [state[k] for k in names]
+    if not chunks or not all(isinstance(c, dict) for c in chunks):
+        raise CheckpointError(f"{path}: holds no 'model' state dict (keys {sorted(state)[:8]})")
+    out = []
+    for c in chunks:
+        bad = [k for k, v in c.items() if not SKIPPED.search(k) and not isinstance(v, torch.Tensor)]
+        if bad:
+            raise CheckpointError(f"{path}: {bad[0]} is a {type(c[bad[0]]).__name__}, not a tensor")
+        out.append({k: v for k, v in c.items() if not SKIPPED.search(k)})
+    return out
+
+
+def _layer_counts(chunk: dict[str, torch.Tensor]) -> int:
+    return len({int(m[2]) for k in chunk if (m := LAYER.match(k))})
+
+
+class LegacyCheckpoint:
+    """One legacy iteration folder: ``keys()``, ``tensor(key)`` (full, per-layer megatron-core names),
+    ``common`` (args, iteration, checkpoint_version of TP 0 / PP 0's file)."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = self.where = folder
+        files = _grid(folder)
+        self.tp, self.pp, self.ep = (max(k[i] for k in files) + 1 for i in range(3))
+        states = {k: load_torch_file(path) for k, path in files.items()}
+        for k, s in states.items():
+            if not isinstance(s, dict):
+                raise CheckpointError(f"{files[k]}: holds a {type(s).__name__}, not the dict Megatron-LM saves")
+        first = states[0, 0, 0]
+        self.common = {k: v for k, v in first.items() if k in ("args", "iteration", "checkpoint_version")}
+        self.swiglu = bool(getattr(first.get("args"), "swiglu", False))
+        chunks = {k: _chunks(s, files[k]) for k, s in states.items()}
+        self._shards = self._globalise(chunks, files)
+
+    def _globalise(self, chunks: dict[tuple[int, int, int], list[dict]], files: dict) -> dict[str, list]:
+        """Global key -> [TP shard 0, 1, ...], layers and experts renumbered."""
+        vp = len(chunks[0, 0, 0])
+        counts = {(p, c): _layer_counts(chunks[0, p, 0][c]) for p in range(self.pp) for c in range(vp)}
+        order = sorted(counts, key=lambda pc: pc[1] * self.pp + pc[0])
+        offset, start = 0, {}
+        for pc in order:
+            start[pc] = offset
+            offset += counts[pc]
+        shards: dict[str, dict[int, torch.Tensor]] = {}
+        for (t, p, e), per_chunk in chunks.items():
+            if len(per_chunk) != vp:
+                raise CheckpointError(f"{files[t, p, e]}: holds {len(per_chunk)} model chunks, TP 0 / PP 0 {vp}")
+            for c, sd in enumerate(per_chunk):
+                for key, value in sd.items():
+                    g = self._global_key(key, start[p, c], e, sd)
+                    if (p > 0 or c > 0) and g.startswith("embedding.") and g in shards:
+                        continue  # a tied embedding copy on a later stage
+                    shards.setdefault(g, {})[t] = value
+        out = {}
+        for g, per in shards.items():
+            if sorted(per) != list(range(self.tp)):
+                raise CheckpointError(f"{self.folder}: {g} is held by TP ranks {sorted(per)}, not all {self.tp}")
+            out[g] = [per[t] for t in range(self.tp)]
+        return out
+
+    def _global_key(self, key: str, layer_offset: int, ep_rank: int, sd: dict) -> str:
+        m = LAYER.match(key)
+        if m:
+            key = f"{m[1]}{int(m[2]) + layer_offset}{m[3]}"
+        x = EXPERT.search(key)
+        if x and self.ep > 1:
+            local = len({int(y[2]) for k in sd if (y := EXPERT.search(k))})
+            key = key[:x.start()] + f"{x[1]}{ep_rank * local + int(x[2])}{x[3]}"
+        return key
+
+    def keys(self) -> list[str]:
+        return list(self._shards)
+
+    def tensor(self, key: str) -> torch.Tensor:
+        parts = self._shards[key]
+        if len(parts) == 1:
+            return parts[0]
+        if ROW.search(key):
+            return self._cat(key, parts, 1)
+        if COLUMN.search(key):
+            if self.swiglu and "linear_fc1" in key:
+                halves = [p.chunk(2, dim=0) for p in parts]
+                return torch.cat([self._cat(key, [h[0] for h in halves], 0), self._cat(key, [h[1] for h in halves], 0)])
+            return self._cat(key, parts, 0)
+        for t, p in enumerate(parts[1:], 1):
+            if p.shape != parts[0].shape or not torch.equal(p, parts[0]):
+                raise CheckpointError(f"{self.folder}: {key} is replicated over TP but TP rank {t} holds other values")
+        return parts[0]
+
+    def _cat(self, key: str, parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+        if len({p.dim() for p in parts}) != 1 or parts[0].dim() <= dim:
+            raise CheckpointError(f"{self.folder}: {key}: its TP shards cannot be joined on dim {dim} "
+                                  f"(shapes {[tuple(p.shape) for p in parts]})")
+        other = {tuple(s for i, s in enumerate(p.shape) if i != dim) for p in parts}
+        if len(other) != 1:
+            raise CheckpointError(f"{self.folder}: {key}: its TP shards' shapes {[tuple(p.shape) for p in parts]} "
+                                  f"differ off dim {dim}")
+        return torch.cat(parts, dim=dim)
