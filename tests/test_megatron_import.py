@@ -148,3 +148,64 @@ def test_pretrain_loads_a_megatron_checkpoint_in_process(saved):
 
     with pytest.raises(CheckpointError, match="its optimizer state does not; pass --no-load-optim"):
         load_megatron(load, [], None, {}, weights_only=False)  # what maybe_load calls without the flag
+
+
+# ---- bad input: every file checked before it is trusted ------------------------------------------------
+
+
+def _copy(saved, name: str, tmp_path) -> str:
+    import shutil
+
+    dst = str(tmp_path / name)
+    shutil.copytree(os.path.join(saved[0], name), dst)
+    return dst
+
+
+def _refused(load: str, tmp_path, *match: str) -> None:
+    import contextlib
+    import io
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = convert(["from-megatron", "--load", load, "--save", str(tmp_path / "out")])
+    assert code == 2, err.getvalue()
+    line = err.getvalue().strip()
+    assert "Traceback" not in line and all(m in line for m in match), line
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_a_missing_or_truncated_distcp_file_is_named(saved, tmp_path):
+    load = _copy(saved, "llama", tmp_path)
+    it = os.path.join(load, "iter_0000007")
+    victim = os.path.join(it, sorted(f for f in os.listdir(it) if f.endswith(".distcp"))[0])
+    with open(victim, "r+b") as f:
+        f.truncate(100)
+    _refused(load, tmp_path, os.path.basename(victim), "truncated")
+    os.remove(victim)
+    _refused(load, tmp_path, os.path.basename(victim), "is missing")
+
+
+def test_a_missing_legacy_rank_file_is_named(saved, tmp_path):
+    load = _copy(saved, "gpt2_legacy", tmp_path)
+    os.remove(os.path.join(load, "iter_0000007", "mp_rank_01_001", "model_optim_rng.pt"))
+    _refused(load, tmp_path, "TP rank 1, PP rank 1", "missing")
+
+
+def test_unknown_keys_wrong_shapes_and_unsupported_args_are_named(saved, tmp_path):
+    load = _copy(saved, "gpt2_legacy", tmp_path)
+    paths = [os.path.join(load, "iter_0000007", f"mp_rank_0{t}_000", "model_optim_rng.pt") for t in (0, 1)]
+    states = [torch.load(p, weights_only=False) for p in paths]  # files this test wrote
+    good = [dict(s["model"]) for s in states]
+
+    def write(edit) -> None:
+        for path, state, model in zip(paths, states, good):
+            state["model"] = dict(model)
+            edit(state)
+            torch.save(state, path)
+
+    write(lambda s: s["model"].update({"decoder.layers.0.self_attention.q_layernorm.weight": torch.ones(8)}))
+    _refused(load, tmp_path, "q_layernorm.weight", "not a parameter megalite knows")
+    write(lambda s: s["model"].update({"decoder.layers.0.mlp.linear_fc2.weight": torch.ones(32, 3)}))
+    _refused(load, tmp_path, "layers.0.mlp.fc2.weight has shape (32, 6)", "needs (32, 128)")
+    write(lambda s: s.update(args=argparse.Namespace(**{**vars(s["args"]), "qk_layernorm": True})))
+    _refused(load, tmp_path, "qk_layernorm=True", "not implemented")
