@@ -209,3 +209,15 @@ def test_unknown_keys_wrong_shapes_and_unsupported_args_are_named(saved, tmp_pat
     _refused(load, tmp_path, "layers.0.mlp.fc2.weight has shape (32, 6)", "needs (32, 128)")
     write(lambda s: s.update(args=argparse.Namespace(**{**vars(s["args"]), "qk_layernorm": True})))
     _refused(load, tmp_path, "qk_layernorm=True", "not implemented")
+
+
+def test_to_hf_straight_from_a_megatron_checkpoint(saved, tmp_path):
+    """to-hf reads the Megatron-LM folder itself; transformers' Llama computes megatron-core's logits."""
+    from transformers import LlamaForCausalLM
+
+    out = str(tmp_path / "hf")
+    assert convert(["to-hf", "--load", os.path.join(saved[0], "llama_legacy"), "--save", out]) == 0
+    hf = LlamaForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+    with torch.no_grad():
+        got = hf(TOKENS).logits
+    torch.testing.assert_close(got, saved[1]["llama"], rtol=0, atol=1e-4)

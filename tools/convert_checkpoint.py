@@ -103,12 +103,20 @@ def _check_source(load: str, iteration: int | None) -> None:
                               f"iterations {held or 'none'})")
 
 
-def _open_checkpoint(load: str, iteration: int | None) -> FullCheckpoint:
-    _check_source(load, iteration)
+class _MegatronSource:
+    """A Megatron-LM checkpoint seen as FullCheckpoint's few members that to-hf reads."""
+
+    def __init__(self, load: str, iteration: int | None) -> None:
+        src = read_megatron(load, iteration)
+        self.config, self.param, self.iteration = src.config, src.params.__getitem__, src.iteration
+        self.layout = src.layout
+        self.reader = SimpleNamespace(meta={})  # no tokenizer record: give the --tokenizer-* flags
+
+
+def _open_checkpoint(load: str, iteration: int | None) -> FullCheckpoint | _MegatronSource:
     if is_megatron_checkpoint(load):
-        raise CheckpointError(f"--load {load} is a Megatron-LM checkpoint; import it first: python "
-                              f"tools/convert_checkpoint.py from-megatron --load {load} --save OUT, then to-hf "
-                              "--load OUT")
+        return _MegatronSource(load, iteration)
+    _check_source(load, iteration)
     return FullCheckpoint(load, iteration)
 
 

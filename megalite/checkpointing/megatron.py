@@ -76,6 +76,7 @@ class MegatronCheckpoint:
     params: dict[str, torch.Tensor]
     iteration: int
     state: dict[str, Any] = field(default_factory=dict)
+    layout: dict[str, Any] = field(default_factory=dict)  # the TP / PP sizes it was saved at (from its args)
 
 
 def _vocab(args: Any, rows: int, vocab_size: int | None, where: str) -> int:
@@ -118,4 +119,6 @@ def read_megatron(load_dir: str, iteration: int | None = None, vocab_size: int |
     config = config_from_args(args, _vocab(args, emb.shape[0], vocab_size, where), where)
     params = check_params(params, config, where)
     it = int(common.get("iteration", it) or it)
-    return MegatronCheckpoint(folder, fmt, config, params, it, _state(common, args, it))
+    layout = {"tp": getattr(args, "tensor_model_parallel_size", None),
+              "pp": getattr(args, "pipeline_model_parallel_size", None)}
+    return MegatronCheckpoint(folder, fmt, config, params, it, _state(common, args, it), layout)
