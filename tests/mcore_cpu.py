@@ -14,6 +14,8 @@ the rank process that calls it:
   fork may deadlock on a lock one of them holds). Its result queue becomes an in-process one and the
   buckets are written one after the other in this process (``_write_in_process``), by the writer's own
   per-bucket function. That function logs its memory through psutil, which the tests need not have: 0.
+- the MoE router's GEMM tests Transformer Engine's GEMM, a name left undefined when Transformer Engine is
+  absent: None here (the plain matmul path).
 - the model-parallel RNG tracker's ``fork`` (dropout regions) saves and restores the CUDA RNG; with
   dropout off it draws nothing, so it becomes a plain context.
 """
@@ -48,12 +50,14 @@ def cpu_shim() -> None:
     import torch
     from megatron.core.dist_checkpointing.strategies import filesystem_async
     from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.transformer.moe import moe_utils
 
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda *a, **k: None
     torch.Tensor.cuda = lambda self, *a, **k: self
     mrandom.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
     filesystem_async._results_queue = queue.Queue()
+    moe_utils.te_general_gemm = None
     writer = filesystem_async.FileSystemWriterAsync
     writer.write_preloaded_data_multiproc = staticmethod(_write_in_process)
     filesystem_async._process_memory = lambda: 0
@@ -71,7 +75,7 @@ def _config(args, tp: int, pp: int):
     moe = {}
     if getattr(args, "num_experts", None):
         moe = dict(num_moe_experts=args.num_experts, moe_ffn_hidden_size=args.moe_ffn_hidden_size,
-                   moe_router_topk=args.moe_router_topk, moe_token_dispatcher_type="alltoall",
+                   moe_router_topk=args.moe_router_topk, moe_token_dispatcher_type="allgather",
                    moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none")
     return TransformerConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,

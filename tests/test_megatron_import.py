@@ -51,6 +51,8 @@ CASES = {  # saved by megatron-core at TP2 x PP2
                            position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
                            add_bias_linear=False, untie_embeddings_and_output_weights=True, padded_vocab_size=100),
 }
+CASES["mixtral"] = megatron_args(**{**vars(CASES["llama"]), "num_experts": 4, "moe_ffn_hidden_size": 16,
+                                    "moe_router_topk": 2})
 
 
 def _save_and_load(rank: int, world: int, root: str) -> dict:

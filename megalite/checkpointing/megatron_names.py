@@ -9,7 +9,8 @@ same matrices, stacked [E, ...] by megalite. So the mapping is names only, once 
   spec saves its norms under the fused names too);
 - per-layer keys ``decoder.layers.{i}.…`` and keys stacked over layers ``decoder.layers.…`` [L, ...];
 - experts per key (``mlp.experts.local_experts.{j}.linear_fc1.weight``, grouped
-  ``mlp.experts.linear_fc1.weight{j}``) or already stacked [E, ...].
+  ``mlp.experts.linear_fc1.weight{j}``) or already stacked [E, ...] (torch_dist's
+  ``mlp.experts.experts.linear_fc1.weight`` [L, E, ...]).
 
 ``_extra_state`` (Transformer Engine's fp8 metadata) has no megalite counterpart and is skipped.
 """
@@ -49,7 +50,7 @@ LAYER = {"input_layernorm.weight": "input_norm.weight", "input_layernorm.bias": 
          "mlp.shared_experts.linear_fc2.bias": "mlp.shared_expert.fc2.bias"}
 EXPERT_KEY = re.compile(r"mlp\.experts\.(?:local_experts\.(?P<j>\d+)\.linear_(?P<a>fc[12])\.weight"
                         r"|linear_(?P<b>fc[12])\.weight(?P<k>\d+)"
-                        r"|(?:local_experts\.)?linear_(?P<c>fc[12])\.weight)$")
+                        r"|(?:local_experts\.|experts\.)?linear_(?P<c>fc[12])\.weight)$")
 SKIPPED = re.compile(r"(^|\.)_extra_state(/|$)")
 LAYER_KEY = re.compile(r"^decoder\.layers\.(?:(\d+)\.)?(.+)$")
 
