@@ -223,3 +223,31 @@ def test_to_hf_straight_from_a_megatron_checkpoint(saved, tmp_path):
     with torch.no_grad():
         got = hf(TOKENS).logits
     torch.testing.assert_close(got, saved[1]["llama"], rtol=0, atol=1e-4)
+
+
+def test_legacy_expert_parallel_files_are_renumbered(saved, tmp_path):
+    """Megatron-LM's legacy layout with EP: ``mp_rank_TT_PPP_EEE``, each EP rank's experts numbered from 0.
+    Made here by splitting the TP2 x PP2 Mixtral files' four experts over two EP ranks (torch.save)."""
+    import re
+    import shutil
+
+    src = os.path.join(saved[0], "mixtral_legacy", "iter_0000007")
+    load = tmp_path / "ep2"
+    it = load / "iter_0000007"
+    for rank_dir in os.listdir(src):
+        state = torch.load(os.path.join(src, rank_dir, "model_optim_rng.pt"), weights_only=False)
+        for e in (0, 1):
+            model = {}
+            for k, v in state["model"].items():
+                m = re.search(r"local_experts\.(\d+)\.", k)
+                if m is None:
+                    model[k] = v
+                elif int(m[1]) // 2 == e:
+                    model[k.replace(m[0], f"local_experts.{int(m[1]) % 2}.")] = v
+            (it / f"{rank_dir}_{e:03d}").mkdir(parents=True)
+            torch.save({**state, "model": model}, it / f"{rank_dir}_{e:03d}" / "model_optim_rng.pt")
+    shutil.copy(os.path.join(saved[0], "mixtral_legacy", "latest_checkpointed_iteration.txt"), load)
+    out = str(tmp_path / "out")
+    assert convert(["from-megatron", "--load", str(load), "--save", out]) == 0
+    got = _megalite_logits(out, ProcessGroups.unconnected(RankLayout(1, 1, 1), 0))
+    torch.testing.assert_close(got, saved[1]["mixtral"], rtol=0, atol=1e-5)
