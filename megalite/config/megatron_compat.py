@@ -32,7 +32,8 @@ IGNORED: dict[str, tuple[bool, str]] = {
                                                         "--reset-attention-mask the micro-batch carries the "
                                                         "document boundaries (cu_seqlens) instead"),
     "--no-mmap-bin-files": (False, "the .bin files are always memory-mapped"),
-    "--ckpt-format": (True, "megalite writes its own sharded format (tools/convert_checkpoint.py converts)"),
+    "--ckpt-format": (True, "megalite writes its own sharded format; --load reads Megatron-LM's torch_dist and "
+                            "torch folders by their files (docs/checkpoints.md)"),
     "--tiktoken-pattern": (True, "only Megatron-LM's TikTokenizer reads it, and megalite has none"),
 }
 
