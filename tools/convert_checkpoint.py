@@ -92,6 +92,10 @@ def model_flags(config: dict) -> str:
 
 def _check_source(load: str, iteration: int | None) -> None:
     """--load is a megalite checkpoint (not a transformers folder) holding --iteration, if one is given."""
+    if is_megatron_checkpoint(load):
+        raise CheckpointError(f"--load {load} is a Megatron-LM checkpoint; from-megatron imports it at any layout "
+                              f"(python tools/convert_checkpoint.py from-megatron --load {load} --save OUT "
+                              "--tensor-model-parallel-size T --pipeline-model-parallel-size P)")
     if os.path.isdir(load) and not os.path.isfile(os.path.join(load, TRACKER)) and os.path.isfile(
             os.path.join(load, "config.json")):
         raise CheckpointError(f"--load {load} is a Hugging Face folder, not a megalite checkpoint (no {TRACKER}); "
@@ -293,6 +297,22 @@ def cmd_from_megatron(a: argparse.Namespace) -> None:
           f"{model_flags(src.config)}")
 
 
+def _add_from_megatron(sub, layout) -> None:
+    """The from-megatron subcommand (``layout`` adds the output layout flags)."""
+    m = sub.add_parser("from-megatron", help="import a Megatron-LM checkpoint (torch_dist or legacy torch format)")
+    m.add_argument("--load", required=True, help="Megatron-LM checkpoint directory (holding "
+                   "latest_checkpointed_iteration.txt)")
+    m.add_argument("--save", required=True, help="output checkpoint directory")
+    domain_option(m, "--iteration", domain=ITERATION, integer=True, default=None,
+                  help="iteration to read (default: the tracker's)")
+    domain_option(m, "--vocab-size", domain=Domain(lo=1, hi=MAX_COUNT), integer=True, default=None,
+                  help="true vocabulary size: drop Megatron's padding rows (default: args.vocab_size, else all rows)")
+    m.add_argument("--dtype", choices=list(DTYPES), default=None, help="cast weights (default: as stored)")
+    m.add_argument("--overwrite", action="store_true", help="replace a non-empty --save folder")
+    layout(m)
+    m.set_defaults(func=cmd_from_megatron)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -347,18 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
     layout(f)
     f.set_defaults(func=cmd_from_hf)
 
-    m = sub.add_parser("from-megatron", help="import a Megatron-LM checkpoint (torch_dist or legacy torch format)")
-    m.add_argument("--load", required=True, help="Megatron-LM checkpoint directory (holding "
-                   "latest_checkpointed_iteration.txt)")
-    m.add_argument("--save", required=True, help="output checkpoint directory")
-    domain_option(m, "--iteration", domain=ITERATION, integer=True, default=None,
-                  help="iteration to read (default: the tracker's)")
-    domain_option(m, "--vocab-size", domain=Domain(lo=1, hi=MAX_COUNT), integer=True, default=None,
-                  help="true vocabulary size: drop Megatron's padding rows (default: args.vocab_size, else all rows)")
-    m.add_argument("--dtype", choices=list(DTYPES), default=None, help="cast weights (default: as stored)")
-    m.add_argument("--overwrite", action="store_true", help="replace a non-empty --save folder")
-    layout(m)
-    m.set_defaults(func=cmd_from_megatron)
+    _add_from_megatron(sub, layout)
     return p
 
 
