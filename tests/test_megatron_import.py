@@ -251,3 +251,30 @@ def test_legacy_expert_parallel_files_are_renumbered(saved, tmp_path):
     assert convert(["from-megatron", "--load", str(load), "--save", out]) == 0
     got = _megalite_logits(out, ProcessGroups.unconnected(RankLayout(1, 1, 1), 0))
     torch.testing.assert_close(got, saved[1]["mixtral"], rtol=0, atol=1e-5)
+
+
+def test_legacy_transformer_engine_names_and_extra_state(saved, tmp_path):
+    """A legacy state dict of the Transformer Engine spec: norms fused into the next linear
+    (``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``) and each module's ``_extra_state``
+    a BytesIO (fp8 metadata): made here by renaming the local-spec Llama files' keys (torch.save)."""
+    import io
+    import shutil
+
+    load = _copy(saved, "llama_legacy", tmp_path)
+    renames = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+               "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
+    it = os.path.join(load, "iter_0000007")
+    for rank_dir in os.listdir(it):
+        path = os.path.join(it, rank_dir, "model_optim_rng.pt")
+        state = torch.load(path, weights_only=False)  # a file this test wrote
+        model = {}
+        for k, v in state["model"].items():
+            for old, new in renames.items():
+                k = k.replace(old, new)
+            model[k] = io.BytesIO(b"fp8 metadata") if k.endswith("_extra_state") else v
+        torch.save({**state, "model": model}, path)
+    out = str(tmp_path / "out")
+    assert convert(["from-megatron", "--load", load, "--save", out]) == 0
+    shutil.rmtree(load)
+    got = _megalite_logits(out, ProcessGroups.unconnected(RankLayout(1, 1, 1), 0))
+    torch.testing.assert_close(got, saved[1]["llama"], rtol=0, atol=1e-5)

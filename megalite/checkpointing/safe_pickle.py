@@ -8,7 +8,8 @@ and refuse any other in one line naming the file and ``module.name``:
 
 - torch zip files: ``torch.load(weights_only=True)`` (torch's own restricted unpickler: tensors, storages,
   dtypes, plain containers) with the few extra names Megatron's files hold made safe for the call
-  (``SAFE_TORCH_GLOBALS``): ``argparse.Namespace`` (the saved args), Megatron's enums as inert stand-ins
+  (``SAFE_TORCH_GLOBALS``): ``argparse.Namespace`` (the saved args), ``io.BytesIO`` (Transformer Engine's
+  ``_extra_state`` in a legacy state dict: bytes, never executed), Megatron's enums as inert stand-ins
   (``Standin``, holding the value), and numpy's RNG-state pieces.
 - ``.metadata``: a ``pickle.Unpickler`` whose ``find_class`` maps each allowed
   torch.distributed.checkpoint class to an inert ``Record`` (attributes only), ``torch.Size`` to a tuple
@@ -157,7 +158,7 @@ def _numpy_globals() -> list[Any]:
     return out
 
 
-SAFE_TORCH_GLOBALS: list[Any] = [argparse.Namespace] + [
+SAFE_TORCH_GLOBALS: list[Any] = [argparse.Namespace, io.BytesIO] + [
     _standin(module, name) for module, names in MEGATRON_ENUMS.items() for name in names]
 
 
