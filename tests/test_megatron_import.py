@@ -278,3 +278,18 @@ def test_legacy_transformer_engine_names_and_extra_state(saved, tmp_path):
     shutil.rmtree(load)
     got = _megalite_logits(out, ProcessGroups.unconnected(RankLayout(1, 1, 1), 0))
     torch.testing.assert_close(got, saved[1]["llama"], rtol=0, atol=1e-5)
+
+
+def test_a_release_folder_is_read(saved, tmp_path):
+    """``latest_checkpointed_iteration.txt`` holding ``release`` names ``release/`` (iteration 0 there)."""
+    load = _copy(saved, "gpt2", tmp_path)
+    os.rename(os.path.join(load, "iter_0000007"), os.path.join(load, "release"))
+    with open(os.path.join(load, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("release")
+    out = str(tmp_path / "imported")
+    assert convert(["from-megatron", "--load", load, "--save", out]) == 0
+    got = _megalite_logits(out, ProcessGroups.unconnected(RankLayout(1, 1, 1), 0))
+    torch.testing.assert_close(got, saved[1]["gpt2"], rtol=0, atol=1e-5)
+    with open(os.path.join(load, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("seven")
+    _refused(load, tmp_path, "latest_checkpointed_iteration.txt", "'seven'")

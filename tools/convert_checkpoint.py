@@ -51,7 +51,12 @@ from megalite.checkpointing.hf import (  # noqa: E402
     to_hf_state_dict,
 )
 from megalite.checkpointing.hf_moe import moe_tp_errors  # noqa: E402
-from megalite.checkpointing.megatron import is_megatron_checkpoint, read_megatron  # noqa: E402
+from megalite.checkpointing.megatron import (  # noqa: E402
+    checkpoint_format,
+    is_megatron_checkpoint,
+    iteration_folder,
+    read_megatron,
+)
 from megalite.checkpointing.metadata import model_config  # noqa: E402
 from megalite.checkpointing.paths import TRACKER, iter_dirname, swap_into_place  # noqa: E402
 from megalite.checkpointing.reader import CheckpointError  # noqa: E402
@@ -273,9 +278,10 @@ def cmd_from_hf(a: argparse.Namespace) -> None:
 
 
 def cmd_from_megatron(a: argparse.Namespace) -> None:
-    if not is_megatron_checkpoint(a.load):
-        raise CheckpointError(f"--load {a.load} is not a Megatron-LM checkpoint (a tracker naming an iter_*/ or "
-                              "release/ folder with .metadata + common.pt, or mp_rank_*/model_optim_rng.pt)")
+    folder, _ = iteration_folder(a.load, a.iteration)  # a missing or unreadable tracker named as such
+    if checkpoint_format(folder) is None:
+        raise CheckpointError(f"--load {a.load}: {folder} is not a Megatron-LM checkpoint (neither .metadata + "
+                              "common.pt nor mp_rank_*/model_optim_rng.pt)")
     _refuse_existing(a.save, a.overwrite)
     src = read_megatron(a.load, a.iteration, a.vocab_size)
     cfg = model_config(src.config)[0]
