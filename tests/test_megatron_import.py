@@ -131,23 +131,27 @@ def test_megatron_core_checkpoint_gives_its_logits_at_tp2(saved, name):
 
 
 def test_pretrain_loads_a_megatron_checkpoint_in_process(saved):
-    """``pretrain_gpt.py --load`` of Megatron-LM's folder: weights read in-process, training continues
-    from its iteration; without --no-load-optim the missing optimizer state is named."""
+    """``pretrain_gpt.py --load`` of Megatron-LM's folder at TP2: weights read in-process, training continues
+    from its iteration with the losses of a one-process run loading the ``from-megatron`` import (the same
+    weights, a fresh optimizer); without --no-load-optim the missing optimizer state is named."""
+    from megalite.checkpointing.errors import CheckpointError
     from megalite.checkpointing.megatron import read_megatron
-    from tests.cli_utils import launch_pretrain
+    from megalite.checkpointing.megatron_load import load_megatron
+    from tests.asserts import assert_rel_close
+    from tests.cli_utils import launch_pretrain, losses
     from tools.convert_checkpoint import model_flags
 
     load = os.path.join(saved[0], "gpt2")
     flags = model_flags(read_megatron(load).config).split()
     run = ["--mock-data", "--vocab-size", "95", *flags, "--seq-length", "16", "--micro-batch-size", "2",
-           "--global-batch-size", "2", "--log-interval", "1", "--train-iters", "9", "--load", load]  # 95 + EOD
-    proc = launch_pretrain([*run, "--no-load-optim"], timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "as a Megatron-LM checkpoint" in proc.stdout and "at iteration 7" in proc.stdout, proc.stdout[-2000:]
-    assert "iteration        9/" in proc.stdout or "iteration 9/" in proc.stdout.replace("  ", " "), proc.stdout[-1500:]
-    from megalite.checkpointing.errors import CheckpointError
-    from megalite.checkpointing.megatron_load import load_megatron
-
+           "--global-batch-size", "2", "--log-interval", "1", "--train-iters", "10", "--no-load-optim",
+           "--hidden-dropout", "0", "--attention-dropout", "0"]  # vocab: 95 + the end-of-document token
+    direct = launch_pretrain([*run, "--load", load, "--tensor-model-parallel-size", "2"], nproc=2, timeout=150)
+    assert "as a Megatron-LM checkpoint" in direct.stdout and "at iteration 7" in direct.stdout, direct.stdout[-2000:]
+    imported = launch_pretrain([*run, "--load", os.path.join(saved[0], "gpt2_tp2")], timeout=150)
+    got, want = losses(direct), losses(imported)
+    assert sorted(got) == sorted(want) == [8, 9, 10]
+    assert_rel_close([got[i][0] for i in got], [want[i][0] for i in got], 1e-5, "in-process TP2 vs imported TP1")
     with pytest.raises(CheckpointError, match="its optimizer state does not; pass --no-load-optim"):
         load_megatron(load, [], None, {}, weights_only=False)  # what maybe_load calls without the flag
 
