@@ -14,7 +14,13 @@ from safetensors import SafetensorError
 from torch import nn
 
 from megalite import device
-from megalite.checkpointing.metadata import OPTIM_FIELDS, layout_meta, save_tensors, write_metadata
+from megalite.checkpointing.metadata import (
+    OPTIM_FIELDS,
+    chunk_layer_numbers,
+    layout_meta,
+    save_tensors,
+    write_metadata,
+)
 from megalite.checkpointing.paths import (
     TRACKER,
     commit,
@@ -185,13 +191,15 @@ def save_checkpoint(save_dir: str, iteration: int, chunks: list[nn.Module], opti
     try:
         results = _agree(pg, *_attempt(lambda: _write_rank_files(staged, chunks, optimizer, pg, rng_states)))
         _check(results, pg, save_dir, iteration)
+        placed = _agree(pg, None, (pg.pp_rank, [chunk_layer_numbers(c) for c in chunks]))
 
         def finish() -> None:
             lay = pg.layout
             sharded = bool(optimizer is not None and optimizer.distributed)
+            by_rank = dict(p for _, p in placed)
             layout = layout_meta(world_size=lay.world_size, tp=lay.tp, pp=lay.pp, dp=lay.dp, vp=len(chunks),
                                  order=lay.order, distributed_optimizer=sharded, cp=lay.cp, ep=pg.ep_size,
-                                 etp=pg.etp_size)
+                                 etp=pg.etp_size, chunk_layers=[by_rank[r] for r in range(lay.pp)])
             checksums = {k: v for _, sums in results for k, v in sums.items()}
             write_metadata(staged, iteration=iteration, layout=layout, config=config, state=state,
                            device=device.device_type(), extra=extra_meta, checksums=checksums)
