@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from megalite.config.domain import MAX_RANKS, at_least, positive, size
 from megalite.config.flags import option
 from megalite.config.moe import MAX_LAYERS
-
-if TYPE_CHECKING:
-    from megalite.parallel.placement import LayerSplit
+from megalite.parallel.placement import LayerSplit
+from megalite.parallel.stage_layout import parse_layout
 
 # --cp-comm-type's values, under the names the attention code uses; CP_COMM_SPELLINGS maps the other
 # spellings accepted (megatron-core / Transformer Engine write all_gather) to them.
@@ -133,8 +131,6 @@ class ParallelConfig:
     def virtual_stages(self, num_layers: int) -> int:
         """v: model chunks per pipeline rank (ZB-V: two, in a V; a layout: its stages / p); never raises, so
         validation may ask before the rules hold (an unreadable layout counts as one chunk)."""
-        from megalite.parallel.stage_layout import parse_layout  # lazily: config stays importable without torch
-
         pp = self.pipeline_model_parallel_size
         if self.pipeline_schedule == "zbv":
             return 2
@@ -149,12 +145,9 @@ class ParallelConfig:
         k = self.num_layers_per_virtual_pipeline_stage
         return max(num_layers // (pp * k), 1) if k and k > 0 and pp > 0 else 1
 
-    def layer_split(self, num_layers: int) -> "LayerSplit":
+    def layer_split(self, num_layers: int) -> LayerSplit:
         """How the layers are cut over the virtual stages (parallel/placement.py); a layout string that does
         not parse raises ValueError (validation reports it first)."""
-        from megalite.parallel.placement import LayerSplit  # lazily: config stays importable without torch
-        from megalite.parallel.stage_layout import parse_layout
-
         layout = self.pipeline_model_parallel_layout
         return LayerSplit(num_layers, self.pipeline_model_parallel_size, self.virtual_stages(num_layers),
                           self.pipeline_schedule == "zbv", self.decoder_first_pipeline_num_layers,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megalite.planning.flops import training_flops
+from megalite.planning.flops import layer_flops_per_token, training_flops
 from megalite.planning.hardware import ClusterConfig
 from megalite.planning.memory import stage_dense_params, stage_expert_params, stage_layer_bytes
 from megalite.planning.moe import dispatch_comm_bytes
@@ -33,8 +33,26 @@ def step_flops(sh: RunShape, with_recompute: bool) -> float:
 
 
 def compute_s(sh: RunShape, cl: ClusterConfig) -> float:
-    """One rank's share of the step's FLOPs (full recomputation's extra forward included)."""
-    return step_flops(sh, True) / sh.world / (cl.peak_flops(sh.dtype) * cl.compute_efficiency)
+    """One rank's share of the step's FLOPs (full recomputation's extra forward included); an uneven split
+    paces the pipeline at its busiest rank (``split_imbalance``)."""
+    return step_flops(sh, True) / sh.world / (cl.peak_flops(sh.dtype) * cl.compute_efficiency) * split_imbalance(sh)
+
+
+def split_imbalance(sh: RunShape) -> float:
+    """The busiest pipeline rank's forward FLOPs over the mean rank's, under an uneven split (its layers,
+    plus the output layer on the rank holding the loss); 1 for an even split, whose terms are the
+    calibrated model (docs/planning.md). So accounting for the loss, or moving layers off the last rank,
+    shows in the step time."""
+    split = sh.split
+    if split.even or sh.pp == 1:
+        return 1.0
+    m = sh.cfg.model
+    layer = {moe: layer_flops_per_token(m, sh.s, moe) for moe in {False, sh.is_moe}}
+    moe = sh.moe or (False,) * m.num_layers
+    loss_rank = split.stages.holder(split.stages.last)[0]
+    work = [sum(layer[moe[i]] for i in split.rank_layers(r)) + (2 * sh.h * sh.padded_vocab if r == loss_rank else 0)
+            for r in range(sh.pp)]
+    return max(work) / (sum(work) / sh.pp)
 
 
 def memory_bound_s(sh: RunShape, cl: ClusterConfig) -> float:
@@ -42,7 +60,7 @@ def memory_bound_s(sh: RunShape, cl: ClusterConfig) -> float:
     the loss): every activation a layer keeps is written in forward and read in backward, and its
     gradient written and read (4x the layer's activation bytes); the cross-entropy makes 5 passes (read
     and write) over the fp32 logits, on the last stage (spread over the stages here)."""
-    per_mb = 4 * stage_layer_bytes(sh, 0)
+    per_mb = 4 * stage_layer_bytes(sh, sh.busiest_stage)
     ce = 10 * sh.local_tokens * sh.padded_vocab / sh.tp * 4 / sh.pp
     return sh.m * (per_mb + ce) / cl.hbm_bytes_per_s()
 
@@ -99,8 +117,9 @@ def tp_comm_s(sh: RunShape, cl: ClusterConfig) -> float:
     if t == 1:
         return 0.0
     per = 2 * (t - 1) / t * sh.local_tokens * sh.h * sh.act_bytes
-    n_moe = sh.moe_layers_in(0)
-    forward = 2 * (sh.layers_per_stage - n_moe) + n_moe * (2 if sh.cfg.model.moe_shared_expert_intermediate_size else 1)
+    stage = sh.busiest_stage
+    n_moe = sh.moe_layers_in(stage)
+    forward = 2 * (sh.layers_in(stage) - n_moe) + n_moe * (2 if sh.cfg.model.moe_shared_expert_intermediate_size else 1)
     return forward * (3 if sh.recompute == "full" else 2) * per * sh.m / link(sh, cl, "tp", t)
 
 
@@ -132,7 +151,7 @@ def cp_comm_s(sh: RunShape, cl: ClusterConfig) -> float:
     if sh.cp == 1:
         return 0.0
     kinds = sh.cfg.parallel.layer_cp_comm_types(sh.cfg.model.num_layers)
-    layers = [i for chunk in range(sh.v) for i in sh.chunk_layers(0, chunk)]
+    layers = sh.split.rank_layers(sh.busiest_stage)
     per = sum(nbytes / link(sh, cl, axis, size) for i in layers for axis, size, nbytes in cp_layer_bytes(sh, kinds[i])
               if size > 1)
     if sh.recompute == "full":
