@@ -34,12 +34,14 @@ def parse_layout(text: str) -> tuple[int, ...]:
     """Transformer layers of every stage of ``text``; ValueError (one line naming the flag and the rule)
     when it is not a layout megalite can build."""
     expanded = _expand(text.replace(",", "").replace(" ", ""))
-    bad = sorted(set(expanded) - set("EtL|"))
+    bad = sorted(set(re.sub(r"[*()0-9]", "", expanded)) - set("EtL|"))
     if "m" in bad:
         raise ValueError(f"{FLAG} {text!r}: m (an MTP layer) is not supported: megalite has no "
                          "multi-token-prediction layers")
     if bad:
         raise ValueError(f"{FLAG} {text!r}: unknown symbol {bad[0]!r} (use E, t, L, |, x*N, (...)*N and commas)")
+    if set(expanded) - set("EtL|"):
+        raise ValueError(f"{FLAG} {text!r}: a repeat is x*N or (...)*N with N a number (parentheses paired)")
     stages = expanded.split("|")
     if len(stages) < 2:
         raise ValueError(f"{FLAG} {text!r}: needs at least two stages separated by |")
