@@ -159,3 +159,23 @@ def test_planner_reads_the_split():
     worse = shape(decoder_first_pipeline_num_layers=4)  # 4, 2, 2, 2: the first rank paces it
     assert split_imbalance(worse) > split_imbalance(uneven)
     assert (4, True) in pipeline_splits(7) and (4, False) not in pipeline_splits(7)
+
+
+def test_resume_restores_rng_only_where_the_rank_holds_the_same_layers():
+    """A checkpoint's chunk_layers say which layers each rank held: the same sizes with another split (or
+    round-robin against a V) is another layout, whose RNG states are not restored; a checkpoint without
+    them (written before uneven splits existed) was even and round-robin."""
+    from types import SimpleNamespace
+
+    from megalite.checkpointing.load import _same_layers
+
+    def chunk(*layers: int) -> SimpleNamespace:
+        return SimpleNamespace(layers={str(i): None for i in layers})
+
+    rank1 = SimpleNamespace(pp_rank=1)
+    uneven = {"pp": 4, "vp": 1, "chunk_layers": [[[0]], [[1, 2, 3]], [[4, 5]], [[6, 7]]]}
+    assert _same_layers(uneven, [chunk(1, 2, 3)], rank1, {"num_layers": 8})
+    assert not _same_layers(uneven, [chunk(2, 3)], rank1, {"num_layers": 8})
+    older = {"pp": 4, "vp": 1}
+    assert _same_layers(older, [chunk(2, 3)], rank1, {"num_layers": 8})
+    assert not _same_layers(older, [chunk(1, 2, 3)], rank1, {"num_layers": 8})
