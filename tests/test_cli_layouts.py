@@ -1,8 +1,9 @@
 """Promise, end to end through pretrain_gpt.py's entry point on real ranks (and one case through torchrun itself):
 the log's lm loss equals the single-process run's within 1e-5 relative at every iteration, and so does the grad
 norm (the issues' acceptance commands: TP, GQA with groups < TP, interleaved PP, TP x PP, the distributed
-optimizer, TP with SP, ZeRO-3, CP's a2a and allgather, the zero-bubble schedules ZB-H1 and ZB-V at p = 2 and 4, uneven stages (1, 3, 3, 3 layers),
-EP with each dispatcher; with scripts/test_torch.sh, on each torch release)."""
+optimizer, TP with SP, ZeRO-3, CP's a2a and allgather, the zero-bubble schedules ZB-H1 and ZB-V at p = 2 and 4,
+uneven stages (10 layers as 1, 3, 3, 3), EP with each dispatcher; with scripts/test_torch.sh, on each torch
+release)."""
 
 from __future__ import annotations
 
