@@ -179,3 +179,38 @@ def test_resume_restores_rng_only_where_the_rank_holds_the_same_layers():
     older = {"pp": 4, "vp": 1}
     assert _same_layers(older, [chunk(2, 3)], rank1, {"num_layers": 8})
     assert not _same_layers(older, [chunk(1, 2, 3)], rank1, {"num_layers": 8})
+
+
+def test_reshard_tool_writes_and_names_uneven_splits(tmp_path):
+    """convert_checkpoint.py reshard takes pretrain_gpt.py's split flags (ZB-V's V included): the files it
+    writes record each rank's layers and hold the same tensors; a split the model cannot take is named."""
+    import json
+
+    import torch
+
+    from megalite.checkpointing.full_reader import FullCheckpoint
+    from megalite.checkpointing.metadata import config_dict
+    from megalite.checkpointing.stored import named_params
+    from megalite.checkpointing.writer import write_checkpoint
+    from megalite.config.model import ModelConfig
+    from megalite.model.gpt import GPTModel
+    from megalite.parallel.groups import ProcessGroups
+    from megalite.tensor_parallel.context import BuildContext
+    from megalite.tensor_parallel.random import RNGTracker
+    from tests.cli_utils import load_tool
+
+    cfg = ModelConfig(**{**LLAMA_GQA, "num_layers": 6, "hidden_size": 32})
+    model = GPTModel(cfg, BuildContext(ProcessGroups.single(), RNGTracker()), 64)
+    full = {k: p.detach().clone() for n, k, p in named_params([model]) if n == k}
+    write_checkpoint(str(tmp_path / "src"), config_dict(cfg, 64), full.__getitem__, tp=1, pp=1)
+    main = load_tool("convert_checkpoint").main
+    assert main(["reshard", "--load", str(tmp_path / "src"), "--save", str(tmp_path / "v"),
+                 "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zbv",
+                 "--decoder-first-pipeline-num-layers", "1", "--decoder-last-pipeline-num-layers", "1"]) == 0
+    layout = json.load(open(tmp_path / "v" / "iter_0000000" / "metadata.json"))["layout"]
+    assert layout["chunk_layers"] == [[[0], [5]], [[1, 2], [3, 4]]]
+    src, back = FullCheckpoint(str(tmp_path / "src")), FullCheckpoint(str(tmp_path / "v"))
+    assert all(torch.equal(back.param(k), src.param(k)) for k in src.keys())
+    assert main(["reshard", "--load", str(tmp_path / "v"), "--save", str(tmp_path / "bad"),
+                 "--pipeline-model-parallel-size", "4", "--decoder-first-pipeline-num-layers", "2",
+                 "--decoder-last-pipeline-num-layers", "1"]) != 0
