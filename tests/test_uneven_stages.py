@@ -201,7 +201,8 @@ def test_reshard_tool_writes_and_names_uneven_splits(tmp_path):
 
     cfg = ModelConfig(**{**LLAMA_GQA, "num_layers": 6, "hidden_size": 32})
     model = GPTModel(cfg, BuildContext(ProcessGroups.single(), RNGTracker()), 64)
-    full = {k: p.detach().clone() for n, k, p in named_params([model]) if n == k}
+    gen = torch.Generator().manual_seed(0)
+    full = {k: torch.randn(p.shape, generator=gen) for n, k, p in named_params([model]) if n == k}
     write_checkpoint(str(tmp_path / "src"), config_dict(cfg, 64), full.__getitem__, tp=1, pp=1)
     main = load_tool("convert_checkpoint").main
     assert main(["reshard", "--load", str(tmp_path / "src"), "--save", str(tmp_path / "v"),
