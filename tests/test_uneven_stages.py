@@ -142,7 +142,7 @@ def test_bad_split_is_one_line_naming_the_flags(entry, monkeypatch, capsys, case
 def test_planner_reads_the_split():
     """The planner's per-rank layers, parameters and activations follow the split the model builds, and an
     uneven split's compute is paced by its busiest rank; --search proposes the loss counted as a layer."""
-    from megalite.planning.memory import stage_dense_params, stage_layer_bytes
+    from megalite.planning.memory import peak_memory, stage_dense_params, stage_layer_bytes
     from megalite.planning.search import pipeline_splits
     from megalite.planning.shape import RunShape
     from megalite.planning.timing import split_imbalance
@@ -156,6 +156,7 @@ def test_planner_reads_the_split():
     assert stage_layer_bytes(uneven, 1) == 3 * stage_layer_bytes(uneven, 0)
     assert stage_dense_params(uneven, 1) > stage_dense_params(uneven, 0)
     assert split_imbalance(uneven) > 1
+    assert peak_memory(uneven).stage == 1  # three layers and 1F1B's p - 1 micro-batches in flight
     worse = shape(decoder_first_pipeline_num_layers=4)  # 4, 2, 2, 2: the first rank paces it
     assert split_imbalance(worse) > split_imbalance(uneven)
     assert (4, True) in pipeline_splits(7) and (4, False) not in pipeline_splits(7)

@@ -388,6 +388,6 @@ def stage_memory(sh: RunShape, stage: int) -> MemoryReport:
 
 def peak_memory(sh: RunShape) -> MemoryReport:
     """The pipeline rank with the most bytes (the first holds the most activations, the last the
-    output layer and the logits)."""
-    stages = {0, sh.pp - 1}
+    output layer and the logits; under an uneven split the rank with the most layers may)."""
+    stages = {0, sh.pp - 1, sh.busiest_stage}
     return max((stage_memory(sh, r) for r in sorted(stages)), key=lambda r: r.total)
