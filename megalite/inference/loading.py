@@ -130,6 +130,9 @@ def plan(given: dict[str, Any], world_size: int) -> InferencePlan:
     errors, split = checked_split(cfg)
     errors += layout_errors(m, tp, pp, p.num_layers_per_virtual_pipeline_stage, split)
     errors += world_errors(world_size, tp, pp, p.context_parallel_size)
+    if p.pipeline_schedule == "zbv" and pp > 1:  # the forward pass goes round-robin (inference/pipeline.py)
+        errors.append("--pipeline-schedule zbv is a training schedule; tasks and generation place the stages "
+                      "round-robin (drop the flag: checkpoints load at any placement)")
     if m.position_embedding_type == "learned_absolute" and m.seq_length > m.max_position_embeddings:
         errors.append(f"--seq-length ({m.seq_length}) must be <= the checkpoint's --max-position-embeddings "
                       f"({m.max_position_embeddings}) with learned absolute positions")
