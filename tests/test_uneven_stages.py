@@ -118,6 +118,11 @@ SPLIT_CASES = {
                      "--num-virtual-stages-per-pipeline-rank", "2"],
                     "--pipeline-schedule zbv places its own model chunks (two per rank); drop "
                     "--num-virtual-stages-per-pipeline-rank"),
+    "layout needs pp": (["--pipeline-model-parallel-layout", "Et*5|t*5L"],
+                        "--pipeline-model-parallel-layout needs --pipeline-model-parallel-size > 1"),
+    "zbh1 layout chunks": (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1",
+                            "--pipeline-model-parallel-layout", "Et*2|t*3|t*2|t*3L"],
+                           "--pipeline-schedule zb-h1 runs one model chunk per rank"),
     "negative first": (["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "-1"],
                        "--decoder-first-pipeline-num-layers must be an integer in [0, "),
 }

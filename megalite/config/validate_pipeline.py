@@ -40,8 +40,10 @@ def split_flag_errors(p: "ParallelConfig") -> list[str]:
                                            ("--num-virtual-stages-per-pipeline-rank", v is not None)) if on]
         if others:
             errors.append(f"--pipeline-model-parallel-layout sets every stage's layers itself; drop {others[0]}")
-    if v is not None and p.pipeline_model_parallel_size == 1:
-        errors.append("--num-virtual-stages-per-pipeline-rank needs --pipeline-model-parallel-size > 1")
+    for flag, given in (("--num-virtual-stages-per-pipeline-rank", v is not None),
+                        ("--pipeline-model-parallel-layout", p.pipeline_model_parallel_layout is not None)):
+        if given and p.pipeline_model_parallel_size == 1:
+            errors.append(f"{flag} needs --pipeline-model-parallel-size > 1")
     if v is not None and p.pipeline_schedule in ("zb-h1", "zbv"):
         chunks = "two per rank" if p.pipeline_schedule == "zbv" else "one per rank"
         errors.append(f"--pipeline-schedule {p.pipeline_schedule} places its own model chunks ({chunks}); drop "
@@ -57,6 +59,10 @@ def checked_split(cfg: "MegaliteConfig") -> tuple[list[str], "LayerSplit | None"
     if errors or p.pipeline_model_parallel_size <= 0:
         return errors, None
     try:
-        return [], p.layer_split(cfg.model.num_layers)
+        split = p.layer_split(cfg.model.num_layers)
     except ValueError as e:  # the layout string's syntax
         return [str(e)], None
+    if p.pipeline_schedule == "zb-h1" and split.vp != 1:
+        return [f"--pipeline-schedule zb-h1 runs one model chunk per rank: --pipeline-model-parallel-layout needs "
+                f"--pipeline-model-parallel-size ({split.pp}) stages, not {split.n}"], None
+    return [], split
