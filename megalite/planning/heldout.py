@@ -62,8 +62,9 @@ _L3 = ("--bf16", "--sequence-parallel", "--num-layers-per-virtual-pipeline-stage
        "--data-parallel-sharding-strategy", "optim_grads", "--overlap-grad-reduce", "--recompute-granularity",
        "selective")
 _QWEN3_MODEL = ("--hidden-size", "4096", "--num-attention-heads", "64", "--kv-channels", "128",
-                "--group-query-attention", "--num-query-groups", "4", "--num-experts", "128", "--moe-router-topk", "8",
-                "--moe-ffn-hidden-size", "1536", "--moe-token-dispatcher-type", "alltoall", "--swiglu", "--normalization", "RMSNorm",
+                "--group-query-attention", "--num-query-groups", "4", "--num-experts", "128", "--moe-router-topk",
+                "8", "--moe-ffn-hidden-size", "1536", "--moe-token-dispatcher-type", "alltoall", "--swiglu",
+                "--normalization", "RMSNorm",
                 "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights", "--disable-bias-linear",
                 "--seq-length", "4096", "--max-position-embeddings", "4096", "--vocab-size", "151935",
                 "--make-vocab-size-divisible-by", "128")
