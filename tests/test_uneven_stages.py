@@ -147,10 +147,11 @@ def test_bad_split_is_one_line_naming_the_flags(entry, monkeypatch, capsys, case
 def test_planner_reads_the_split():
     """The planner's per-rank layers, parameters and activations follow the split the model builds, and an
     uneven split's compute is paced by its busiest rank; --search proposes the loss counted as a layer."""
+    from megalite.planning.hardware import ClusterConfig
+    from megalite.planning.kernels import stage_compute_s
     from megalite.planning.memory import peak_memory, stage_dense_params, stage_layer_bytes
     from megalite.planning.search import pipeline_splits
     from megalite.planning.shape import RunShape
-    from megalite.planning.timing import split_imbalance
 
     def shape(**flags) -> RunShape:
         cfg = MegaliteConfig.from_flat(layout_flat({**LLAMA_GQA, "num_layers": 10}, vocab=64, iters=1, pp=4, **flags))
@@ -160,10 +161,12 @@ def test_planner_reads_the_split():
     assert [uneven.layers_in(r) for r in range(4)] == [1, 3, 3, 3] and uneven.layers_per_stage == 3
     assert stage_layer_bytes(uneven, 1) == 3 * stage_layer_bytes(uneven, 0)
     assert stage_dense_params(uneven, 1) > stage_dense_params(uneven, 0)
-    assert split_imbalance(uneven) > 1
+    cl = ClusterConfig()
+    even = shape(pipeline_model_parallel_size=2)  # 5 layers a rank
+    assert stage_compute_s(uneven, cl) < stage_compute_s(even, cl)
     assert peak_memory(uneven).stage == 1  # three layers and 1F1B's p - 1 micro-batches in flight
     worse = shape(decoder_first_pipeline_num_layers=4)  # 4, 2, 2, 2: the first rank paces it
-    assert split_imbalance(worse) > split_imbalance(uneven)
+    assert stage_compute_s(worse, cl) > stage_compute_s(uneven, cl)
     assert (4, True) in pipeline_splits(7) and (4, False) not in pipeline_splits(7)
 
 

@@ -72,6 +72,7 @@ class SearchResult:
     plans: list[Plan] = field(default_factory=list)  # ranked, fastest first
     considered: int = 0
     too_big: int = 0
+    within_headroom: int = 0  # fit, but leave less than --memory-headroom-gb free: not ranked
     refused: Counter = field(default_factory=Counter)  # first broken rule -> layouts
 
 
@@ -88,12 +89,16 @@ def search(cfg: MegaliteConfig, cluster: ClusterConfig, vocab: int, context_para
         plan = estimate(run, cluster, vocab)
         zeros = ("optim_grads",) if cfg.model.is_moe else ("optim_grads", "optim_grads_params")  # MoE: no ZeRO-3
         for zero in zeros if layout.sharding == "optim" else ():
-            if plan.fits:  # ZeRO-2/3 only where the distributed optimizer alone does not fit: they move more
+            if plan.fits and not plan.within_headroom:  # ZeRO-2/3 only where the distributed optimizer alone
+                # does not fit with the headroom: they move more
                 break
             sharded = replace(layout, sharding=zero)
             plan = estimate(sharded.apply(cfg), cluster, vocab)
         if not plan.fits:
             out.too_big += 1
+            continue
+        if plan.within_headroom:
+            out.within_headroom += 1
             continue
         out.plans.append(plan)
     out.plans.sort(key=lambda p: (p.time.step_s, p.memory.total))
@@ -142,8 +147,10 @@ def label(plan: Plan) -> str:
 
 
 def format_search(result: SearchResult, top: int) -> str:
-    lines = [f"{result.considered} layouts considered: {len(result.plans)} fit, {result.too_big} need more "
-             f"memory than the device has, {sum(result.refused.values())} refused by the config rules"]
+    lines = [f"{result.considered} layouts considered: {len(result.plans)} fit with the headroom, "
+             f"{result.within_headroom} fit only within the --memory-headroom-gb headroom (not ranked), "
+             f"{result.too_big} need more memory than the device has, {sum(result.refused.values())} refused by "
+             "the config rules"]
     for rule, n in result.refused.most_common(3):
         lines.append(f"  refused ({n}): {rule}")
     lines.append("")

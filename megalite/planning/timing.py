@@ -1,20 +1,22 @@
 """Step time on a cluster, one function per term (docs/planning.md).
 
-compute = the model's FLOPs per rank / (dense peak x compute efficiency); the memory-bound work (bytes
-the elementwise work moves / device-memory bandwidth); the bubble (p - 1)/(v·m) of the
-compute of one pipeline; communication = bytes a rank puts on its link (ring algorithms: all-reduce
-2(n-1)/n of the buffer, reduce-scatter and all-gather (n-1)/n each) / the bandwidth of the link the group
-actually uses (NVLink inside a node, the network across nodes, from the rank order and the node size),
-counted exposed unless megalite overlaps it (the DP gradient reduction with --overlap-grad-reduce, except
-its last bucket; the parameter all-gather with --overlap-param-gather).
+compute = each micro-batch's GEMMs and attention on one rank, timed by their shapes (planning/kernels.py);
+the memory-bound work (bytes the elementwise work moves / achievable device-memory bandwidth); the
+optimizer step (bytes it moves); the bubble (p - 1)/v micro-batch times of a stage; communication = bytes
+a rank puts on its link (ring algorithms: all-reduce 2(n-1)/n of the buffer, reduce-scatter and
+all-gather (n-1)/n each) / the bandwidth of the link the group actually uses (NVLink inside a node, the
+network across nodes, from the rank order and the node size), counted exposed unless it is overlapped:
+the DP gradient reduction with --overlap-grad-reduce, except its last bucket; the parameter all-gather
+with --overlap-param-gather; TP only when planned as Megatron's --tp-comm-overlap runs it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megalite.planning.flops import layer_flops_per_token, training_flops
+from megalite.planning.flops import training_flops
 from megalite.planning.hardware import ClusterConfig
+from megalite.planning.kernels import linear_s, stage_compute_s
 from megalite.planning.memory import stage_dense_params, stage_expert_params, stage_layer_bytes
 from megalite.planning.moe import dispatch_comm_bytes
 from megalite.planning.shape import RunShape
@@ -33,26 +35,9 @@ def step_flops(sh: RunShape, with_recompute: bool) -> float:
 
 
 def compute_s(sh: RunShape, cl: ClusterConfig) -> float:
-    """One rank's share of the step's FLOPs (full recomputation's extra forward included); an uneven split
-    paces the pipeline at its busiest rank (``split_imbalance``)."""
-    return step_flops(sh, True) / sh.world / (cl.peak_flops(sh.dtype) * cl.compute_efficiency) * split_imbalance(sh)
-
-
-def split_imbalance(sh: RunShape) -> float:
-    """The busiest pipeline rank's forward FLOPs over the mean rank's, under an uneven split (its layers,
-    plus the output layer on the rank holding the loss); 1 for an even split, whose terms are the
-    calibrated model (docs/planning.md). So accounting for the loss, or moving layers off the last rank,
-    shows in the step time."""
-    split = sh.split
-    if split.even or sh.pp == 1:
-        return 1.0
-    m = sh.cfg.model
-    layer = {moe: layer_flops_per_token(m, sh.s, moe) for moe in {False, sh.is_moe}}
-    moe = sh.moe or (False,) * m.num_layers
-    loss_rank = split.stages.holder(split.stages.last)[0]
-    work = [sum(layer[moe[i]] for i in split.rank_layers(r)) + (2 * sh.h * sh.padded_vocab if r == loss_rank else 0)
-            for r in range(sh.pp)]
-    return max(work) / (sum(work) / sh.pp)
+    """One rank's GEMMs and attention for the step's m micro-batches (recomputation included); under an
+    uneven split the busiest rank's (kernels.stage_compute_s)."""
+    return sh.m * stage_compute_s(sh, cl)
 
 
 def memory_bound_s(sh: RunShape, cl: ClusterConfig) -> float:
@@ -65,10 +50,30 @@ def memory_bound_s(sh: RunShape, cl: ClusterConfig) -> float:
     return sh.m * (per_mb + ce) / cl.hbm_bytes_per_s()
 
 
+OPTIMIZER_BYTES = 34  # Adam, per parameter (optimizer_s)
+
+
+def optimizer_s(sh: RunShape, cl: ClusterConfig) -> float:
+    """The optimizer step, bound by the bytes it moves per parameter the rank updates (its shard with
+    the distributed optimizer / ZeRO): the fp32 gradient read, the fp32 main parameter and two Adam
+    moments read and written, the 16-bit weight written (34 bytes; 32 in fp32)."""
+    n = stage_dense_params(sh, 0)
+    shards = sh.dp * sh.cp if sh.cfg.ddp.shards_optimizer else 1
+    per = OPTIMIZER_BYTES if sh.param_bytes == 2 else 32
+    experts = stage_expert_params(sh, 0) / (sh.edp if sh.cfg.ddp.shards_optimizer else 1) if sh.is_moe else 0.0
+    return (n / shards + experts) * per / cl.hbm_bytes_per_s()
+
+
+def busy_per_micro_batch_s(sh: RunShape, cl: ClusterConfig) -> float:
+    """A stage's time for one micro-batch forward and backward: what the pipeline's fill and drain cost
+    per step of the schedule."""
+    return (compute_s(sh, cl) + memory_bound_s(sh, cl) + tp_comm_s(sh, cl) + cp_comm_s(sh, cl)) / sh.m
+
+
 def bubble_s(sh: RunShape, cl: ClusterConfig) -> float:
-    """Idle time of the pipeline schedule: (p - 1)/(v·m) of the compute (GPipe: (p - 1)/m)."""
+    """Idle time of the pipeline schedule: (p - 1)/v micro-batch times of a stage (GPipe: p - 1)."""
     v = 1 if sh.cfg.parallel.pipeline_schedule == "gpipe" else sh.v
-    return compute_s(sh, cl) * (sh.pp - 1) / (v * sh.m)
+    return busy_per_micro_batch_s(sh, cl) * (sh.pp - 1) / v
 
 
 # ---- which link a group uses -----------------------------------------------------------------------------
@@ -112,15 +117,20 @@ def tp_comm_s(sh: RunShape, cl: ClusterConfig) -> float:
     """Two all-reduces of b·s·h forward and two backward per layer and micro-batch (with SP an all-gather
     and a reduce-scatter each, the same bytes); full recomputation repeats the forward's two. An MoE
     layer's routed experts need none (each rank routes its own tokens): only its attention's and its
-    shared expert's."""
+    shared expert's. Planned as Megatron's --tp-comm-overlap (--model-tp-comm-overlap): each layer's
+    communication hides behind its linear GEMMs and only the excess is exposed."""
     t = sh.tp
     if t == 1:
         return 0.0
-    per = 2 * (t - 1) / t * sh.local_tokens * sh.h * sh.act_bytes
-    stage = sh.busiest_stage
+    per = 2 * (t - 1) / t * sh.local_tokens * sh.h * sh.act_bytes / link(sh, cl, "tp", t)
+    reps = 3 if sh.recompute == "full" else 2
+    stage = sh.busiest_stage  # rank 0 under an even split
     n_moe = sh.moe_layers_in(stage)
-    forward = 2 * (sh.layers_in(stage) - n_moe) + n_moe * (2 if sh.cfg.model.moe_shared_expert_intermediate_size else 1)
-    return forward * (3 if sh.recompute == "full" else 2) * per * sh.m / link(sh, cl, "tp", t)
+    dense, moe = 2 * reps * per, (2 if sh.cfg.model.moe_shared_expert_intermediate_size else 1) * reps * per
+    if cl.model_tp_comm_overlap:
+        dense = max(0.0, dense - linear_s(sh, cl))
+        moe = max(0.0, moe - linear_s(sh, cl, moe=True)) if n_moe else 0.0
+    return ((sh.layers_in(stage) - n_moe) * dense + n_moe * moe) * sh.m
 
 
 def cp_layer_bytes(sh: RunShape, kind: str) -> list[tuple[str, int, float]]:
@@ -250,11 +260,13 @@ def all_to_all_s(sh: RunShape, cl: ClusterConfig, axis: str, size: int, nbytes: 
 
 def ep_comm_s(sh: RunShape, cl: ClusterConfig) -> float:
     """Token dispatch over EP (alltoall: k·T rows each way per MoE layer and micro-batch, forward and
-    backward); with the allgather dispatcher the ring all-gathers and reduce-scatters over expert-TP x EP."""
+    backward; the fullest rank receives --moe-imbalance times the mean, and the all-to-all waits for it);
+    with the allgather dispatcher the ring all-gathers and reduce-scatters over expert-TP x EP (every
+    rank moves all the tokens whatever the routing)."""
     out = 0.0
     for (kind, _), nbytes in moe_step_comm_bytes(sh).items():
         if kind == "ep":
-            out += all_to_all_s(sh, cl, "ep", sh.ep, nbytes)
+            out += all_to_all_s(sh, cl, "ep", sh.ep, nbytes) * cl.moe_imbalance
         elif kind == "emp":
             n = sh.ep * sh.etp
             out += (n - 1) / n * nbytes / link(sh, cl, "emp", n)
@@ -265,7 +277,7 @@ def etp_comm_s(sh: RunShape, cl: ClusterConfig) -> float:
     """alltoall over expert-TP: every expert-TP rank gets the rows (etp x k·T handed each way), the
     partial sums come back."""
     nbytes = sum(v for (kind, _), v in moe_step_comm_bytes(sh).items() if kind == "etp")
-    return all_to_all_s(sh, cl, "etp", sh.etp, nbytes)
+    return all_to_all_s(sh, cl, "etp", sh.etp, nbytes) * cl.moe_imbalance
 
 
 @dataclass
@@ -286,7 +298,7 @@ class TimeReport:
 
 def step_time(sh: RunShape, cl: ClusterConfig) -> TimeReport:
     terms = {"compute": compute_s(sh, cl), "memory-bound work": memory_bound_s(sh, cl),
-             "pipeline bubble": bubble_s(sh, cl), "TP comm": tp_comm_s(sh, cl),
+             "optimizer step": optimizer_s(sh, cl), "pipeline bubble": bubble_s(sh, cl), "TP comm": tp_comm_s(sh, cl),
              "CP comm": cp_comm_s(sh, cl), "PP comm": pp_comm_s(sh, cl), "DP comm": dp_comm_s(sh, cl),
              "embedding comm": embedding_comm_s(sh, cl)}
     if sh.is_moe:

@@ -1,0 +1,71 @@
+"""Pure functions over schedule tables and simulated traces: what the tables promise about memory and
+idle time, for the zero-bubble figures (bench/bench_zero_bubble.py, docs/parallelism.md).
+
+- ``peak_in_flight``: the most (chunk, micro-batch) pairs a rank holds between their F and their B (the
+  activations autograd keeps) or their W (the split backward also keeps what the W needs);
+- ``play``: a named schedule (``SCHEDULES``) run on the ideal machine with given F, B, W times per chunk;
+- ``idle_per_rank``: each rank's idle time within the step's span (``bubble_fraction`` divides by busy).
+"""
+
+from __future__ import annotations
+
+from megalite.pipeline.schedule_table import Action, ScheduleSpec, build_tables, simulate
+
+Trace = dict[int, list[tuple[Action, float, float]]]
+
+# name -> (table kind, model chunks per rank); "interleaved" is 1F1B over v = 2 chunks
+SCHEDULES: dict[str, tuple[str, int]] = {"1f1b": ("1f1b", 1), "interleaved": ("1f1b", 2), "zb-h1": ("zb-h1", 1),
+                                         "zbv": ("zbv", 2)}
+
+
+def spec_for(name: str, p: int, m: int) -> ScheduleSpec:
+    """The table spec of a named schedule (``SCHEDULES``)."""
+    kind, v = SCHEDULES[name]
+    return ScheduleSpec(p, v, m, kind)
+
+
+def peak_in_flight(table: list[Action], until: str = "B") -> int:
+    """Most (chunk, micro-batch) pairs held at once after their F and before their ``until`` (B or W).
+
+    With ``until="B"`` it is the activation count autograd keeps; with ``"W"`` (split tables only) it also
+    counts the pairs whose B ran and whose W has not (their weight-gradient inputs are kept)."""
+    live: set[tuple[int, int]] = set()
+    peak = 0
+    for a in table:
+        if a.kind == "F":
+            live.add((a.chunk, a.microbatch))
+        elif a.kind == until:
+            live.discard((a.chunk, a.microbatch))
+        peak = max(peak, len(live))
+    return peak
+
+
+def peak_pending_w(table: list[Action]) -> int:
+    """Most W's pending at once (their B ran, their W not yet): what the split backward keeps."""
+    pending = peak = 0
+    for a in table:
+        pending += (a.kind == "B") - (a.kind == "W")
+        peak = max(peak, pending)
+    return peak if any(a.kind == "W" for a in table) else 0
+
+
+def play(name: str, p: int, m: int, f: float, b: float, w: float, whole: float | None = None) -> Trace:
+    """The named schedule on the ideal machine (free messages). ``f``, ``b``, ``w``: one chunk's forward,
+    input-gradient backward and weight-gradient times (chunk = stage when v = 1); tables without W's run
+    their backward as one action of ``whole`` (default b + w)."""
+    spec = spec_for(name, p, m)
+    tables = build_tables(spec)
+    split = any(a.kind == "W" for t in tables for a in t)
+    back = b if split else (b + w if whole is None else whole)
+    return simulate(tables, p, spec.vp, f_time=f, b_time=back, w_time=w if split else 0.0, stages=spec.stages)
+
+
+def span(trace: Trace) -> float:
+    """Time from the first action's start to the last one's end."""
+    return max(e for t in trace.values() for _, _, e in t) - min(s for t in trace.values() for _, s, _ in t)
+
+
+def idle_per_rank(trace: Trace) -> list[float]:
+    """Each rank's time within the span spent on no action (rank order)."""
+    total = span(trace)
+    return [total - sum(e - s for _, s, e in trace[r]) for r in sorted(trace)]
