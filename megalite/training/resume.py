@@ -13,6 +13,7 @@ from torch import nn
 
 from megalite import device
 from megalite.checkpointing import load_checkpoint, save_checkpoint
+from megalite.checkpointing.async_save import AsyncSaver
 from megalite.checkpointing.compression_state import compression_files, load_compression
 from megalite.checkpointing.metadata import config_dict
 from megalite.checkpointing.paths import TRACKER
@@ -72,7 +73,9 @@ def maybe_load(cfg: MegaliteConfig, chunks: list[nn.Module], optimizer: Megalite
 
 
 def save(cfg: MegaliteConfig, ts: TrainState, chunks: list[nn.Module], optimizer: MegaliteOptimizer,
-         pg: ProcessGroups, tracker: RNGTracker, vocab_size: int, say: Callable[[str], None]) -> None:
+         pg: ProcessGroups, tracker: RNGTracker, vocab_size: int, say: Callable[[str], None],
+         saver: AsyncSaver | None = None) -> None:
+    """Save this iteration: at once, or (``saver``, --async-save) started in the background."""
     state = dataclasses.asdict(ts)
     if optimizer.scaler is not None:
         state["loss_scaler"] = optimizer.scaler.state_dict()
@@ -85,4 +88,9 @@ def save(cfg: MegaliteConfig, ts: TrainState, chunks: list[nn.Module], optimizer
     args = (cfg.checkpoint.save, ts.iteration, chunks, optimizer)
     rest = (config_dict(cfg.model, vocab_size), state, rng_states(tracker), {"tokenizer": tokenizer, "data": data},
             compression_files(optimizer.buffers, pg))
-    say(f" saved checkpoint at iteration {ts.iteration} to {save_checkpoint(*args, pg, *rest)}")
+    if saver is None:
+        say(f" saved checkpoint at iteration {ts.iteration} to {save_checkpoint(*args, pg, *rest)}")
+        return
+    pending = saver.start(*args, *rest)
+    say(f" saving checkpoint at iteration {ts.iteration} in the background (the step stopped "
+        f"{pending.stall_s:.3f} s to copy it)")
