@@ -144,3 +144,16 @@ def test_a_kill_during_an_async_save_leaves_a_loadable_checkpoint(tmp_path, wher
         res = _train(0, 1, log=lines.append, load=d, save=d, train_iters=3, async_save=True)
         assert len(res.losses) == 1 and read_tracker(d) == 3 and _verified(d) == 3
         assert any("loaded checkpoint" in s and "iteration 2" in s for s in lines)
+
+
+def test_equal_tensors_and_metadata_give_equal_bytes(tmp_path):
+    """safetensors writes its metadata entries in a per-file hash order; save_tensors sorts them."""
+    import torch
+
+    from megalite.checkpointing.metadata import save_tensors
+
+    tensors = {"b": torch.arange(3.0), "a": torch.ones(2, dtype=torch.float16)}
+    meta = {"meta": '{"step": 2.0, "name": "\\u00e9"}', "format": "megalite-optim", "x": "y"}
+    seen = {(save_tensors(tensors, str(tmp_path / "f.safetensors"), meta), (tmp_path / "f.safetensors").read_bytes())
+            for _ in range(8)}
+    assert len(seen) == 1
