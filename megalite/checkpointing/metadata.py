@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from megalite import __version__
+from megalite.checkpointing.canonical import sort_metadata
 from megalite.checkpointing.checksum import file_checksum
 from megalite.checkpointing.reader import CheckpointError
 from megalite.config.flags import domain_errors
@@ -61,6 +62,7 @@ def save_tensors(tensors: dict[str, torch.Tensor], path: str, metadata: dict[str
     Returns its checksum, which metadata.json records."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     save_file({k: _owned(v) for k, v in tensors.items()}, path, metadata=metadata)
+    sort_metadata(path)  # the same bytes whoever writes the same tensors
     _fsync(path)
     return file_checksum(path)
 

@@ -318,6 +318,8 @@ def checkpoint_errors(ck: "CheckpointConfig") -> list[str]:
     errors = []
     if ck.save_interval and not ck.save:
         errors.append("--save-interval needs --save")
+    if ck.async_save and not ck.save:
+        errors.append("--async-save needs --save (it is how checkpoints are written there)")
     if ck.finetune and not ck.load:
         errors.append("--finetune needs --load")
     return errors
