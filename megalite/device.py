@@ -89,6 +89,38 @@ class SideStream:
             self.stream.synchronize()
 
 
+class HostSnapshot:
+    """Host copies of tensors that a background thread may read while training changes the originals
+    (an asynchronous checkpoint). On CUDA the device->host copies go into page-locked buffers on a side
+    stream, after the default stream's work so far; the default stream's later work (the next optimizer
+    step) waits for them, so the host never stalls for the copy. Buffers are kept and reused by name
+    (the next snapshot may only start once the previous one's reader is done). On the CPU: plain clones.
+    The CUDA path is not exercised by the CPU test suite."""
+
+    def __init__(self) -> None:
+        self.side = SideStream()
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def copy(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A contiguous host copy of each tensor (names are the buffers' keys)."""
+        if self.side.stream is None:
+            return {k: t.detach().clone(memory_format=torch.contiguous_format) for k, t in tensors.items()}
+        out = {}
+        self.side.wait_for_default()
+        with self.side.use():
+            for k, t in tensors.items():
+                buf = self.buffers.get(k)
+                if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+                    buf = self.buffers[k] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                out[k] = buf.copy_(t.detach(), non_blocking=t.is_cuda)
+        self.side.default_waits()
+        return out
+
+    def ready(self) -> None:
+        """Block until the copies have landed (the reader calls it before touching them)."""
+        self.side.synchronize()
+
+
 def manual_seed(seed: int) -> None:
     """Seed the host and the device generators."""
     torch.manual_seed(seed)

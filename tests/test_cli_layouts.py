@@ -2,7 +2,8 @@
 the log's lm loss equals the single-process run's within 1e-5 relative at every iteration, and so does the grad
 norm (the issues' acceptance commands: TP, GQA with groups < TP, interleaved PP, TP x PP, the distributed
 optimizer, TP with SP, ZeRO-3, CP's a2a and allgather, the zero-bubble schedules ZB-H1 and ZB-V at p = 2 and 4,
-EP with each dispatcher; with scripts/test_torch.sh, on each torch release)."""
+uneven stages (10 layers as 1, 3, 3, 3), EP with each dispatcher; with scripts/test_torch.sh, on each torch
+release)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ MOE = [*LLAMA, "--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-c
 PIPE = ["--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
         "--micro-batch-size", "1", "--global-batch-size", "4"]  # 4 micro-batches of 1 at DP 1
 PIPE_UNTIED = [*PIPE, "--untie-embeddings-and-output-weights"]  # ZB-V: the embedding and output on one rank
+PIPE10 = [*PIPE, "--num-layers", "10"]  # uneven stages: 1, 3, 3, 3 (argparse keeps the last --num-layers)
 
 CASES = {
     "gpt2_tp2": (GPT2, ["--tensor-model-parallel-size", "2"], 2),
@@ -40,6 +42,8 @@ CASES = {
     "pp4_zbh1": (PIPE, ["--pipeline-model-parallel-size", "4", "--pipeline-schedule", "zb-h1"], 4),
     "pp2_zbv": (PIPE_UNTIED, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zbv"], 2),
     "pp4_zbv": (PIPE_UNTIED, ["--pipeline-model-parallel-size", "4", "--pipeline-schedule", "zbv"], 4),
+    "pp4_uneven": (PIPE10, ["--pipeline-model-parallel-size", "4", "--decoder-first-pipeline-num-layers", "1",
+                            "--decoder-last-pipeline-num-layers", "3"], 4),
     "dp4_distopt": (PIPE, ["--use-distributed-optimizer"], 4),
     "tp2_dp2_distopt": (GPT2, ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer"], 4),
     "tp2_sp": (LLAMA, ["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2),
@@ -62,6 +66,12 @@ def test_entry_point_pipelines_match_under_nccl_semantics(case):
     """The pipelined runs with MEGALITE_NCCL_SEMANTICS=1: the pipeline's messages under NCCL's rules (plain
     gloo pipelines: tests/test_pipeline_parallel.py)."""
     _check(case, {"MEGALITE_NCCL_SEMANTICS": "1"})
+
+
+def test_entry_point_uneven_stages_on_plain_gloo():
+    """Megatron-LM's uneven split (10 layers over 4 stages: --decoder-first-pipeline-num-layers 1
+    --decoder-last-pipeline-num-layers 3) on plain gloo; under NCCL's rules: the pipelined cases above."""
+    _check("pp4_uneven", {"MEGALITE_NCCL_SEMANTICS": "0"})
 
 
 def test_torchrun_matches_single_process():

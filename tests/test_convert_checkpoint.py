@@ -126,7 +126,7 @@ def test_reshard_command_weights_only(runs, tmp_path):
     assert os.listdir(os.path.join(out, "iter_0000003", "mp_rank_00_000")) == ["model.safetensors"]
     meta = json.load(open(os.path.join(out, "iter_0000003", "metadata.json")))
     assert meta["layout"] == {"world_size": None, "tp": 1, "pp": 1, "dp": 1, "cp": 1, "vp": 1, "order": "tp-cp-dp-pp",
-                              "distributed_optimizer": False, "ep": 1, "etp": 1}
+                              "distributed_optimizer": False, "ep": 1, "etp": 1, "chunk_layers": [[[0, 1, 2, 3]]]}
     assert meta["written_by"]["source_layout"]["tp"] == 2
 
 

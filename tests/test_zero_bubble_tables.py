@@ -136,7 +136,7 @@ def test_wrong_chunk_counts_are_named():
 @pytest.mark.parametrize("flags,rule", [
     ({"pipeline_schedule": "zbv", "num_layers": 6}, "divisible by 2 x --pipeline-model-parallel-size"),
     ({"pipeline_schedule": "zb-h1", "num_layers_per_virtual_pipeline_stage": 1}, "places its own model chunks"),
-    ({"pipeline_schedule": "zbv", "save": "ck"}, "checkpoints of its V placement"),
+    ({"pipeline_schedule": "zbv", "num_virtual_stages_per_pipeline_rank": 2}, "drop --num-virtual-stages-per"),
 ])
 def test_schedule_rules_are_named(flags, rule):
     from megalite.config import ConfigError, validate

@@ -66,7 +66,9 @@ from megalite.config.domain import MAX_COUNT, Domain, domain_option  # noqa: E40
 from megalite.config.flags import domain_of  # noqa: E402
 from megalite.config.parallel import ParallelConfig  # noqa: E402
 from megalite.config.validate import layout_errors  # noqa: E402
+from megalite.config.validate_pipeline import split_flag_errors  # noqa: E402
 from megalite.data.tokenizer import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
+from megalite.parallel.placement import LayerSplit  # noqa: E402
 
 TOKENIZER_FLAGS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -175,16 +177,36 @@ def _staged_output(save: str) -> Iterator[str]:
     swap_into_place(staged, save)
 
 
+SPLIT_FLAGS = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+               "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
+               "num_virtual_stages_per_pipeline_rank", "pipeline_model_parallel_layout", "pipeline_schedule")
+
+
+def target_split(a: argparse.Namespace, num_layers: int) -> LayerSplit | None:
+    """The layer placement the target layout's split flags name (pretrain_gpt.py's meaning); None: the even
+    round-robin one of --num-layers-per-virtual-pipeline-stage. A broken rule is a ValueError naming it."""
+    given = {k: getattr(a, k) for k in SPLIT_FLAGS if getattr(a, k) not in (None, False, "1f1b")}
+    if not given:
+        return None
+    p = ParallelConfig(pipeline_model_parallel_size=a.pipeline_model_parallel_size,
+                       num_layers_per_virtual_pipeline_stage=a.num_layers_per_virtual_pipeline_stage, **given)
+    errors = split_flag_errors(p)
+    if errors:
+        raise ValueError("; ".join(errors))
+    return p.layer_split(num_layers)
+
+
 def cmd_reshard(a: argparse.Namespace) -> None:
     if os.path.abspath(a.save) == os.path.abspath(a.load):
         raise ValueError(f"--save {a.save} must differ from --load (a reshard never overwrites its source)")
     _check_source(a.load, a.iteration)
     _refuse_existing(a.save, a.overwrite)
+    split = target_split(a, int(FullCheckpoint(a.load, a.iteration).config.get("num_layers", 0)))
     with _staged_output(a.save) as staged:
         path = reshard(a.load, staged, a.tensor_model_parallel_size, a.pipeline_model_parallel_size,
                        a.num_layers_per_virtual_pipeline_stage, iteration=a.iteration,
                        with_optimizer=not a.no_optim, ep=a.expert_model_parallel_size,
-                       etp=a.expert_tensor_parallel_size)
+                       etp=a.expert_tensor_parallel_size, split=split)
         copy_tokenizer_files(os.path.join(a.load, TOKENIZER_DIR), os.path.join(staged, TOKENIZER_DIR))
     path = os.path.join(a.save, os.path.basename(path))
     experts = (f" EP={a.expert_model_parallel_size}" if a.expert_model_parallel_size > 1 else "") + (
@@ -251,8 +273,10 @@ def cmd_from_hf(a: argparse.Namespace) -> None:
     hf_config = read_hf_config(a.load)
     config = _hf_config_dict(hf_config, where, True, a.apply_layernorm_1p)  # every config check before the weights
     cfg = model_config(config)[0]
+    split = target_split(a, cfg.num_layers)
     errors = layout_errors(cfg, a.tensor_model_parallel_size, a.pipeline_model_parallel_size,
-                           a.num_layers_per_virtual_pipeline_stage) + moe_tp_errors(cfg, a.tensor_model_parallel_size)
+                           a.num_layers_per_virtual_pipeline_stage, split)
+    errors += moe_tp_errors(cfg, a.tensor_model_parallel_size)
     if errors:
         raise ValueError(f"{where}: this model cannot be cut into TP={a.tensor_model_parallel_size} "
                          f"PP={a.pipeline_model_parallel_size}:\n  " + "\n  ".join(errors))
@@ -266,7 +290,7 @@ def cmd_from_hf(a: argparse.Namespace) -> None:
         path = write_checkpoint(staged, config, params.__getitem__, tp=a.tensor_model_parallel_size,
                                 pp=a.pipeline_model_parallel_size, note=note, dtype=dtype,
                                 layers_per_virtual_stage=a.num_layers_per_virtual_pipeline_stage,
-                                ep=a.expert_model_parallel_size, etp=a.expert_tensor_parallel_size)
+                                ep=a.expert_model_parallel_size, etp=a.expert_tensor_parallel_size, split=split)
         tok = copy_tokenizer_files(a.load, os.path.join(staged, TOKENIZER_DIR))
     path = os.path.join(a.save, os.path.basename(path))
     print(f"wrote {path} (TP={a.tensor_model_parallel_size} PP={a.pipeline_model_parallel_size}, "
@@ -286,7 +310,8 @@ def cmd_from_megatron(a: argparse.Namespace) -> None:
     src = read_megatron(a.load, a.iteration, a.vocab_size)
     cfg = model_config(src.config)[0]
     tp, pp = a.tensor_model_parallel_size, a.pipeline_model_parallel_size
-    errors = layout_errors(cfg, tp, pp, a.num_layers_per_virtual_pipeline_stage) + moe_tp_errors(cfg, tp)
+    split = target_split(a, cfg.num_layers)
+    errors = layout_errors(cfg, tp, pp, a.num_layers_per_virtual_pipeline_stage, split) + moe_tp_errors(cfg, tp)
     if errors:
         raise ValueError(f"--load {a.load}: this model cannot be cut into TP={tp} PP={pp}:\n  " + "\n  ".join(errors))
     note = {"tool": "convert_checkpoint.py from-megatron", "source": os.path.abspath(a.load),
@@ -295,7 +320,7 @@ def cmd_from_megatron(a: argparse.Namespace) -> None:
         path = write_checkpoint(staged, src.config, src.params.__getitem__, tp=tp, pp=pp, note=note,
                                 layers_per_virtual_stage=a.num_layers_per_virtual_pipeline_stage,
                                 ep=a.expert_model_parallel_size, etp=a.expert_tensor_parallel_size,
-                                iteration=src.iteration, state=src.state,
+                                iteration=src.iteration, state=src.state, split=split,
                                 dtype=DTYPES[a.dtype] if a.dtype else None)
     path = os.path.join(a.save, os.path.basename(path))
     print(f"wrote {path} (TP={tp} PP={pp}, {src.format} checkpoint of iteration {src.iteration}, vocab "
@@ -337,6 +362,16 @@ def build_parser() -> argparse.ArgumentParser:
         flag("expert_model_parallel_size", 1, help="MoE models: EP ranks the routed experts are split over")
         flag("expert_tensor_parallel_size", None,
              help="MoE models: expert-TP ranks each routed expert is cut over (default: TP)")
+        flag("num_virtual_stages_per_pipeline_rank", None, help="model chunks per rank (Megatron-LM's flag)")
+        flag("decoder_first_pipeline_num_layers", None, help="layers of the first stage (pretrain_gpt.py's flag)")
+        flag("decoder_last_pipeline_num_layers", None, help="layers of the last stage (pretrain_gpt.py's flag)")
+        sp.add_argument("--account-for-embedding-in-pipeline-split", action="store_true",
+                        help="the embedding counts as a layer of the split")
+        sp.add_argument("--account-for-loss-in-pipeline-split", action="store_true",
+                        help="the loss counts as a layer of the split")
+        sp.add_argument("--pipeline-model-parallel-layout", default=None, help="every stage's layers (E|t*3|tL)")
+        sp.add_argument("--pipeline-schedule", choices=["1f1b", "zbv"], default="1f1b",
+                        help="zbv: the two chunks per rank placed in ZB-V's V (the run's --pipeline-schedule)")
 
     r = sub.add_parser("reshard", help="write a checkpoint at another TP/PP/VP/EP layout (optimizer state included)")
     r.add_argument("--load", required=True, help="checkpoint directory (holding latest_checkpointed_iteration.txt)")

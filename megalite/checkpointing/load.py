@@ -14,11 +14,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from megalite.checkpointing.metadata import OPTIM_FIELDS
+from megalite.checkpointing.metadata import OPTIM_FIELDS, chunk_layer_numbers
 from megalite.checkpointing.paths import rng_filename
 from megalite.checkpointing.reader import CheckpointError, CheckpointReader
 from megalite.checkpointing.stored import named_params
 from megalite.parallel.groups import ProcessGroups
+from megalite.parallel.placement import LayerSplit
 from megalite.tensor_parallel.param_meta import local_shard, param_meta
 
 # Model fields that change what the weights mean; the rest (dropout, init, padding) may differ.
@@ -70,7 +71,7 @@ def load_checkpoint(load_dir: str, chunks: list[nn.Module], optimizer: Any, pg: 
     lay = reader.meta["layout"]
     same = (lay["tp"], lay["pp"], lay["dp"], lay.get("cp", 1), lay["vp"], lay["world_size"], reader.ep,
             reader.etp) == (pg.tp_size, pg.pp_size, pg.dp_size, pg.cp_size, len(chunks), pg.layout.world_size,
-                            pg.ep_size, pg.etp_size)
+                            pg.ep_size, pg.etp_size) and _same_layers(lay, chunks, pg, reader.config)
     for _, key, p in named_params(chunks):
         _check_kind(reader, key, p)
         local = _saved_as_is(reader, key, p, pg, reader.local_param)
@@ -99,6 +100,17 @@ def load_checkpoint(load_dir: str, chunks: list[nn.Module], optimizer: Any, pg: 
         if bad:
             raise CheckpointError(f"RNG state {path} has no {bad[0]!r} byte tensor; use --no-load-rng to skip it")
     return LoadedState(reader.iteration, dict(reader.state), same), rng
+
+
+def _same_layers(lay: dict[str, Any], chunks: list[nn.Module], pg: ProcessGroups, config: dict[str, Any]) -> bool:
+    """This rank's chunks hold the layers the saving rank's did (an even split and an uneven one, or
+    round-robin and a V, place them differently at the same sizes). A checkpoint without ``chunk_layers``
+    was saved before uneven splits and V checkpoints existed: an even round-robin split."""
+    saved = lay.get("chunk_layers")
+    if saved is None:
+        saved = [LayerSplit(int(config["num_layers"]), lay["pp"], lay["vp"]).rank_chunks(r) for r in range(lay["pp"])]
+    mine = [chunk_layer_numbers(c) for c in chunks]
+    return pg.pp_rank < len(saved) and saved[pg.pp_rank] == mine
 
 
 def _check_numel(reader: CheckpointReader, key: str, got: torch.Tensor, want: torch.Size) -> None:

@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from megalite import __version__
+from megalite.checkpointing.canonical import sort_metadata
 from megalite.checkpointing.checksum import file_checksum
 from megalite.checkpointing.reader import CheckpointError
 from megalite.config.flags import domain_errors
@@ -61,17 +62,27 @@ def save_tensors(tensors: dict[str, torch.Tensor], path: str, metadata: dict[str
     Returns its checksum, which metadata.json records."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     save_file({k: _owned(v) for k, v in tensors.items()}, path, metadata=metadata)
+    sort_metadata(path)  # the same bytes whoever writes the same tensors
     _fsync(path)
     return file_checksum(path)
 
 
 def layout_meta(*, world_size: int | None, tp: int, pp: int, dp: int, vp: int, order: str,
-                distributed_optimizer: bool, cp: int = 1, ep: int = 1, etp: int | None = None) -> dict[str, Any]:
+                distributed_optimizer: bool, cp: int = 1, ep: int = 1, etp: int | None = None,
+                chunk_layers: list[list[list[int]]] | None = None) -> dict[str, Any]:
     """metadata.json's ``layout``: what the files were cut for (world_size None: written offline, no RNG).
     With context parallelism the distributed optimizer's files are one per DP x CP rank; ``ep`` and ``etp``
-    (default TP) are how the routed experts' files are cut (expert parallel, expert tensor parallel)."""
-    return {"world_size": world_size, "tp": tp, "pp": pp, "dp": dp, "cp": cp, "vp": vp, "order": order,
-            "distributed_optimizer": distributed_optimizer, "ep": ep, "etp": tp if etp is None else etp}
+    (default TP) are how the routed experts' files are cut (expert parallel, expert tensor parallel);
+    ``chunk_layers``: per pipeline rank, per model chunk, its global layer numbers (the placement: even or
+    uneven, round-robin or a V), which tells a resuming run whether its stages hold the same layers."""
+    out = {"world_size": world_size, "tp": tp, "pp": pp, "dp": dp, "cp": cp, "vp": vp, "order": order,
+           "distributed_optimizer": distributed_optimizer, "ep": ep, "etp": tp if etp is None else etp}
+    return out if chunk_layers is None else {**out, "chunk_layers": chunk_layers}
+
+
+def chunk_layer_numbers(chunk: Any) -> list[int]:
+    """The global layer numbers a model chunk holds (its ``layers`` are keyed by them)."""
+    return sorted(int(k) for k in chunk.layers)
 
 
 def write_metadata(staged: str, *, iteration: int, layout: dict[str, Any], config: dict[str, Any],

@@ -13,19 +13,22 @@ from megalite.checkpointing.full_reader import FullCheckpoint
 from megalite.checkpointing.metadata import model_config
 from megalite.checkpointing.writer import OptimizerSource, expert_errors, write_checkpoint
 from megalite.config.validate import layout_errors
+from megalite.parallel.placement import LayerSplit
 
 
 def reshard(load_dir: str, save_dir: str, tp: int, pp: int, layers_per_virtual_stage: int | None = None, *,
-            iteration: int | None = None, with_optimizer: bool = True, ep: int = 1, etp: int | None = None) -> str:
+            iteration: int | None = None, with_optimizer: bool = True, ep: int = 1, etp: int | None = None,
+            split: LayerSplit | None = None) -> str:
     """Write the checkpoint in ``load_dir`` at another (TP, PP, VP, EP, expert-TP) layout into ``save_dir``:
     weights, optimizer state (when saved and ``with_optimizer``), iteration, training state and the
-    tokenizer the source was trained with. ``etp`` defaults to ``tp``."""
+    tokenizer the source was trained with. ``etp`` defaults to ``tp``; ``split``: an uneven or V placement
+    of the layers over the ``pp`` stages (default even, round-robin)."""
     if os.path.abspath(save_dir) == os.path.abspath(load_dir):
         raise ValueError(f"--save {save_dir} must differ from --load (a reshard never overwrites its source)")
     src = FullCheckpoint(load_dir, iteration)
     cfg, _ = model_config(src.config)
     etp = tp if etp is None else etp
-    errors = layout_errors(cfg, tp, pp, layers_per_virtual_stage) + expert_errors(src.config, ep, etp)
+    errors = layout_errors(cfg, tp, pp, layers_per_virtual_stage, split) + expert_errors(src.config, ep, etp)
     if errors:
         where = f"TP={tp} PP={pp}" + (f" EP={ep} ETP={etp}" if cfg.is_moe else "")
         raise ValueError(f"--load {load_dir} cannot be resharded to {where}:\n  " + "\n  ".join(errors))
@@ -37,4 +40,4 @@ def reshard(load_dir: str, save_dir: str, tp: int, pp: int, layers_per_virtual_s
             "source_layout": src.layout}
     return write_checkpoint(save_dir, src.config, src.param, tp=tp, pp=pp,
                             layers_per_virtual_stage=layers_per_virtual_stage, ep=ep, etp=etp, optimizer=optimizer,
-                            iteration=src.iteration, state=src.state, note=note, extra=kept)
+                            iteration=src.iteration, state=src.state, note=note, extra=kept, split=split)

@@ -14,7 +14,13 @@ from safetensors import SafetensorError
 from torch import nn
 
 from megalite import device
-from megalite.checkpointing.metadata import OPTIM_FIELDS, layout_meta, save_tensors, write_metadata
+from megalite.checkpointing.metadata import (
+    OPTIM_FIELDS,
+    chunk_layer_numbers,
+    layout_meta,
+    save_tensors,
+    write_metadata,
+)
 from megalite.checkpointing.paths import (
     TRACKER,
     commit,
@@ -139,17 +145,22 @@ def _shard_files(folder: str, weights: dict[str, torch.Tensor] | None, optim: tu
     return files
 
 
-def _write_rank_files(staged: str, chunks: list[nn.Module], optimizer: Any, pg: ProcessGroups,
-                      rng_states: dict[str, torch.Tensor]) -> dict[str, str]:
-    """This rank's tensor files; returns their checksums by path relative to ``staged``.
+RankFiles = dict[str, tuple[dict[str, torch.Tensor], dict | None]]  # path in the iteration -> (tensors, meta)
+
+
+def rank_files(chunks: list[nn.Module], optimizer: Any, pg: ProcessGroups, rng_states: dict[str, torch.Tensor],
+               extra_files: RankFiles | None = None) -> RankFiles:
+    """This rank's tensor files (paths relative to the iteration directory), not yet written: the live
+    tensors, which a synchronous save writes at once and an asynchronous one copies first.
 
     Each parameter family's weights (and unsharded optimizer state) are identical over the family's DP
     group and are written by its rank 0 into the family's folder: dense ones over DP x CP into
     mp_rank_TT_PPP, routed experts' over expert-DP into expert_rank_TT_EEE_PPP (TT the expert-TP rank);
-    sharded optimizer slices beside them, one file per rank of that group."""
+    sharded optimizer slices beside them, one file per rank of that group. ``extra_files``: more
+    per-rank files (e.g. the gradient-compression state)."""
     stored = [(k, p) for n, k, p in named_params(chunks) if n == k]
     dist_opt = optimizer is not None and optimizer.distributed
-    files: dict[str, tuple[dict, dict | None]] = {}
+    files: RankFiles = {}
     for family in FAMILIES.values():
         mine = {k: p for k, p in stored if param_meta(p).family == family}
         if not mine:
@@ -161,16 +172,24 @@ def _write_rank_files(staged: str, chunks: list[nn.Module], optimizer: Any, pg: 
                  if optimizer is not None and (dist_opt or first) else None)
         files.update(_shard_files(folder, mine if first else None, optim, rank if dist_opt else 0))
     files[rng_filename(pg.rank)] = (rng_states, None)
-    return {rel: save_tensors(t, os.path.join(staged, rel), m) for rel, (t, m) in files.items()}
+    files.update(extra_files or {})
+    return files
 
 
-def save_checkpoint(save_dir: str, iteration: int, chunks: list[nn.Module], optimizer: Any, pg: ProcessGroups,
-                    config: dict, state: dict[str, Any], rng_states: dict[str, torch.Tensor],
-                    extra_meta: dict[str, Any] | None = None) -> str:
-    """Write iteration ``iteration``; returns the committed directory. All ranks must call it.
-    ``extra_meta`` (e.g. the tokenizer the run used) is stored in metadata.json. A failure on any rank
-    (e.g. a full disk) raises CheckpointSaveError on every rank and leaves the previous checkpoint as is;
-    so do weights or optimizer state that are not finite, before anything is written."""
+def write_files(staged: str, files: RankFiles, step: Callable[[str], None] | None = None) -> dict[str, str]:
+    """Write (and fsync) ``files`` under ``staged``; returns their checksums by relative path. ``step``
+    is told each path once its file is durable (the kill tests' hook)."""
+    sums = {}
+    for rel, (tensors, meta) in files.items():
+        sums[rel] = save_tensors(tensors, os.path.join(staged, rel), meta)
+        if step is not None:
+            step(rel)
+    return sums
+
+
+def prepare_save(save_dir: str, iteration: int, chunks: list[nn.Module], optimizer: Any, pg: ProcessGroups) -> str:
+    """Refuse non-finite state, then rank 0 (re)creates the staging directory and every rank learns its
+    name (collectives: the main thread only)."""
     _refuse_non_finite(chunks, optimizer, pg, save_dir, iteration)
 
     def prepare() -> str:
@@ -181,23 +200,56 @@ def save_checkpoint(save_dir: str, iteration: int, chunks: list[nn.Module], opti
 
     prepared = _agree(pg, *(_attempt(prepare) if pg.rank == 0 else (None, None)))
     _check(prepared, pg, save_dir, iteration)
-    staged = prepared[0][1]
+    return prepared[0][1]
+
+
+def save_layout(pg: ProcessGroups, chunks: list[nn.Module], optimizer: Any) -> dict[str, Any]:
+    """metadata.json's ``layout`` of this run, with every pipeline rank's chunks' layers (gathered from the
+    chunks themselves: every rank calls this, as it calls the rest of the save)."""
+    lay = pg.layout
+    sharded = bool(optimizer is not None and optimizer.distributed)
+    placed = dict(pg.all_gather_object((pg.pp_rank, [chunk_layer_numbers(c) for c in chunks])))
+    return layout_meta(world_size=lay.world_size, tp=lay.tp, pp=lay.pp, dp=lay.dp, vp=len(chunks), order=lay.order,
+                       distributed_optimizer=sharded, cp=lay.cp, ep=pg.ep_size, etp=pg.etp_size,
+                       chunk_layers=[placed[r] for r in range(lay.pp)])
+
+
+def finish_save(save_dir: str, iteration: int, staged: str, results: list, pg: ProcessGroups,
+                meta: dict[str, Any]) -> None:
+    """After every rank's files are durable (``results``: every rank's (error, checksums)): raise on
+    every rank if one failed; else rank 0 writes metadata.json and commits the directory and the tracker.
+    ``meta``: write_metadata's keyword arguments but the checksums."""
+    _check(results, pg, save_dir, iteration)
+
+    def finish() -> None:
+        checksums = {k: v for _, sums in results for k, v in sums.items()}
+        write_metadata(staged, iteration=iteration, checksums=checksums, **meta)
+        commit(save_dir, iteration, staged)
+
+    _check(_agree(pg, *(_attempt(finish) if pg.rank == 0 else (None, None))), pg, save_dir, iteration)
+
+
+def metadata_fields(iteration: int, pg: ProcessGroups, chunks: list[nn.Module], optimizer: Any, config: dict,
+                    state: dict[str, Any], extra_meta: dict[str, Any] | None) -> dict[str, Any]:
+    """What metadata.json records besides the checksums, fixed at the moment the save is taken."""
+    return {"layout": save_layout(pg, chunks, optimizer), "config": config, "state": state,
+            "device": device.device_type(), "extra": extra_meta}
+
+
+def save_checkpoint(save_dir: str, iteration: int, chunks: list[nn.Module], optimizer: Any, pg: ProcessGroups,
+                    config: dict, state: dict[str, Any], rng_states: dict[str, torch.Tensor],
+                    extra_meta: dict[str, Any] | None = None, extra_files: RankFiles | None = None) -> str:
+    """Write iteration ``iteration``; returns the committed directory. All ranks must call it.
+    ``extra_meta`` (e.g. the tokenizer the run used) is stored in metadata.json; ``extra_files`` are more
+    per-rank tensor files. A failure on any rank (e.g. a full disk) raises CheckpointSaveError on every
+    rank and leaves the previous checkpoint as is; so do weights or optimizer state that are not finite,
+    before anything is written."""
+    staged = prepare_save(save_dir, iteration, chunks, optimizer, pg)
     try:
-        results = _agree(pg, *_attempt(lambda: _write_rank_files(staged, chunks, optimizer, pg, rng_states)))
-        _check(results, pg, save_dir, iteration)
-
-        def finish() -> None:
-            lay = pg.layout
-            sharded = bool(optimizer is not None and optimizer.distributed)
-            layout = layout_meta(world_size=lay.world_size, tp=lay.tp, pp=lay.pp, dp=lay.dp, vp=len(chunks),
-                                 order=lay.order, distributed_optimizer=sharded, cp=lay.cp, ep=pg.ep_size,
-                                 etp=pg.etp_size)
-            checksums = {k: v for _, sums in results for k, v in sums.items()}
-            write_metadata(staged, iteration=iteration, layout=layout, config=config, state=state,
-                           device=device.device_type(), extra=extra_meta, checksums=checksums)
-            commit(save_dir, iteration, staged)
-
-        _check(_agree(pg, *(_attempt(finish) if pg.rank == 0 else (None, None))), pg, save_dir, iteration)
+        files = rank_files(chunks, optimizer, pg, rng_states, extra_files)
+        results = _agree(pg, *_attempt(lambda: write_files(staged, files)))
+        meta = metadata_fields(iteration, pg, chunks, optimizer, config, state, extra_meta)
+        finish_save(save_dir, iteration, staged, results, pg, meta)
     except BaseException:  # e.g. Ctrl-C mid-save: no staging folder is left behind (a kill leaves one; the
         if pg.rank == 0:  # next run's start-up removes it)
             shutil.rmtree(staged, ignore_errors=True)

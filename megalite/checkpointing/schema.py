@@ -108,6 +108,7 @@ def check_metadata(meta: Any, path: str) -> dict[str, Any]:
         w.fail("layout.order", f"is {layout['order']!r:.40}, expected a string")
     if not isinstance(layout.get("distributed_optimizer", False), bool):
         w.fail("layout.distributed_optimizer", f"is {layout['distributed_optimizer']!r:.40}, expected true/false")
+    _check_chunk_layers(w, layout)
     _check_config(w, w.section(meta, "config"))
     state = w.section(meta, "state")
     for key in STATE_COUNTS:
@@ -121,6 +122,17 @@ def check_metadata(meta: Any, path: str) -> dict[str, Any]:
         if value is not None and not isinstance(value, (str, int)) or isinstance(value, bool):
             w.fail(f"tokenizer.{key}", f"is {value!r:.40}, expected a string, a number or null")
     return meta
+
+
+def _check_chunk_layers(w: "_Where", layout: dict[str, Any]) -> None:
+    """layout.chunk_layers (absent in older checkpoints): per pipeline rank, per model chunk, its global
+    layer numbers."""
+    ranks = layout.get("chunk_layers", [])
+    ok = isinstance(ranks, list) and all(
+        isinstance(chunks, list) and all(isinstance(c, list) and all(type(i) is int and i >= 0 for i in c)
+                                         for c in chunks) for chunks in ranks)
+    if not ok:
+        w.fail("layout.chunk_layers", f"is {ranks!r:.40}, expected per rank a list of chunks' layer numbers")
 
 
 def load_metadata(path: str) -> dict[str, Any]:

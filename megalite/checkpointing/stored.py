@@ -17,7 +17,7 @@ from megalite.checkpointing.metadata import model_config
 from megalite.model.gpt import GPTModel
 from megalite.parallel.groups import ProcessGroups
 from megalite.parallel.layout import RankLayout
-from megalite.pipeline.partition import chunk_layers, virtual_stage
+from megalite.parallel.placement import LayerSplit
 from megalite.tensor_parallel.context import BuildContext
 from megalite.tensor_parallel.param_meta import DENSE, ParamFamily, param_meta
 from megalite.tensor_parallel.random import RNGTracker
@@ -44,25 +44,27 @@ class StoredParam:
     optimized: bool = True  # has optimizer state (not e.g. the router's expert bias, set by its own rule)
 
 
-def stage_params(config: dict[str, Any], tp: int, pp: int, vp: int = 1) -> list[list[StoredParam]]:
-    """For each pipeline rank, the parameters its ``model.safetensors`` holds (all its chunks), in the
-    order a training run stores them. A tied output layer on the last stage is not stored."""
+def stage_params(config: dict[str, Any], tp: int, split: LayerSplit | None = None) -> list[list[StoredParam]]:
+    """For each pipeline rank of ``split`` (the layout's placement and layer counts; default one stage), the
+    parameters its ``model.safetensors`` holds (all its chunks), in the order a training run stores them.
+    A tied output layer on the last stage is not stored."""
     cfg, vocab = model_config(config)
+    split = split or LayerSplit(cfg.num_layers, 1)
+    pp, stages = split.pp, split.stages
     pg = ProcessGroups.unconnected(RankLayout(tp * pp, tp, pp), 0)
     ctx = BuildContext(pg, RNGTracker(), device=torch.device("meta"))
-    last = pp * vp - 1
-    stages = []
+    out = []
     for rank in range(pp):
         chunks = []
-        for c in range(vp):
-            stage = virtual_stage(rank, c, pp)
-            chunks.append(GPTModel(cfg, ctx, vocab, layer_numbers=chunk_layers(cfg.num_layers, pp, vp, rank, c),
-                                   pre_process=stage == 0, post_process=stage == last))
-        stages.append([StoredParam(k, param_meta(p).spec, param_meta(p).family, p.requires_grad)
-                       for n, k, p in named_params(chunks) if n == k])
-    return stages
+        for c in range(split.vp):
+            stage = stages.stage(rank, c)
+            chunks.append(GPTModel(cfg, ctx, vocab, layer_numbers=split.stage_layers(stage),
+                                   pre_process=stage == 0, post_process=stage == stages.last))
+        out.append([StoredParam(k, param_meta(p).spec, param_meta(p).family, p.requires_grad)
+                    for n, k, p in named_params(chunks) if n == k])
+    return out
 
 
 def all_specs(config: dict[str, Any], tp: int) -> dict[str, ShardSpec]:
     """Every stored parameter's ShardSpec at TP size ``tp``."""
-    return {p.key: p.spec for stage in stage_params(config, tp, 1) for p in stage}
+    return {p.key: p.spec for stage in stage_params(config, tp) for p in stage}

@@ -31,6 +31,7 @@ from megalite.config.flags import domain_errors
 from megalite.config.parallel import ParallelConfig
 from megalite.config.validate import layout_errors
 from megalite.parallel.groups import Group
+from megalite.parallel.placement import LayerSplit
 from megalite.pipeline.partition import num_chunks
 from megalite.tensor_parallel.param_meta import FAMILIES, ParamFamily
 
@@ -66,8 +67,10 @@ def write_checkpoint(save_dir: str, config: dict[str, Any], get_param: Callable[
                      etp: int | None = None,
                      optimizer: OptimizerSource | None = None, iteration: int = 0,
                      state: dict[str, Any] | None = None, note: dict[str, Any] | None = None,
-                     dtype: torch.dtype | None = None, extra: dict[str, Any] | None = None) -> str:
-    """Write a checkpoint of the model ``config`` at layout (tp, pp, vp) from full tensors.
+                     dtype: torch.dtype | None = None, extra: dict[str, Any] | None = None,
+                     split: LayerSplit | None = None) -> str:
+    """Write a checkpoint of the model ``config`` at layout (tp, pp, vp) from full tensors; ``split`` (its pp
+    must be ``pp``): an uneven or V placement of the layers instead of the even round-robin one.
 
     ``get_param(key)`` returns the full tensor of a layout-free key. Stage by stage, every tensor is
     read once, cut for every TP rank (routed experts: every EP x expert-TP rank, ``etp`` default ``tp``) and
@@ -79,12 +82,15 @@ def write_checkpoint(save_dir: str, config: dict[str, Any], get_param: Callable[
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp, num_layers_per_virtual_pipeline_stage=layers_per_virtual_stage))
     etp = tp if etp is None else etp
-    errors = errors or layout_errors(cfg, tp, pp, layers_per_virtual_stage) + expert_errors(config, ep, etp)
+    if split is None and not errors:
+        split = LayerSplit(cfg.num_layers, pp, max(num_chunks(cfg.num_layers, pp, layers_per_virtual_stage), 1))
+    if split is not None and split.pp != pp:
+        errors = [f"the layer split is for {split.pp} pipeline stages, not --pipeline-model-parallel-size {pp}"]
+    errors = errors or layout_errors(cfg, tp, pp, layers_per_virtual_stage, split) + expert_errors(config, ep, etp)
     if errors:
         raise ValueError(f"cannot write {save_dir} at TP={tp} PP={pp}:\n  " + "\n  ".join(errors))
-    vp = num_chunks(cfg.num_layers, pp, layers_per_virtual_stage)
     sizes = {Group.TP: tp, Group.ETP: etp, Group.EP: ep}  # the groups families cut and split over
-    stages = stage_params(config, tp, pp, vp)
+    stages = stage_params(config, tp, split)
     created = not os.path.exists(save_dir)
     staged = staging_dir(save_dir, iteration)
     shutil.rmtree(staged, ignore_errors=True)
@@ -96,8 +102,8 @@ def write_checkpoint(save_dir: str, config: dict[str, Any], get_param: Callable[
                 mine = [p for p in stored if p.family == family]
                 if mine:
                     checksums.update(_write_family(staged, pp_rank, mine, family, sizes, get_param, optimizer, dtype))
-        layout = layout_meta(world_size=None, tp=tp, pp=pp, dp=1, vp=vp, order="tp-cp-dp-pp",
-                             distributed_optimizer=False, ep=ep, etp=etp)
+        layout = layout_meta(world_size=None, tp=tp, pp=pp, dp=1, vp=split.vp, order="tp-cp-dp-pp",
+                             distributed_optimizer=False, ep=ep, etp=etp, chunk_layers=split.chunk_table())
         write_metadata(staged, iteration=iteration, layout=layout, config=config,
                        state={**{k: 0 for k in STATE_KEYS}, **(state or {}), "iteration": iteration}, device="cpu",
                        extra={**(extra or {}), "written_by": note or {}}, checksums=checksums)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megalite.config.domain import MAX_RANKS, positive, size
+from megalite.config.domain import MAX_RANKS, at_least, positive, size
 from megalite.config.flags import option
 from megalite.config.moe import MAX_LAYERS
+from megalite.parallel.placement import LayerSplit
+from megalite.parallel.stage_layout import parse_layout
 
 # --cp-comm-type's values, under the names the attention code uses; CP_COMM_SPELLINGS maps the other
 # spellings accepted (megatron-core / Transformer Engine write all_gather) to them.
@@ -28,7 +30,36 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = option(1, help="Pipeline-parallel size: stages the layers are cut into.",
                                                domain=size(MAX_RANKS))
     num_layers_per_virtual_pipeline_stage: int | None = option(
-        None, help="Layers per virtual stage for the interleaved 1F1B schedule.", domain=size(MAX_LAYERS))
+        None, help="Layers per virtual stage for the interleaved 1F1B schedule (even splits only: with "
+        "--decoder-first/last-pipeline-num-layers give --num-virtual-stages-per-pipeline-rank instead, as "
+        "Megatron-LM).", domain=size(MAX_LAYERS))
+    num_virtual_stages_per_pipeline_rank: int | None = option(
+        None, help="Model chunks per pipeline rank for the interleaved 1F1B schedule (Megatron-LM's flag; "
+        "exclusive with --num-layers-per-virtual-pipeline-stage).", domain=size(MAX_LAYERS))
+    decoder_first_pipeline_num_layers: int | None = option(
+        None, help="Transformer layers of the first pipeline stage (Megatron-LM's uneven split); the stages "
+        "without a given count split the rest evenly. With --num-virtual-stages-per-pipeline-rank v, divisible "
+        "by v (each of the rank's chunks holds 1/v). Under --pipeline-schedule zbv: the layers of the V's first "
+        "virtual stage (rank 0's chunk 0), the other 2p - 2 virtual stages splitting the rest.",
+        domain=at_least(0, MAX_LAYERS))
+    decoder_last_pipeline_num_layers: int | None = option(
+        None, help="Transformer layers of the last pipeline stage, as --decoder-first-pipeline-num-layers; under "
+        "--pipeline-schedule zbv those of the V's last virtual stage (rank 0's chunk 1, with the loss).",
+        domain=at_least(0, MAX_LAYERS))
+    account_for_embedding_in_pipeline_split: bool = option(
+        False, help="Count the embedding as one layer of an even split: the first virtual stage holds one "
+        "transformer layer fewer (--num-layers + 1 divisible by the virtual stages). Exclusive with "
+        "--decoder-first/last-pipeline-num-layers.")
+    account_for_loss_in_pipeline_split: bool = option(
+        False, help="Count the loss (final norm, output layer) as one layer of an even split: the last virtual "
+        "stage holds one transformer layer fewer. Exclusive with --decoder-first/last-pipeline-num-layers.")
+    pipeline_model_parallel_layout: str | None = option(
+        None, help="Every virtual stage's layers as a string (Megatron-LM's syntax): stages separated by |, in "
+        "pipeline order (round-robin: chunk 0 of every rank, then chunk 1; zbv: down the V and back up), E the "
+        "embedding (opening the first stage), t a transformer layer, L the loss (closing the last stage), x*N and "
+        "(...)*N repeat, commas cosmetic, e.g. \"E|t*3|t*3|tL\". The stage count / "
+        "--pipeline-model-parallel-size gives the chunks per rank; m (MTP) is refused. Exclusive with the other "
+        "split flags.")
     pipeline_schedule: str = option(
         "1f1b", help="Pipeline schedule: 1f1b (interleaved 1F1B when virtual stages are used), gpipe (for "
         "comparison), zb-h1 (zero bubble: each backward split into the input gradient B and the weight "
@@ -96,6 +127,32 @@ class ParallelConfig:
         (validate refuses any other length)."""
         types = self.cp_comm_type
         return tuple(types) * num_layers if len(types) == 1 else tuple(types)
+
+    def virtual_stages(self, num_layers: int) -> int:
+        """v: model chunks per pipeline rank (ZB-V: two, in a V; a layout: its stages / p); never raises, so
+        validation may ask before the rules hold (an unreadable layout counts as one chunk)."""
+        pp = self.pipeline_model_parallel_size
+        if self.pipeline_schedule == "zbv":
+            return 2
+        if self.pipeline_model_parallel_layout is not None:
+            try:
+                stages = len(parse_layout(self.pipeline_model_parallel_layout))
+            except ValueError:
+                return 1
+            return max(stages // pp, 1) if pp > 0 else 1
+        if self.num_virtual_stages_per_pipeline_rank is not None:
+            return max(self.num_virtual_stages_per_pipeline_rank, 1)
+        k = self.num_layers_per_virtual_pipeline_stage
+        return max(num_layers // (pp * k), 1) if k and k > 0 and pp > 0 else 1
+
+    def layer_split(self, num_layers: int) -> LayerSplit:
+        """How the layers are cut over the virtual stages (parallel/placement.py); a layout string that does
+        not parse raises ValueError (validation reports it first)."""
+        layout = self.pipeline_model_parallel_layout
+        return LayerSplit(num_layers, self.pipeline_model_parallel_size, self.virtual_stages(num_layers),
+                          self.pipeline_schedule == "zbv", self.decoder_first_pipeline_num_layers,
+                          self.decoder_last_pipeline_num_layers, self.account_for_embedding_in_pipeline_split,
+                          self.account_for_loss_in_pipeline_split, parse_layout(layout) if layout else None)
 
     @property
     def layout_order(self) -> str:

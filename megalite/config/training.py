@@ -146,6 +146,11 @@ class CheckpointConfig:
                               "equals --save and holds no checkpoint yet, training starts fresh.")
     save_interval: int | None = option(None, help="Save every this many iterations (and at the end).",
                                         domain=count())
+    async_save: bool = option(False, help="Save in the background: the step that saves stops only to copy "
+                              "this rank's shards into host memory, a thread writes and checksums them, and "
+                              "the tracker moves once every rank's write is complete (agreed at a later step "
+                              "boundary). At most one save in flight; the next save and the end of the run "
+                              "wait for it. Applies to megalite's own format (--ckpt-format is ignored).")
     no_load_optim: bool = option(False, help="Load weights only; start the optimizer fresh.")
     no_load_rng: bool = option(False, help="Do not restore the RNG states.")
     finetune: bool = option(False, help="Load weights only and start at iteration 0 (new optimizer, new data "

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from megalite.config.flags import domain_errors
 from megalite.config.validate_cp import context_parallel_errors, cp_comm_errors
 from megalite.config.validate_moe import expert_layout_errors, moe_errors
+from megalite.config.validate_pipeline import checked_split
 
 if TYPE_CHECKING:
     from megalite.config.arguments import MegaliteConfig
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
     from megalite.config.parallel import ParallelConfig
     from megalite.config.precision import DDPConfig, PrecisionConfig
     from megalite.config.training import CheckpointConfig, LoggingConfig, OptimizerConfig, TrainingConfig
+    from megalite.parallel.placement import LayerSplit
 
 
 class ConfigError(ValueError):
@@ -75,9 +77,11 @@ def model_errors(m: "ModelConfig") -> list[str]:
     return errors
 
 
-def layout_errors(m: "ModelConfig", tp: int, pp: int, layers_per_virtual_stage: int | None = None) -> list[str]:
+def layout_errors(m: "ModelConfig", tp: int, pp: int, layers_per_virtual_stage: int | None = None,
+                  split: "LayerSplit | None" = None) -> list[str]:
     """Why the model cannot be cut into this (TP, PP, VP) layout (empty when it can): heads, KV groups
-    and FFN columns over TP ranks, layers over pipeline stages and virtual stages."""
+    and FFN columns over TP ranks, layers over pipeline stages and virtual stages (an uneven ``split``:
+    by its own rules, parallel/placement.py)."""
     if tp <= 0 or pp <= 0:
         return [f"--tensor-model-parallel-size ({tp}) and --pipeline-model-parallel-size ({pp}) must be positive"]
     errors = []
@@ -89,8 +93,13 @@ def layout_errors(m: "ModelConfig", tp: int, pp: int, layers_per_virtual_stage: 
                       "another (groups split over ranks, or ranks share a group)")
     if m.ffn_hidden_size % tp:
         errors.append(f"--tensor-model-parallel-size ({tp}) must divide --ffn-hidden-size ({m.ffn_hidden_size})")
+    if split is not None and not split.even:
+        return errors + split.errors()
     if m.num_layers % pp:
         errors.append(f"--pipeline-model-parallel-size ({pp}) must divide --num-layers ({m.num_layers})")
+    elif split is not None and not split.v_shape and split.vp > 1 and m.num_layers % split.n:
+        errors.append(f"--num-layers ({m.num_layers}) must be divisible by --pipeline-model-parallel-size ({pp}) x "
+                      f"--num-virtual-stages-per-pipeline-rank ({split.vp})")
     k = layers_per_virtual_stage
     if k is None:
         return errors
@@ -114,13 +123,12 @@ def pipeline_schedule_errors(cfg: "MegaliteConfig") -> list[str]:
         chunks = "two per rank" if kind == "zbv" else "one per rank"
         errors.append(f"--pipeline-schedule {kind} places its own model chunks ({chunks}); drop "
                       "--num-layers-per-virtual-pipeline-stage")
-    if kind == "zbv" and m.num_layers % (2 * pp):
+    uneven = (p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers,
+              p.account_for_embedding_in_pipeline_split, p.account_for_loss_in_pipeline_split,
+              p.pipeline_model_parallel_layout) != (None, None, False, False, None)
+    if kind == "zbv" and not uneven and m.num_layers % (2 * pp):
         errors.append(f"--pipeline-schedule zbv needs --num-layers ({m.num_layers}) divisible by 2 x "
                       f"--pipeline-model-parallel-size ({2 * pp}): two model chunks per rank")
-    ck = cfg.checkpoint
-    if kind == "zbv" and pp > 1 and (ck.save or ck.load):
-        errors.append("--pipeline-schedule zbv: checkpoints of its V placement are not supported yet (--save / "
-                      "--load); train with --pipeline-schedule 1f1b or zb-h1 to save or load")
     return errors
 
 
@@ -159,8 +167,9 @@ def parallel_errors(cfg: "MegaliteConfig", world_size: int, local_world_size: in
                                        p.expert_tensor_parallel_size or tp)
     if p.sequence_parallel and tp == 1:
         errors.append("--sequence-parallel needs --tensor-model-parallel-size > 1")
-    errors += layout_errors(cfg.model, tp, pp, p.num_layers_per_virtual_pipeline_stage) + cp_comm_errors(cfg)
-    errors += pipeline_schedule_errors(cfg)
+    split_errors, split = checked_split(cfg)
+    errors += split_errors + pipeline_schedule_errors(cfg) + cp_comm_errors(cfg)
+    errors += layout_errors(cfg.model, tp, pp, p.num_layers_per_virtual_pipeline_stage, split)
     if cp > 1:
         errors += context_parallel_errors(cfg)
     if p.hierarchical_dp_reduce and world_size % (tp * pp * cp) == 0:
@@ -176,8 +185,7 @@ def training_errors(cfg: "MegaliteConfig", world_size: int) -> list[str]:
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
     gbs = t.global_batch_size if t.global_batch_size is not None else t.micro_batch_size * dp
     errors = []
-    k = p.num_layers_per_virtual_pipeline_stage
-    if k and k > 0 and pp > 1 and cfg.model.num_layers % (pp * k) == 0 and cfg.model.num_layers // (pp * k) > 1:
+    if pp > 1 and p.pipeline_schedule != "zbv" and p.virtual_stages(cfg.model.num_layers) > 1:
         m = gbs // (t.micro_batch_size * dp)
         if m % pp:
             errors.append(f"the interleaved schedule needs the number of micro-batches per step ({m} = "
@@ -310,6 +318,8 @@ def checkpoint_errors(ck: "CheckpointConfig") -> list[str]:
     errors = []
     if ck.save_interval and not ck.save:
         errors.append("--save-interval needs --save")
+    if ck.async_save and not ck.save:
+        errors.append("--async-save needs --save (it is how checkpoints are written there)")
     if ck.finetune and not ck.load:
         errors.append("--finetune needs --load")
     return errors

@@ -5,6 +5,8 @@ to ``GradCompressor.all_reduce``. For the first --grad-compression-warmup-steps 
 declines and the exact all-reduce runs. After that the bucket is compressed with error feedback: what the
 compression lost on this rank is added to the bucket's next gradient, so the sum of the applied updates
 tracks the sum of the true gradients (the error never accumulates; Karimireddy et al., Vogels et al.).
+That state (each bucket's error, PowerSGD's Q, the reductions counted for the warm-up) is saved with a
+checkpoint (``state``/``load_state``), so a resumed run continues the uninterrupted one exactly.
 
 - ``powersgd``: every weight matrix of the bucket in its own shape (rows x cols; a bucket handed over
   without its layout, the inter-node shard of --hierarchical-dp-reduce, is one zero-padded matrix with
@@ -29,6 +31,7 @@ from collections import Counter
 
 import torch
 
+from megalite import device
 from megalite.parallel.groups import ProcessGroups
 
 METHODS = ("none", "powersgd", "int8")
@@ -81,11 +84,40 @@ class GradCompressor:
         self.calls: Counter = Counter()
         self.errors: dict = {}
         self.qs: dict = {}
+        self.calls_floor = 0  # reductions already done by the run this one resumed without its state
+
+    # ---- checkpoint state -------------------------------------------------------------------------
+    def state(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """What a checkpoint stores, by bucket key (an int: the bucket's start in its buffer): the live
+        tensors (an asynchronous save copies them) and, as JSON, the method and reductions counted."""
+        tensors = {f"{key}/error": e for key, e in self.errors.items()}
+        tensors.update({f"{key}/q{j}": q for key, qs in self.qs.items() for j, q in enumerate(qs)})
+        calls = {str(key): n for key, n in self.calls.items()}
+        return tensors, {"method": self.method, "rank": self.rank, "calls": calls, "floor": self.calls_floor}
+
+    def load_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+        """Restore what ``state`` returned (same method, rank and buckets: the caller checks the layout)."""
+        self.calls = Counter({int(k): int(n) for k, n in meta["calls"].items()})
+        self.calls_floor = int(meta.get("floor", 0))
+        dev = device.current_device()
+        self.errors = {int(k.split("/")[0]): t.to(dev) for k, t in tensors.items() if k.endswith("/error")}
+        qs: dict[int, dict[int, torch.Tensor]] = {}
+        for k, t in tensors.items():
+            key, _, name = k.partition("/")
+            if name.startswith("q"):
+                qs.setdefault(int(key), {})[int(name[1:])] = t.to(dev)
+        self.qs = {key: [by_j[j] for j in sorted(by_j)] for key, by_j in qs.items()}
+
+    def reset(self, reductions: int) -> None:
+        """Start the error feedback and Q afresh (state that cannot be carried into this layout), counting
+        ``reductions`` as done so that the warm-up is not run again."""
+        self.errors, self.qs, self.calls = {}, {}, Counter()
+        self.calls_floor = reductions
 
     def all_reduce(self, data: torch.Tensor, kind: str, key: object, layout: Layout | None = None) -> bool:
         """Sum ``data`` over group ``kind`` in place, compressed; False (nothing done) during the warm-up.
         ``layout``: the weight matrices in ``data`` (PowerSGD compresses each in its shape)."""
-        self.calls[key] += 1
+        self.calls[key] = max(self.calls[key], self.calls_floor) + 1
         if self.calls[key] <= self.warmup:
             return False
         m = data.reshape(-1).float()

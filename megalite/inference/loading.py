@@ -25,6 +25,7 @@ from megalite.config.data import DataConfig
 from megalite.config.flags import add_dataclass_flags, domain_errors, field_types
 from megalite.config.model import ModelConfig
 from megalite.config.validate import ConfigError, layout_errors, world_errors
+from megalite.config.validate_pipeline import checked_split
 from megalite.data.tokenizer import HuggingFaceTokenizer, Tokenizer, build_tokenizer
 from megalite.model.build import build_model
 from megalite.parallel.groups import ProcessGroups
@@ -126,8 +127,12 @@ def plan(given: dict[str, Any], world_size: int) -> InferencePlan:
         raise ConfigError(str(e)) from None
     m, p = cfg.model, cfg.parallel
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
-    errors = layout_errors(m, tp, pp, p.num_layers_per_virtual_pipeline_stage)
+    errors, split = checked_split(cfg)
+    errors += layout_errors(m, tp, pp, p.num_layers_per_virtual_pipeline_stage, split)
     errors += world_errors(world_size, tp, pp, p.context_parallel_size)
+    if p.pipeline_schedule == "zbv" and pp > 1:  # the forward pass goes round-robin (inference/pipeline.py)
+        errors.append("--pipeline-schedule zbv is a training schedule; tasks and generation place the stages "
+                      "round-robin (drop the flag: checkpoints load at any placement)")
     if m.position_embedding_type == "learned_absolute" and m.seq_length > m.max_position_embeddings:
         errors.append(f"--seq-length ({m.seq_length}) must be <= the checkpoint's --max-position-embeddings "
                       f"({m.max_position_embeddings}) with learned absolute positions")

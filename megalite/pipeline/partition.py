@@ -1,26 +1,24 @@
-"""Which global layers each (pipeline rank, model chunk) holds.
+"""Which global layers each (pipeline rank, model chunk) holds: parallel/placement.py's ``LayerSplit``,
+the one rule model building, checkpointing and the planner share.
 
-With v model chunks per rank (interleaved 1F1B) the layers are cut into p*v virtual stages of
-L/(p*v) layers, assigned round-robin: virtual stage s = chunk * p + rank. With v = 1 this is the
-plain contiguous split. ZB-V places its two chunks per rank in a V instead (``stages.StageMap``). The
-first virtual stage owns the embedding, the last the output layer.
+With v model chunks per rank (interleaved 1F1B) the layers are cut into p*v virtual stages, assigned
+round-robin: virtual stage s = chunk * p + rank. With v = 1 this is the plain contiguous split. ZB-V places
+its two chunks per rank in a V instead (``StageMap``). The split is even unless Megatron-LM's uneven flags
+say otherwise (--decoder-first/last-pipeline-num-layers, the account-for flags, a layout string). The first
+virtual stage owns the embedding, the last the output layer.
 """
 
 from __future__ import annotations
 
-from megalite.pipeline.stages import StageMap
-
-
-def virtual_stage(rank: int, chunk: int, pp: int) -> int:
-    return chunk * pp + rank
+from megalite.parallel.placement import LayerSplit, StageMap
 
 
 def chunk_layers(num_layers: int, pp: int, vp: int, rank: int, chunk: int, stages: StageMap | None = None
                  ) -> list[int]:
-    """Global layer numbers of (rank, chunk) (``stages``: the placement, default round-robin)."""
-    per = num_layers // (pp * vp)
-    start = (stages or StageMap(pp, vp)).stage(rank, chunk) * per
-    return list(range(start, start + per))
+    """Global layer numbers of (rank, chunk) of an even split (``stages``: the placement, default
+    round-robin); an uneven one: ``LayerSplit.layers``."""
+    v_shape = stages is not None and stages.v_shape
+    return LayerSplit(num_layers, pp, vp, v_shape).layers(rank, chunk)
 
 
 def num_chunks(num_layers: int, pp: int, layers_per_virtual_stage: int | None, schedule: str = "1f1b") -> int:

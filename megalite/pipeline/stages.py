@@ -1,5 +1,5 @@
 """The vocabulary of schedule tables (``Action``, ``ScheduleSpec``) and which virtual stage each (pipeline
-rank, model chunk) holds (``StageMap``).
+rank, model chunk) holds (``StageMap``, defined with the layer split in parallel/placement.py).
 
 Two placements: round-robin (1F1B, interleaved 1F1B: virtual stage s = chunk·p + rank, so a micro-batch
 goes round the ranks v times) and the V shape of ZB-V (two chunks per rank: chunk 0 is stage r, chunk 1
@@ -12,31 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from megalite.parallel.placement import StageMap
 
-@dataclass(frozen=True)
-class StageMap:
-    pp: int
-    vp: int = 1
-    v_shape: bool = False
-
-    def __post_init__(self) -> None:
-        if self.v_shape and self.vp != 2:
-            raise ValueError(f"the V-shaped placement holds 2 chunks per rank, not {self.vp}")
-
-    @property
-    def last(self) -> int:
-        return self.pp * self.vp - 1
-
-    def stage(self, rank: int, chunk: int) -> int:
-        if self.v_shape:
-            return rank if chunk == 0 else 2 * self.pp - 1 - rank
-        return chunk * self.pp + rank
-
-    def holder(self, stage: int) -> tuple[int, int]:
-        """(rank, chunk) holding virtual stage ``stage``."""
-        if self.v_shape:
-            return (stage, 0) if stage < self.pp else (2 * self.pp - 1 - stage, 1)
-        return stage % self.pp, stage // self.pp
+__all__ = ["ZERO_BUBBLE", "Action", "ScheduleSpec", "StageMap"]
 
 
 class Action(NamedTuple):

@@ -63,6 +63,19 @@ def cluster_from_values(values: dict) -> ClusterConfig:
     return ClusterConfig(**{k: v for k, v in values.items() if k in ClusterConfig.__dataclass_fields__})
 
 
+def plan_config(run_flags: list[str], cluster_flags: list[str]):
+    """(the plan, its config) of pretrain_gpt.py flags on planner cluster flags; a broken rule raises
+    ConfigError naming it."""
+    values, rest = split_argv([*run_flags, *cluster_flags])
+    cfg, cluster = parse_args(rest), cluster_from_values(values)
+    errors = cluster_errors(cluster) + domain_check(cfg)
+    errors = errors or layout_rule_errors(cfg, cluster.world_size, cluster.gpus_per_node)
+    if errors:
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
+    fill_derived_defaults(cfg, cluster.world_size)
+    return estimate(cfg, cluster, vocab_of(cfg)), cfg
+
+
 def _fail(prog: str, errors: list[str]) -> int:
     print(f"{prog}: error: invalid configuration:\n  " + "\n  ".join(errors), file=sys.stderr)
     return 2

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from megalite.config.arguments import MegaliteConfig
 from megalite.planning.hardware import ClusterConfig
+from megalite.planning.headroom import overhead_terms
 from megalite.planning.layout import Layout
 from megalite.planning.memory import MemoryReport, active_params, peak_memory, total_params
 from megalite.planning.shape import RunShape
@@ -32,7 +33,13 @@ class Plan:
 
     @property
     def fits(self) -> bool:
+        """The estimate (CUDA context, NCCL buffers and fragmentation included) fits the device."""
         return self.memory.total <= self.cluster.memory_bytes()
+
+    @property
+    def within_headroom(self) -> bool:
+        """Fits, but leaves less than --memory-headroom-gb free: --search marks it and does not rank it."""
+        return self.fits and self.memory.total > self.cluster.memory_bytes() - self.cluster.memory_headroom_gb * GB
 
     @property
     def total_params(self) -> int:
@@ -47,7 +54,9 @@ class Plan:
 def estimate(cfg: MegaliteConfig, cluster: ClusterConfig, vocab: int) -> Plan:
     """The plan of ``cfg``'s layout on ``cluster`` (cfg must be valid for the cluster's world size)."""
     sh = RunShape.of(cfg, cluster.world_size, vocab)
-    return Plan(Layout.from_config(cfg), sh, cluster, peak_memory(sh), step_time(sh, cluster))
+    mem = peak_memory(sh)
+    mem.terms.update(overhead_terms(sh, cluster, mem.terms))
+    return Plan(Layout.from_config(cfg), sh, cluster, mem, step_time(sh, cluster))
 
 
 def _where(sh: RunShape, cl: ClusterConfig, axis: str, size: int) -> str:
@@ -71,6 +80,14 @@ def _experts(sh: RunShape, cl: ClusterConfig) -> str:
             f" x expert-DP {sh.edp}{_where(sh, cl, 'edp', sh.edp)}, {sh.cfg.model.moe_token_dispatcher_type} dispatch")
 
 
+def _overlap(cl: ClusterConfig) -> str:
+    return "; TP comm overlapped (as --tp-comm-overlap)" if cl.model_tp_comm_overlap else ""
+
+
+def _imbalance(plan: Plan) -> str:
+    return f"; MoE routing imbalance (max/mean, assumed) {plan.cluster.moe_imbalance:.2f}" if plan.shape.is_moe else ""
+
+
 def format_report(plan: Plan) -> str:
     sh, cl, mem, tm = plan.shape, plan.cluster, plan.memory, plan.time
     spec = cl.spec()
@@ -80,8 +97,8 @@ def format_report(plan: Plan) -> str:
         f"h={sh.h}, "
         f"s={sh.s}, vocab {sh.vocab} (padded {sh.padded_vocab}), {sh.dtype}",
         f"cluster: {cl.num_nodes} node(s) x {cl.gpus_per_node} {spec.name} = {cl.world_size} GPUs, "
-        f"{gpu_mem:.0f} GB, {cl.peak_flops(sh.dtype) / 1e12:.0f} TFLOP/s dense {sh.dtype} peak x "
-        f"{cl.compute_efficiency:.2f} efficiency",
+        f"{gpu_mem:.0f} GB, {cl.peak_flops(sh.dtype) / 1e12:.0f} TFLOP/s dense {sh.dtype} peak, GEMMs at up to "
+        f"{cl.gemm_flops(sh.dtype) / 1e12:.0f} by shape{_overlap(cl)}{_imbalance(plan)}",
         f"layout: TP {sh.tp}{_where(sh, cl, 'tp', sh.tp)} x CP {sh.cp}{_where(sh, cl, 'cp', sh.cp)} x "
         f"DP {sh.dp}{_where(sh, cl, 'dp', sh.dp)} x PP {sh.pp}{_where(sh, cl, 'pp', sh.pp)}"
         f"{f', {sh.v} virtual stages per rank' if sh.v > 1 else ''}{_experts(sh, cl)}; micro-batch {sh.b}, "
@@ -94,6 +111,8 @@ def format_report(plan: Plan) -> str:
     for name, value in mem.terms.items():
         lines.append(f"  {name:<24} {fmt_bytes(value)}")
     verdict = "fits" if plan.fits else "DOES NOT FIT"
+    if plan.within_headroom:
+        verdict += f", but within the {cl.memory_headroom_gb:g} GB headroom (--memory-headroom-gb)"
     lines += [f"  {'total':<24} {fmt_bytes(mem.total)} of {gpu_mem:.0f} GB: {verdict}", "",
               "step time (estimated):"]
     for name, value in tm.terms.items():

@@ -27,17 +27,21 @@ def moe_mlp_macs(cfg: ModelConfig) -> int:
     return n
 
 
-def flops_per_token(cfg: ModelConfig, vocab_size: int, seq_length: int) -> float:
+def layer_flops_per_token(cfg: ModelConfig, seq_length: int, moe: bool = False) -> float:
+    """Forward FLOPs per token of one transformer layer (an MoE one: its active experts)."""
     h, d = cfg.hidden_size, cfg.kv_channels
     nq, nkv = cfg.num_attention_heads, cfg.num_query_groups
     qkv = h * (nq + 2 * nkv) * d
     proj = nq * d * h
     attn = 2 * seq_length * nq * d
-    dense, moe = mlp_macs(cfg, cfg.ffn_hidden_size), moe_mlp_macs(cfg) if cfg.is_moe else 0
-    total = 0.0
-    for is_moe in cfg.moe_layers():
-        total += 2 * (qkv + proj + (moe if is_moe else dense) + attn)
-    return total + 2 * h * vocab_size
+    return 2 * (qkv + proj + (moe_mlp_macs(cfg) if moe else mlp_macs(cfg, cfg.ffn_hidden_size)) + attn)
+
+
+def flops_per_token(cfg: ModelConfig, vocab_size: int, seq_length: int) -> float:
+    layers = {False: layer_flops_per_token(cfg, seq_length)}
+    if cfg.is_moe:
+        layers[True] = layer_flops_per_token(cfg, seq_length, moe=True)
+    return sum(layers[is_moe] for is_moe in cfg.moe_layers()) + 2 * cfg.hidden_size * vocab_size
 
 
 def training_flops(cfg: ModelConfig, vocab_size: int, seq_length: int, tokens: int, recompute: bool = False

@@ -2,35 +2,61 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from megalite.config.domain import MAX_RANKS, fraction, positive, size
+from megalite.config.domain import MAX_RANKS, at_least, fraction, positive, size
 from megalite.config.flags import domain_errors, option
 
 MAX_FIGURE = 1e9  # TFLOP/s, GB or GB/s per GPU: a figure past this is a typo
+# This machine (2 cores), measured by bench/measure_cpu.py; the command and its output are in bench/README.md.
+CPU_FP32_TFLOPS, CPU_BF16_TFLOPS = 0.141, 0.0013  # best square matmul (fp32 at load 0.4; bf16 has no fast path)
+CPU_MEMORY_GBPS, CPU_GLOO_GBPS, CPU_MEMORY_GB = 16.3, 1.39, 25.3  # copy read + written; gloo bus bw, 2 procs
 
 
 @dataclass(frozen=True)
 class GPUSpec:
-    """One GPU's public figures. Bandwidths are GB/s per GPU in one direction."""
+    """One device's public figures. Bandwidths are GB/s per device in one direction; the achievable GEMM
+    peak, SM count and attention share feed the per-GEMM time model (planning/kernels.py)."""
 
     name: str
     memory_gb: float  # usable device memory, GB (10^9 bytes)
-    peak_tflops: dict[str, float]  # dense peak by dtype: "bf16", "fp16", "fp32"
+    peak_tflops: dict[str, float]  # dense spec peak by dtype: "bf16", "fp16", "fp32"
     intra_node_gbps: float  # NVLink
     inter_node_gbps: float  # InfiniBand NIC per GPU
     hbm_gbps: float  # device-memory bandwidth
+    gemm_tflops: dict[str, float] = field(default_factory=dict)  # measured best large-shape matmul (MAMF)
+    sms: int | None = None  # streaming multiprocessors (wave quantisation); None: no waves (CPU)
+    flash_share: float = 0.5  # flash attention forward + backward, share of the dense spec peak
+    context_gb: float = 0.0  # the CUDA context and loaded kernels per process (planning/headroom.py)
+    memory_share: float = 0.90  # achievable share of hbm_gbps (copy / triad kernels)
+
+
+FP32_SHARE = 0.80  # achievable share of the fp32 (non-tensor-core) spec peak: an assumption, docs/planning.md
+CONTEXT_GB = 0.5  # CUDA context + cuBLAS/cuDNN/NCCL kernels per process on A100/H100-class parts (headroom.py)
+
+
+def _gpu(name: str, mem: float, bf16: float, fp32: float, nvlink: float, net: float, hbm: float, mamf: float,
+         sms: int, flash: float) -> GPUSpec:
+    return GPUSpec(name, mem, {"bf16": bf16, "fp16": bf16, "fp32": fp32}, nvlink, net, hbm,
+                   {"bf16": mamf, "fp16": mamf, "fp32": FP32_SHARE * fp32}, sms, flash, CONTEXT_GB)
 
 
 # Sources: the vendor's data sheets (SXM parts, dense = without structured sparsity; HBM bandwidth as
-# listed: 2.0, 3.35, 4.8 and 8 TB/s); NVLink figures are
-# the total bidirectional NVLink bandwidth halved; inter-node is one NIC per GPU (HDR 200 Gb/s on A100
-# systems, NDR 400 Gb/s on H100/H200/B200 systems). docs/planning.md lists them.
+# listed: 2.0, 3.35, 4.8 and 8 TB/s; SMs 108, 132, 132, 148); NVLink figures are the total bidirectional
+# NVLink bandwidth halved; inter-node is one NIC per GPU (HDR 200 Gb/s on A100 systems, NDR 400 Gb/s on
+# H100/H200/B200 systems). Achievable GEMM peak (bf16): the "Maximum Achievable Matmul FLOPS" table of the
+# "Machine Learning Engineering" open book (A100 SXM 267.9, H100 SXM 792.1 -- H200 has the same chip --,
+# B200 1745.0). Flash attention shares: FlashAttention-2 (arXiv 2307.08691) on A100, FlashAttention-3
+# (arXiv 2407.08608) on H100. The cpu preset: this machine, measured by bench/measure_cpu.py
+# (bench/README.md, "The planner on this machine"). docs/planning.md lists them all.
 GPUS: dict[str, GPUSpec] = {
-    "a100-80g": GPUSpec("a100-80g", 80.0, {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5}, 300.0, 25.0, 2039.0),
-    "h100-sxm": GPUSpec("h100-sxm", 80.0, {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0}, 450.0, 50.0, 3350.0),
-    "h200": GPUSpec("h200", 141.0, {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0}, 450.0, 50.0, 4800.0),
-    "b200": GPUSpec("b200", 180.0, {"bf16": 2250.0, "fp16": 2250.0, "fp32": 75.0}, 900.0, 50.0, 8000.0),
+    "a100-80g": _gpu("a100-80g", 80.0, 312.0, 19.5, 300.0, 25.0, 2039.0, 267.9, 108, 0.60),
+    "h100-sxm": _gpu("h100-sxm", 80.0, 989.0, 67.0, 450.0, 50.0, 3350.0, 792.1, 132, 0.50),
+    "h200": _gpu("h200", 141.0, 989.0, 67.0, 450.0, 50.0, 4800.0, 792.1, 132, 0.50),
+    "b200": _gpu("b200", 180.0, 2250.0, 75.0, 900.0, 50.0, 8000.0, 1745.0, 148, 0.50),
+    "cpu": GPUSpec("cpu", CPU_MEMORY_GB, {"bf16": CPU_BF16_TFLOPS, "fp16": CPU_BF16_TFLOPS, "fp32": CPU_FP32_TFLOPS},
+                   CPU_GLOO_GBPS, CPU_GLOO_GBPS, CPU_MEMORY_GBPS,
+                   {"bf16": CPU_BF16_TFLOPS, "fp16": CPU_BF16_TFLOPS, "fp32": CPU_FP32_TFLOPS}, None, 0.0, 0.0, 1.0),
 }
 
 
@@ -55,10 +81,20 @@ class ClusterConfig:
         domain=positive(MAX_FIGURE))
     hbm_gbps: float | None = option(None, help="Device-memory bandwidth in GB/s (overrides the preset).",
                                     domain=positive(MAX_FIGURE))
-    compute_efficiency: float = option(
-        0.62, help="Fraction of the dense peak the model's FLOPs run at (GEMMs plus everything else that "
-        "is not communication or pipeline bubble); fitted to the published runs in docs/planning.md.",
-        domain=fraction(lo_open=True))
+    gemm_tflops: float | None = option(
+        None, help="Achievable TFLOP/s of a large GEMM in the run's dtype (overrides the preset's measured "
+        "best-shape figure; each GEMM's own shape then sets its share of it, docs/planning.md).",
+        domain=positive(MAX_FIGURE))
+    model_tp_comm_overlap: bool = option(
+        False, help="Plan TP communication as hidden behind the layer's GEMMs (the excess exposed), as "
+        "Megatron's --tp-comm-overlap runs it; megalite overlaps none, so leave off for its own runs.")
+    memory_headroom_gb: float = option(
+        4.0, help="GB per device --search keeps free beyond the estimate (CUDA context, NCCL buffers and "
+        "fragmentation included in the estimate): layouts within it are marked and not ranked.",
+        domain=at_least(0.0, MAX_FIGURE))
+    moe_imbalance: float = option(
+        1.0, help="Assumed max/mean of the routed rows an expert rank computes (1.0: balanced routing); "
+        "scales the expert GEMMs and the token dispatch, and the report shows it.", domain=at_least(1.0, 1e3))
     comm_efficiency: float = option(
         0.75, help="Fraction of the link bandwidth a collective achieves (the NCCL bus bandwidth of large "
         "messages is about this share of the spec figure).", domain=fraction(lo_open=True))
@@ -76,8 +112,18 @@ class ClusterConfig:
     def peak_flops(self, dtype: str) -> float:
         return (self.peak_tflops if self.peak_tflops is not None else self.spec().peak_tflops[dtype]) * 1e12
 
+    def gemm_flops(self, dtype: str) -> float:
+        """The achievable peak of a large, well-shaped GEMM (the preset's measured figure, scaled with an
+        overridden --peak-tflops)."""
+        if self.gemm_tflops is not None:
+            return self.gemm_tflops * 1e12
+        s = self.spec()
+        return s.gemm_tflops[dtype] / s.peak_tflops[dtype] * self.peak_flops(dtype)
+
     def hbm_bytes_per_s(self) -> float:
-        return (self.hbm_gbps if self.hbm_gbps is not None else self.spec().hbm_gbps) * 1e9
+        """Achievable device-memory bandwidth: the figure times the share copy kernels reach."""
+        gbps = self.hbm_gbps if self.hbm_gbps is not None else self.spec().hbm_gbps
+        return gbps * 1e9 * self.spec().memory_share
 
     def link_bytes_per_s(self, inter_node: bool) -> float:
         s = self.spec()

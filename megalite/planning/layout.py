@@ -36,6 +36,7 @@ class Layout:
     sharding: str = "no_shard"  # --data-parallel-sharding-strategy: no_shard, optim, optim_grads, optim_grads_params
     ep: int = 1  # --expert-model-parallel-size
     etp: int | None = None  # --expert-tensor-parallel-size (None: TP)
+    account_loss: bool = False  # --account-for-loss-in-pipeline-split: the last stage one layer fewer
 
     @classmethod
     def from_config(cls, cfg: MegaliteConfig) -> "Layout":
@@ -43,7 +44,7 @@ class Layout:
         return cls(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size,
                    p.num_layers_per_virtual_pipeline_stage, cfg.training.micro_batch_size, p.sequence_parallel,
                    cfg.model.recompute_granularity, cfg.ddp.sharding, p.expert_model_parallel_size,
-                   p.expert_tensor_parallel_size)
+                   p.expert_tensor_parallel_size, p.account_for_loss_in_pipeline_split)
 
     def apply(self, cfg: MegaliteConfig) -> MegaliteConfig:
         """A copy of ``cfg`` with this layout's flags (the sections it changes copied, the others shared:
@@ -56,6 +57,10 @@ class Layout:
         p.context_parallel_size, p.num_layers_per_virtual_pipeline_stage = self.cp, self.vp_layers
         p.sequence_parallel = self.sequence_parallel
         p.expert_model_parallel_size, p.expert_tensor_parallel_size = self.ep, self.etp
+        # the search chooses the split itself: even, or the loss counted as a layer
+        p.account_for_loss_in_pipeline_split, p.account_for_embedding_in_pipeline_split = self.account_loss, False
+        p.decoder_first_pipeline_num_layers = p.decoder_last_pipeline_num_layers = None
+        p.pipeline_model_parallel_layout = p.num_virtual_stages_per_pipeline_rank = None
         out.training.micro_batch_size = self.micro_batch
         out.model.recompute_granularity = self.recompute
         if self.recompute != "full":
@@ -76,6 +81,8 @@ class Layout:
             out.append(f"--context-parallel-size {self.cp}")
         if self.vp_layers:
             out.append(f"--num-layers-per-virtual-pipeline-stage {self.vp_layers}")
+        if self.account_loss:
+            out.append("--account-for-loss-in-pipeline-split")
         out.append(f"--micro-batch-size {self.micro_batch}")
         if self.sequence_parallel:
             out.append("--sequence-parallel")

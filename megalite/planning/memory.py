@@ -67,7 +67,7 @@ def output_params(sh: RunShape) -> int:
 def _stage_layer_params(sh: RunShape, stage: int) -> int:
     """The dense-buffer parameters of the stage's transformer layers."""
     n_moe = sh.moe_layers_in(stage)
-    return (sh.layers_per_stage - n_moe) * layer_params(sh) + (n_moe * layer_params(sh, moe=True) if n_moe else 0)
+    return (sh.layers_in(stage) - n_moe) * layer_params(sh) + (n_moe * layer_params(sh, moe=True) if n_moe else 0)
 
 
 def stage_dense_params(sh: RunShape, stage: int) -> int:
@@ -244,7 +244,7 @@ def full_layer_bytes(sh: RunShape, moe: bool = False) -> float:
 def stage_layer_bytes(sh: RunShape, stage: int) -> float:
     """All of a pipeline rank's layers, one micro-batch each, without recomputation."""
     n_moe = sh.moe_layers_in(stage)
-    return (sh.layers_per_stage - n_moe) * full_layer_bytes(sh) + (n_moe * full_layer_bytes(sh, True) if n_moe else 0)
+    return (sh.layers_in(stage) - n_moe) * full_layer_bytes(sh) + (n_moe * full_layer_bytes(sh, True) if n_moe else 0)
 
 
 def layer_input_bytes(sh: RunShape) -> float:
@@ -258,15 +258,16 @@ def _kept_moe_layers(sh: RunShape, stage: int, chunk: int | None) -> float:
     n_moe = sh.moe_layers_in(stage, chunk) / (sh.v if chunk is None else 1)
     if sh.recompute != "full":
         return n_moe
-    n, k = sh.layers_per_chunk, min(sh.cfg.model.recompute_num_layers, sh.layers_per_chunk)
-    return n_moe * (n - k) / n if sh.cfg.model.recompute_method == "block" else 0.0
+    n = sh.chunk_size(stage, chunk)
+    k = min(sh.cfg.model.recompute_num_layers, n)
+    return n_moe * (n - k) / n if sh.cfg.model.recompute_method == "block" and n else 0.0
 
 
 def chunk_activation_bytes(sh: RunShape, stage: int = 0, chunk: int | None = None) -> float:
-    """One model chunk (layers_per_chunk layers) of one micro-batch, as kept between its forward and
-    backward, by recomputation granularity (chunk None: the mean over the rank's chunks, which differ
-    only in how many MoE layers they hold)."""
-    m, n = sh.cfg.model, sh.layers_per_chunk
+    """One model chunk of one micro-batch, as kept between its forward and backward, by recomputation
+    granularity (chunk None: the mean over the rank's chunks, which differ in how many MoE layers they
+    hold and, under an uneven layout string, in their layers)."""
+    m, n = sh.cfg.model, sh.chunk_size(stage, chunk)
     # an MoE layer keeps what a dense one does, its MLP's bytes replaced by the MoE layer's
     moe = _kept_moe_layers(sh, stage, chunk) * (full_layer_bytes(sh, True) - full_layer_bytes(sh)) \
         if sh.is_moe else 0.0
@@ -277,7 +278,7 @@ def chunk_activation_bytes(sh: RunShape, stage: int = 0, chunk: int | None = Non
     k = min(m.recompute_num_layers, n)
     if m.recompute_method == "block":  # the first k layers recomputed, the rest kept
         return k * layer_input_bytes(sh) + (n - k) * full_layer_bytes(sh) + moe
-    return -(-n // k) * layer_input_bytes(sh)  # uniform: one input per group of k layers
+    return -(-n // k) * layer_input_bytes(sh) if k else 0.0  # uniform: one input per group of k layers
 
 
 def moe_activation_bytes(sh: RunShape, stage: int) -> float:
@@ -387,6 +388,6 @@ def stage_memory(sh: RunShape, stage: int) -> MemoryReport:
 
 def peak_memory(sh: RunShape) -> MemoryReport:
     """The pipeline rank with the most bytes (the first holds the most activations, the last the
-    output layer and the logits)."""
-    stages = {0, sh.pp - 1}
+    output layer and the logits; under an uneven split the rank with the most layers may)."""
+    stages = {0, sh.pp - 1, sh.busiest_stage}
     return max((stage_memory(sh, r) for r in sorted(stages)), key=lambda r: r.total)

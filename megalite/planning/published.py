@@ -99,7 +99,9 @@ def run_flags(run: PublishedRun) -> list[str]:
 
 
 def cluster_flags(run: PublishedRun) -> list[str]:
-    return ["--num-nodes", str(run.gpus // 8), "--gpus-per-node", "8", "--gpu", run.gpu]
+    """The cluster; the README's H100 runs overlapped TP communication (--tp-comm-overlap)."""
+    overlap = ["--model-tp-comm-overlap"] if run.source == _H100 else []
+    return ["--num-nodes", str(run.gpus // 8), "--gpus-per-node", "8", "--gpu", run.gpu, *overlap]
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,8 @@ def divisors(n: int) -> list[int]:
 
 
 def candidates(cfg: MegaliteConfig, cluster: ClusterConfig, context_parallel: bool = True) -> Iterator[Layout]:
-    """Layouts whose sizes divide the world and the layers: TP and TP x CP inside a node; the
+    """Layouts whose sizes divide the world and the layers (or, the loss counted as a layer of the split,
+    the layers + 1: --account-for-loss-in-pipeline-split): TP and TP x CP inside a node; the
     distributed optimizer whenever there is more than one DP x CP rank (it needs less memory and, with
     16-bit weights, moves fewer bytes; ``search`` tries ZeRO-2, then ZeRO-3, where it does not fit); SP
     whenever TP > 1 (same bytes, 1/TP of the activations). MoE models: every EP that divides the experts
@@ -30,11 +31,12 @@ def candidates(cfg: MegaliteConfig, cluster: ClusterConfig, context_parallel: bo
     gbs = cfg.training.global_batch_size or cfg.training.micro_batch_size
     for tp in divisors(gpn):
         for cp in divisors(gpn // tp) if context_parallel else [1]:
-            for pp in divisors(m.num_layers):
+            for pp, loss in pipeline_splits(m.num_layers):
                 if world % (tp * cp * pp):
                     continue
                 dp = world // (tp * cp * pp)
-                vps = [None] + [k for k in divisors(m.num_layers // pp) if pp > 1 and m.num_layers // (pp * k) > 1]
+                vps = [None] if loss else [None] + [k for k in divisors(m.num_layers // pp)
+                                                    if pp > 1 and m.num_layers // (pp * k) > 1]
                 for mbs in MICRO_BATCHES:
                     if gbs % (mbs * dp):
                         continue
@@ -42,7 +44,13 @@ def candidates(cfg: MegaliteConfig, cluster: ClusterConfig, context_parallel: bo
                         for rc in RECOMPUTE:
                             for ep, etp in expert_layouts(cfg, tp * cp * dp, tp):
                                 yield Layout(tp, pp, cp, vp, mbs, tp > 1, rc, "optim" if dp * cp > 1 else "no_shard",
-                                             ep, etp)
+                                             ep, etp, loss)
+
+
+def pipeline_splits(num_layers: int) -> list[tuple[int, bool]]:
+    """(PP, whether the loss counts as a layer): every PP dividing the layers (even split), and every PP > 1
+    dividing the layers + 1 (the last stage holding one layer fewer beside the output layer)."""
+    return [(pp, False) for pp in divisors(num_layers)] + [(pp, True) for pp in divisors(num_layers + 1) if pp > 1]
 
 
 def expert_layouts(cfg: MegaliteConfig, stage_ranks: int, tp: int) -> list[tuple[int, int | None]]:
@@ -64,6 +72,7 @@ class SearchResult:
     plans: list[Plan] = field(default_factory=list)  # ranked, fastest first
     considered: int = 0
     too_big: int = 0
+    within_headroom: int = 0  # fit, but leave less than --memory-headroom-gb free: not ranked
     refused: Counter = field(default_factory=Counter)  # first broken rule -> layouts
 
 
@@ -80,12 +89,16 @@ def search(cfg: MegaliteConfig, cluster: ClusterConfig, vocab: int, context_para
         plan = estimate(run, cluster, vocab)
         zeros = ("optim_grads",) if cfg.model.is_moe else ("optim_grads", "optim_grads_params")  # MoE: no ZeRO-3
         for zero in zeros if layout.sharding == "optim" else ():
-            if plan.fits:  # ZeRO-2/3 only where the distributed optimizer alone does not fit: they move more
+            if plan.fits and not plan.within_headroom:  # ZeRO-2/3 only where the distributed optimizer alone
+                # does not fit with the headroom: they move more
                 break
             sharded = replace(layout, sharding=zero)
             plan = estimate(sharded.apply(cfg), cluster, vocab)
         if not plan.fits:
             out.too_big += 1
+            continue
+        if plan.within_headroom:
+            out.within_headroom += 1
             continue
         out.plans.append(plan)
     out.plans.sort(key=lambda p: (p.time.step_s, p.memory.total))
@@ -119,7 +132,8 @@ def best_variants(result: SearchResult) -> list[Plan]:
     seen: dict[tuple, Plan] = {}
     for plan in result.plans:
         lay = plan.layout
-        seen.setdefault((lay.tp, lay.pp, lay.cp, lay.vp_layers, lay.micro_batch, lay.ep, lay.etp), plan)
+        seen.setdefault((lay.tp, lay.pp, lay.cp, lay.vp_layers, lay.micro_batch, lay.ep, lay.etp, lay.account_loss),
+                        plan)
     return list(seen.values())
 
 
@@ -127,13 +141,16 @@ def label(plan: Plan) -> str:
     lay, sh = plan.layout, plan.shape
     v = sh.v
     experts = (f" EP{sh.ep}" + (f" ETP{sh.etp}" if sh.etp != sh.tp else "")) if sh.is_moe else ""
-    return (f"TP{lay.tp} PP{lay.pp}" + (f" VP{v}" if v > 1 else "") + (f" CP{lay.cp}" if lay.cp > 1 else "") + experts
+    pipe = f"TP{lay.tp} PP{lay.pp}" + ("+L" if lay.account_loss else "")  # +L: the loss counted as a layer
+    return (pipe + (f" VP{v}" if v > 1 else "") + (f" CP{lay.cp}" if lay.cp > 1 else "") + experts
             + f" mbs{lay.micro_batch} {lay.recompute or 'no'}-rc")
 
 
 def format_search(result: SearchResult, top: int) -> str:
-    lines = [f"{result.considered} layouts considered: {len(result.plans)} fit, {result.too_big} need more "
-             f"memory than the device has, {sum(result.refused.values())} refused by the config rules"]
+    lines = [f"{result.considered} layouts considered: {len(result.plans)} fit with the headroom, "
+             f"{result.within_headroom} fit only within the --memory-headroom-gb headroom (not ranked), "
+             f"{result.too_big} need more memory than the device has, {sum(result.refused.values())} refused by "
+             "the config rules"]
     for rule, n in result.refused.most_common(3):
         lines.append(f"  refused ({n}): {rule}")
     lines.append("")

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from megalite.config.arguments import MegaliteConfig
+from megalite.parallel.placement import LayerSplit
 
 
 def padded_vocab(vocab: int, divisible_by: int, tp: int) -> int:
@@ -41,8 +42,8 @@ class RunShape:
         p, t, pr = cfg.parallel, cfg.training, cfg.precision
         tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
         dp = max(world // (tp * pp * cp), 1)
-        k = p.num_layers_per_virtual_pipeline_stage
-        v = cfg.model.num_layers // (pp * k) if k and pp > 1 else 1
+        # ZB-V's two chunks are modelled as one 1F1B chunk (the planner has no zero-bubble schedule model)
+        v = p.virtual_stages(cfg.model.num_layers) if pp > 1 and p.pipeline_schedule != "zbv" else 1
         gbs = t.global_batch_size or t.micro_batch_size * dp
         m = max(gbs // (t.micro_batch_size * dp), 1)
         low = pr.bf16 or pr.fp16
@@ -68,12 +69,36 @@ class RunShape:
     def is_moe(self) -> bool:
         return any(self.moe)
 
+    @cached_property
+    def split(self) -> LayerSplit:
+        """The layer placement the run builds (parallel/placement.py): even or Megatron-LM's uneven flags;
+        a shape re-cut to other sizes (e.g. the whole model on one rank, for its parameter count) is even."""
+        split = self.cfg.parallel.layer_split(self.cfg.model.num_layers)
+        if (split.pp, 1 if split.v_shape else split.vp) == (self.pp, self.v):
+            return split
+        return LayerSplit(self.cfg.model.num_layers, self.pp, self.v)
+
     def chunk_layers(self, stage: int, chunk: int) -> list[int]:
-        """Global layer numbers of (pipeline rank, model chunk): virtual stage chunk·p + rank
-        (pipeline/partition.py's rule)."""
-        per = self.layers_per_chunk
-        start = (chunk * self.pp + stage) * per
-        return list(range(start, start + per))
+        """Global layer numbers of (pipeline rank, model chunk), as the model is built (ZB-V's V: all the
+        rank's layers, its chunks modelled as one)."""
+        if self.split.v_shape:
+            return self.split.rank_layers(stage)
+        return self.split.layers(stage, chunk)
+
+    def layers_in(self, stage: int) -> int:
+        """Transformer layers of a pipeline rank (all its chunks)."""
+        return len(self.split.rank_layers(stage))
+
+    def chunk_size(self, stage: int, chunk: int | None = None) -> float:
+        """Layers of one chunk of a pipeline rank (chunk None: the mean over its chunks)."""
+        if chunk is None:
+            return self.layers_in(stage) / self.v
+        return len(self.chunk_layers(stage, chunk))
+
+    @property
+    def busiest_stage(self) -> int:
+        """The pipeline rank with the most layers (the first of them): the one that paces an uneven pipeline."""
+        return max(range(self.pp), key=lambda r: (self.layers_in(r), -r))
 
     @cached_property
     def _moe_per_chunk(self) -> dict[tuple[int, int], int]:
@@ -90,11 +115,13 @@ class RunShape:
 
     @property
     def layers_per_stage(self) -> int:
-        return self.cfg.model.num_layers // self.pp
+        """Layers of the fullest pipeline rank (an even split: num_layers / p)."""
+        return self.layers_in(self.busiest_stage)
 
     @property
     def layers_per_chunk(self) -> int:
-        return self.layers_per_stage // self.v
+        """Layers of the largest chunk."""
+        return max(len(self.chunk_layers(r, c)) for r in range(self.pp) for c in range(self.v))
 
     @property
     def padded_vocab(self) -> int:

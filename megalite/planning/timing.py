@@ -1,12 +1,13 @@
 """Step time on a cluster, one function per term (docs/planning.md).
 
-compute = the model's FLOPs per rank / (dense peak x compute efficiency); the memory-bound work (bytes
-the elementwise work moves / device-memory bandwidth); the bubble (p - 1)/(v·m) of the
-compute of one pipeline; communication = bytes a rank puts on its link (ring algorithms: all-reduce
-2(n-1)/n of the buffer, reduce-scatter and all-gather (n-1)/n each) / the bandwidth of the link the group
-actually uses (NVLink inside a node, the network across nodes, from the rank order and the node size),
-counted exposed unless megalite overlaps it (the DP gradient reduction with --overlap-grad-reduce, except
-its last bucket; the parameter all-gather with --overlap-param-gather).
+compute = each micro-batch's GEMMs and attention on one rank, timed by their shapes (planning/kernels.py);
+the memory-bound work (bytes the elementwise work moves / achievable device-memory bandwidth); the
+optimizer step (bytes it moves); the bubble (p - 1)/v micro-batch times of a stage; communication = bytes
+a rank puts on its link (ring algorithms: all-reduce 2(n-1)/n of the buffer, reduce-scatter and
+all-gather (n-1)/n each) / the bandwidth of the link the group actually uses (NVLink inside a node, the
+network across nodes, from the rank order and the node size), counted exposed unless it is overlapped:
+the DP gradient reduction with --overlap-grad-reduce, except its last bucket; the parameter all-gather
+with --overlap-param-gather; TP only when planned as Megatron's --tp-comm-overlap runs it.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 
 from megalite.planning.flops import training_flops
 from megalite.planning.hardware import ClusterConfig
+from megalite.planning.kernels import linear_s, stage_compute_s
 from megalite.planning.memory import stage_dense_params, stage_expert_params, stage_layer_bytes
 from megalite.planning.moe import dispatch_comm_bytes
 from megalite.planning.shape import RunShape
@@ -33,8 +35,9 @@ def step_flops(sh: RunShape, with_recompute: bool) -> float:
 
 
 def compute_s(sh: RunShape, cl: ClusterConfig) -> float:
-    """One rank's share of the step's FLOPs (full recomputation's extra forward included)."""
-    return step_flops(sh, True) / sh.world / (cl.peak_flops(sh.dtype) * cl.compute_efficiency)
+    """One rank's GEMMs and attention for the step's m micro-batches (recomputation included); under an
+    uneven split the busiest rank's (kernels.stage_compute_s)."""
+    return sh.m * stage_compute_s(sh, cl)
 
 
 def memory_bound_s(sh: RunShape, cl: ClusterConfig) -> float:
@@ -42,15 +45,35 @@ def memory_bound_s(sh: RunShape, cl: ClusterConfig) -> float:
     the loss): every activation a layer keeps is written in forward and read in backward, and its
     gradient written and read (4x the layer's activation bytes); the cross-entropy makes 5 passes (read
     and write) over the fp32 logits, on the last stage (spread over the stages here)."""
-    per_mb = 4 * stage_layer_bytes(sh, 0)
+    per_mb = 4 * stage_layer_bytes(sh, sh.busiest_stage)
     ce = 10 * sh.local_tokens * sh.padded_vocab / sh.tp * 4 / sh.pp
     return sh.m * (per_mb + ce) / cl.hbm_bytes_per_s()
 
 
+OPTIMIZER_BYTES = 34  # Adam, per parameter (optimizer_s)
+
+
+def optimizer_s(sh: RunShape, cl: ClusterConfig) -> float:
+    """The optimizer step, bound by the bytes it moves per parameter the rank updates (its shard with
+    the distributed optimizer / ZeRO): the fp32 gradient read, the fp32 main parameter and two Adam
+    moments read and written, the 16-bit weight written (34 bytes; 32 in fp32)."""
+    n = stage_dense_params(sh, 0)
+    shards = sh.dp * sh.cp if sh.cfg.ddp.shards_optimizer else 1
+    per = OPTIMIZER_BYTES if sh.param_bytes == 2 else 32
+    experts = stage_expert_params(sh, 0) / (sh.edp if sh.cfg.ddp.shards_optimizer else 1) if sh.is_moe else 0.0
+    return (n / shards + experts) * per / cl.hbm_bytes_per_s()
+
+
+def busy_per_micro_batch_s(sh: RunShape, cl: ClusterConfig) -> float:
+    """A stage's time for one micro-batch forward and backward: what the pipeline's fill and drain cost
+    per step of the schedule."""
+    return (compute_s(sh, cl) + memory_bound_s(sh, cl) + tp_comm_s(sh, cl) + cp_comm_s(sh, cl)) / sh.m
+
+
 def bubble_s(sh: RunShape, cl: ClusterConfig) -> float:
-    """Idle time of the pipeline schedule: (p - 1)/(v·m) of the compute (GPipe: (p - 1)/m)."""
+    """Idle time of the pipeline schedule: (p - 1)/v micro-batch times of a stage (GPipe: p - 1)."""
     v = 1 if sh.cfg.parallel.pipeline_schedule == "gpipe" else sh.v
-    return compute_s(sh, cl) * (sh.pp - 1) / (v * sh.m)
+    return busy_per_micro_batch_s(sh, cl) * (sh.pp - 1) / v
 
 
 # ---- which link a group uses -----------------------------------------------------------------------------
@@ -94,14 +117,20 @@ def tp_comm_s(sh: RunShape, cl: ClusterConfig) -> float:
     """Two all-reduces of b·s·h forward and two backward per layer and micro-batch (with SP an all-gather
     and a reduce-scatter each, the same bytes); full recomputation repeats the forward's two. An MoE
     layer's routed experts need none (each rank routes its own tokens): only its attention's and its
-    shared expert's."""
+    shared expert's. Planned as Megatron's --tp-comm-overlap (--model-tp-comm-overlap): each layer's
+    communication hides behind its linear GEMMs and only the excess is exposed."""
     t = sh.tp
     if t == 1:
         return 0.0
-    per = 2 * (t - 1) / t * sh.local_tokens * sh.h * sh.act_bytes
-    n_moe = sh.moe_layers_in(0)
-    forward = 2 * (sh.layers_per_stage - n_moe) + n_moe * (2 if sh.cfg.model.moe_shared_expert_intermediate_size else 1)
-    return forward * (3 if sh.recompute == "full" else 2) * per * sh.m / link(sh, cl, "tp", t)
+    per = 2 * (t - 1) / t * sh.local_tokens * sh.h * sh.act_bytes / link(sh, cl, "tp", t)
+    reps = 3 if sh.recompute == "full" else 2
+    stage = sh.busiest_stage  # rank 0 under an even split
+    n_moe = sh.moe_layers_in(stage)
+    dense, moe = 2 * reps * per, (2 if sh.cfg.model.moe_shared_expert_intermediate_size else 1) * reps * per
+    if cl.model_tp_comm_overlap:
+        dense = max(0.0, dense - linear_s(sh, cl))
+        moe = max(0.0, moe - linear_s(sh, cl, moe=True)) if n_moe else 0.0
+    return ((sh.layers_in(stage) - n_moe) * dense + n_moe * moe) * sh.m
 
 
 def cp_layer_bytes(sh: RunShape, kind: str) -> list[tuple[str, int, float]]:
@@ -132,7 +161,7 @@ def cp_comm_s(sh: RunShape, cl: ClusterConfig) -> float:
     if sh.cp == 1:
         return 0.0
     kinds = sh.cfg.parallel.layer_cp_comm_types(sh.cfg.model.num_layers)
-    layers = [i for chunk in range(sh.v) for i in sh.chunk_layers(0, chunk)]
+    layers = sh.split.rank_layers(sh.busiest_stage)
     per = sum(nbytes / link(sh, cl, axis, size) for i in layers for axis, size, nbytes in cp_layer_bytes(sh, kinds[i])
               if size > 1)
     if sh.recompute == "full":
@@ -231,11 +260,13 @@ def all_to_all_s(sh: RunShape, cl: ClusterConfig, axis: str, size: int, nbytes: 
 
 def ep_comm_s(sh: RunShape, cl: ClusterConfig) -> float:
     """Token dispatch over EP (alltoall: k·T rows each way per MoE layer and micro-batch, forward and
-    backward); with the allgather dispatcher the ring all-gathers and reduce-scatters over expert-TP x EP."""
+    backward; the fullest rank receives --moe-imbalance times the mean, and the all-to-all waits for it);
+    with the allgather dispatcher the ring all-gathers and reduce-scatters over expert-TP x EP (every
+    rank moves all the tokens whatever the routing)."""
     out = 0.0
     for (kind, _), nbytes in moe_step_comm_bytes(sh).items():
         if kind == "ep":
-            out += all_to_all_s(sh, cl, "ep", sh.ep, nbytes)
+            out += all_to_all_s(sh, cl, "ep", sh.ep, nbytes) * cl.moe_imbalance
         elif kind == "emp":
             n = sh.ep * sh.etp
             out += (n - 1) / n * nbytes / link(sh, cl, "emp", n)
@@ -246,7 +277,7 @@ def etp_comm_s(sh: RunShape, cl: ClusterConfig) -> float:
     """alltoall over expert-TP: every expert-TP rank gets the rows (etp x k·T handed each way), the
     partial sums come back."""
     nbytes = sum(v for (kind, _), v in moe_step_comm_bytes(sh).items() if kind == "etp")
-    return all_to_all_s(sh, cl, "etp", sh.etp, nbytes)
+    return all_to_all_s(sh, cl, "etp", sh.etp, nbytes) * cl.moe_imbalance
 
 
 @dataclass
@@ -267,7 +298,7 @@ class TimeReport:
 
 def step_time(sh: RunShape, cl: ClusterConfig) -> TimeReport:
     terms = {"compute": compute_s(sh, cl), "memory-bound work": memory_bound_s(sh, cl),
-             "pipeline bubble": bubble_s(sh, cl), "TP comm": tp_comm_s(sh, cl),
+             "optimizer step": optimizer_s(sh, cl), "pipeline bubble": bubble_s(sh, cl), "TP comm": tp_comm_s(sh, cl),
              "CP comm": cp_comm_s(sh, cl), "PP comm": pp_comm_s(sh, cl), "DP comm": dp_comm_s(sh, cl),
              "embedding comm": embedding_comm_s(sh, cl)}
     if sh.is_moe:

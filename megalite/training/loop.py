@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from torch import nn
 
 from megalite import compat, device
+from megalite.checkpointing.async_save import AsyncSaver
+from megalite.checkpointing.paths import iter_dirname
 from megalite.config.arguments import MegaliteConfig
 from megalite.distributed.grad_buffer import GradBuffer
 from megalite.distributed.param_shard import full_params
@@ -63,6 +66,7 @@ class Run:
     result: TrainResult
     say: Callable[[str], None]
     gc: ManualGC
+    saver: AsyncSaver | None = None  # --async-save: the save in flight, if any
 
     @property
     def vocab_size(self) -> int:
@@ -105,10 +109,26 @@ class Run:
         self.say(format_validation_line(step, loss))
         writers.scalars({"validation/lm-loss": loss}, step)
 
-    def save(self) -> None:
+    def save(self, final: bool = False) -> None:
+        """Save this iteration (with --async-save: start writing it once the previous one is committed; the
+        ``final`` save is waited for)."""
+        self.commit_saved(wait=True)
         self.optimizer.wait_param_gather()
         with full_params(self.buffers):  # sharded parameters (ZeRO-3): the checkpoint stores full tensors
-            save(self.cfg, self.state, self.chunks, self.optimizer, self.pg, self.tracker, self.vocab_size, self.say)
+            save(self.cfg, self.state, self.chunks, self.optimizer, self.pg, self.tracker, self.vocab_size, self.say,
+                 self.saver)
+        if final:
+            self.commit_saved(wait=True)
+
+    def commit_saved(self, wait: bool) -> None:
+        """--async-save, at a step boundary on every rank: commit the save in flight once every rank wrote
+        it (``wait``: wait for the writers first)."""
+        if self.saver is None:
+            return
+        done = self.saver.finish() if wait else self.saver.poll()
+        if done is not None:
+            path = os.path.join(done.save_dir, iter_dirname(done.iteration))
+            self.say(f" saved checkpoint at iteration {done.iteration} to {path} (written in the background)")
 
 
 def start_run(cfg: MegaliteConfig, pg: ProcessGroups, data: RunData | None, say: Callable[[str], None]) -> Run:
@@ -130,7 +150,8 @@ def start_run(cfg: MegaliteConfig, pg: ProcessGroups, data: RunData | None, say:
     result = TrainResult(chunks=chunks, optimizer=optimizer)
     with full_params(buffers if cfg.checkpoint.load else [], write_back=True):
         state = maybe_load(cfg, chunks, optimizer, pg, tracker, vocab, say)
-    return Run(cfg, pg, data, tracker, chunks, buffers, optimizer, schedule, state, result, say, ManualGC(t))
+    saver = AsyncSaver(pg) if cfg.checkpoint.async_save else None
+    return Run(cfg, pg, data, tracker, chunks, buffers, optimizer, schedule, state, result, say, ManualGC(t), saver)
 
 
 def stop_reason(cfg: MegaliteConfig, exits: ExitConditions, step: int) -> str | None:
@@ -163,6 +184,7 @@ def pretrain(cfg: MegaliteConfig, pg: ProcessGroups, data: RunData | None = None
             profiler.before(run.state.iteration)
             out = run.step(timers)
             step = run.record(out)
+            run.commit_saved(wait=False)
             if cfg.parallel.record_pipeline_timeline:
                 write_timeline(cfg, pg, out.record, len(run.chunks))
             trace = profiler.after(step)
@@ -177,15 +199,20 @@ def pretrain(cfg: MegaliteConfig, pg: ProcessGroups, data: RunData | None = None
             run.gc.after_step(step)
             reason = stop_reason(cfg, exits, step)
             if ck.save and (step == t.train_iters or reason or (ck.save_interval and step % ck.save_interval == 0)):
-                run.save()
+                run.save(final=step == t.train_iters or bool(reason))
                 window.restart_clock()
             if reason:
                 run.say(f" exiting at iteration {step}: {reason}")
                 run.result.exit_reason = reason
                 break
+        run.commit_saved(wait=True)  # e.g. a periodic save still in flight when --train-iters ends unsaved
         run.optimizer.wait_param_gather()  # the returned chunks hold the last step's parameters
         if run.validating and run.state.iteration == t.train_iters:
             run.evaluate(writers)
+    except BaseException:
+        if run.saver is not None:  # no collectives now: the save in flight is dropped, the tracker kept
+            run.saver.abandon()
+        raise
     finally:
         run.gc.stop()
         writers.close()

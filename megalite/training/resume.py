@@ -13,6 +13,8 @@ from torch import nn
 
 from megalite import device
 from megalite.checkpointing import load_checkpoint, save_checkpoint
+from megalite.checkpointing.async_save import AsyncSaver
+from megalite.checkpointing.compression_state import compression_files, load_compression
 from megalite.checkpointing.megatron import is_megatron_checkpoint
 from megalite.checkpointing.megatron_load import load_megatron
 from megalite.checkpointing.metadata import config_dict
@@ -69,6 +71,8 @@ def maybe_load(cfg: MegaliteConfig, chunks: list[nn.Module], optimizer: Megalite
     s = loaded.state
     if optimizer.scaler is not None and "loss_scaler" in s and not weights_only:
         optimizer.scaler.load_state_dict(s["loss_scaler"])
+    if not weights_only:  # error feedback and PowerSGD's Q (--grad-compression), where the layout allows
+        load_compression(ck.load, loaded.iteration, optimizer.buffers, pg, say)
     say(f" loaded checkpoint from {ck.load} at iteration {loaded.iteration}"
         + ("" if loaded.same_layout else " (resharded into this layout)"))
     return TrainState(loaded.iteration, s.get("consumed_samples", 0), s.get("valid_consumed", 0),
@@ -76,7 +80,9 @@ def maybe_load(cfg: MegaliteConfig, chunks: list[nn.Module], optimizer: Megalite
 
 
 def save(cfg: MegaliteConfig, ts: TrainState, chunks: list[nn.Module], optimizer: MegaliteOptimizer,
-         pg: ProcessGroups, tracker: RNGTracker, vocab_size: int, say: Callable[[str], None]) -> None:
+         pg: ProcessGroups, tracker: RNGTracker, vocab_size: int, say: Callable[[str], None],
+         saver: AsyncSaver | None = None) -> None:
+    """Save this iteration: at once, or (``saver``, --async-save) started in the background."""
     state = dataclasses.asdict(ts)
     if optimizer.scaler is not None:
         state["loss_scaler"] = optimizer.scaler.state_dict()
@@ -86,6 +92,12 @@ def save(cfg: MegaliteConfig, ts: TrainState, chunks: list[nn.Module], optimizer
                  **{k: os.path.abspath(v) if v else None for k, v in files.items()}}
     # the packed-document flags the weights were trained with (a record: tasks and generation score whole texts)
     data = {name: getattr(d, name) for name in DOCUMENT_FLAGS}
-    path = save_checkpoint(cfg.checkpoint.save, ts.iteration, chunks, optimizer, pg, config_dict(cfg.model, vocab_size),
-                           state, rng_states(tracker), {"tokenizer": tokenizer, "data": data})
-    say(f" saved checkpoint at iteration {ts.iteration} to {path}")
+    args = (cfg.checkpoint.save, ts.iteration, chunks, optimizer)
+    rest = (config_dict(cfg.model, vocab_size), state, rng_states(tracker), {"tokenizer": tokenizer, "data": data},
+            compression_files(optimizer.buffers, pg))
+    if saver is None:
+        say(f" saved checkpoint at iteration {ts.iteration} to {save_checkpoint(*args, pg, *rest)}")
+        return
+    pending = saver.start(*args, *rest)
+    say(f" saving checkpoint at iteration {ts.iteration} in the background (the step stopped "
+        f"{pending.stall_s:.3f} s to copy it)")

@@ -1,0 +1,90 @@
+"""This machine's figures for the planner's `cpu` preset (megalite/planning/hardware.py): the best matmul
+TFLOP/s in fp32 and bf16 over a few large shapes, the memory bandwidth of a large copy (bytes read +
+written), gloo's all-reduce bus bandwidth between 2 local processes, and the memory the host has.
+
+    python bench/measure_cpu.py
+
+Prints one line per figure and warns when the load average exceeds the cores (the figures are then low).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+SHAPES = (1024, 2048, 3072)
+REPEATS = 5
+
+
+def best_of(fn, repeats: int = REPEATS) -> float:
+    """The fastest of ``repeats`` timed calls (after one warm-up), in seconds."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def matmul_tflops(dtype: torch.dtype, shapes: tuple[int, ...] = SHAPES) -> float:
+    """The best TFLOP/s of a square matmul over ``shapes``."""
+    out = 0.0
+    for n in shapes:
+        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        out = max(out, 2 * n**3 / best_of(lambda a=a, b=b: torch.mm(a, b)) / 1e12)
+    return out
+
+
+def copy_gbps(nbytes: int = 512 * 2**20) -> float:
+    """GB/s of a large copy, read + written."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32).uniform_()
+    dst = torch.empty_like(src)
+    return 2 * nbytes / best_of(lambda: dst.copy_(src)) / 1e9
+
+
+def _allreduce_worker(rank: int, world: int, port: int, out) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    x = torch.ones(16 * 2**20)  # 64 MiB
+    t = best_of(lambda: dist.all_reduce(x))
+    if rank == 0:
+        out.put(2 * (world - 1) / world * x.numel() * 4 / t / 1e9)  # bus bandwidth
+    dist.destroy_process_group()
+
+
+def gloo_gbps(world: int = 2) -> float:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = 29500 + os.getpid() % 1000
+    procs = [ctx.Process(target=_allreduce_worker, args=(r, world, port, q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    value = q.get(timeout=300)
+    for p in procs:
+        p.join()
+    return value
+
+
+def main() -> int:
+    load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    if load > cores:
+        print(f"warning: load average {load:.1f} > {cores} cores: the figures below are low")
+    print(f"cores {cores}, torch threads {torch.get_num_threads()}, torch {torch.__version__}")
+    print(f"matmul fp32 {matmul_tflops(torch.float32):.4f} TFLOP/s")
+    print(f"matmul bf16 {matmul_tflops(torch.bfloat16, (512,)):.4f} TFLOP/s")
+    print(f"copy {copy_gbps():.2f} GB/s (read + written)")
+    print(f"gloo all-reduce bus bandwidth, 2 processes {gloo_gbps():.3f} GB/s")
+    print(f"host memory {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 1e9:.1f} GB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
