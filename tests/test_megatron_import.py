@@ -217,6 +217,24 @@ def test_unknown_keys_wrong_shapes_and_unsupported_args_are_named(saved, tmp_pat
     _refused(load, tmp_path, "qk_layernorm=True", "not implemented")
 
 
+
+def test_the_runs_tokenizer_is_recorded(saved, tmp_path):
+    """The args' tokenizer flags (megalite's flags of the same names) go into the import's metadata, where
+    to-hf finds them."""
+    from megalite.checkpointing.reader import CheckpointReader
+
+    load = _copy(saved, "gpt2_legacy", tmp_path)
+    tok = {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": "vocab.json", "merge_file": "merges.txt",
+           "tokenizer_model": None}
+    for rank_dir in os.listdir(os.path.join(load, "iter_0000007")):
+        path = os.path.join(load, "iter_0000007", rank_dir, "model_optim_rng.pt")
+        state = torch.load(path, weights_only=False)  # a file this test wrote
+        torch.save({**state, "args": argparse.Namespace(**{**vars(state["args"]), **tok})}, path)
+    out = str(tmp_path / "imported")
+    assert convert(["from-megatron", "--load", load, "--save", out]) == 0
+    assert CheckpointReader(out).meta["tokenizer"] == tok
+
+
 def test_to_hf_straight_from_a_megatron_checkpoint(saved, tmp_path):
     """to-hf reads the Megatron-LM folder itself; transformers' Llama computes megatron-core's logits."""
     from transformers import LlamaForCausalLM

@@ -121,7 +121,7 @@ class _MegatronSource:
         src = read_megatron(load, iteration)
         self.config, self.param, self.iteration = src.config, src.params.__getitem__, src.iteration
         self.layout = src.layout
-        self.reader = SimpleNamespace(meta={})  # no tokenizer record: give the --tokenizer-* flags
+        self.reader = SimpleNamespace(meta={"tokenizer": src.tokenizer} if src.tokenizer else {})
 
 
 def _open_checkpoint(load: str, iteration: int | None) -> FullCheckpoint | _MegatronSource:
@@ -321,6 +321,7 @@ def cmd_from_megatron(a: argparse.Namespace) -> None:
                                 layers_per_virtual_stage=a.num_layers_per_virtual_pipeline_stage,
                                 ep=a.expert_model_parallel_size, etp=a.expert_tensor_parallel_size,
                                 iteration=src.iteration, state=src.state, split=split,
+                                extra={"tokenizer": src.tokenizer} if src.tokenizer else None,
                                 dtype=DTYPES[a.dtype] if a.dtype else None)
     path = os.path.join(a.save, os.path.basename(path))
     print(f"wrote {path} (TP={tp} PP={pp}, {src.format} checkpoint of iteration {src.iteration}, vocab "

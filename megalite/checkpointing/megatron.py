@@ -24,6 +24,7 @@ from megalite.checkpointing.megatron_args import config_from_args
 from megalite.checkpointing.megatron_names import check_params, to_megalite
 
 TRACKER = "latest_checkpointed_iteration.txt"
+TOKENIZER_ARGS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model")
 
 
 def iteration_folder(load_dir: str, iteration: int | None = None) -> tuple[str, int]:
@@ -77,6 +78,7 @@ class MegatronCheckpoint:
     iteration: int
     state: dict[str, Any] = field(default_factory=dict)
     layout: dict[str, Any] = field(default_factory=dict)  # the TP / PP sizes it was saved at (from its args)
+    tokenizer: dict[str, Any] | None = None  # the run's tokenizer flags (megalite's names are Megatron-LM's)
 
 
 def _vocab(args: Any, rows: int, vocab_size: int | None, where: str) -> int:
@@ -121,4 +123,5 @@ def read_megatron(load_dir: str, iteration: int | None = None, vocab_size: int |
     it = int(common.get("iteration", it) or it)
     layout = {"tp": getattr(args, "tensor_model_parallel_size", None),
               "pp": getattr(args, "pipeline_model_parallel_size", None)}
-    return MegatronCheckpoint(folder, fmt, config, params, it, _state(common, args, it), layout)
+    tokenizer = {k: getattr(args, k, None) for k in TOKENIZER_ARGS} if getattr(args, "tokenizer_type", None) else None
+    return MegatronCheckpoint(folder, fmt, config, params, it, _state(common, args, it), layout, tokenizer)
