@@ -112,8 +112,9 @@ class LegacyCheckpoint:
             if len(per_chunk) != vp:
                 raise CheckpointError(f"{files[t, p, e]}: holds {len(per_chunk)} model chunks, TP 0 / PP 0 {vp}")
             for c, sd in enumerate(per_chunk):
+                local = len({int(y[2]) for k in sd if (y := EXPERT.search(k))})  # experts per EP rank
                 for key, value in sd.items():
-                    g = self._global_key(key, start[p, c], e, sd)
+                    g = self._global_key(key, start[p, c], e * local)
                     if (p > 0 or c > 0) and g.startswith("embedding.") and g in shards:
                         continue  # a tied embedding copy on a later stage
                     shards.setdefault(g, {})[t] = value
@@ -124,14 +125,14 @@ class LegacyCheckpoint:
             out[g] = [per[t] for t in range(self.tp)]
         return out
 
-    def _global_key(self, key: str, layer_offset: int, ep_rank: int, sd: dict) -> str:
+    @staticmethod
+    def _global_key(key: str, layer_offset: int, expert_offset: int) -> str:
         m = LAYER.match(key)
         if m:
             key = f"{m[1]}{int(m[2]) + layer_offset}{m[3]}"
         x = EXPERT.search(key)
-        if x and self.ep > 1:
-            local = len({int(y[2]) for k in sd if (y := EXPERT.search(k))})
-            key = key[:x.start()] + f"{x[1]}{ep_rank * local + int(x[2])}{x[3]}"
+        if x and expert_offset:
+            key = key[:x.start()] + f"{x[1]}{expert_offset + int(x[2])}{x[3]}"
         return key
 
     def keys(self) -> list[str]:

@@ -79,6 +79,14 @@ def _expert(suffix: str) -> tuple[str, int | None] | None:
     return m.group("c"), None
 
 
+def _put(out: dict[str, torch.Tensor], ours: str, t: torch.Tensor, key: str, where: str) -> None:
+    """One megalite tensor from one source key: two keys naming the same tensor (both a local-spec and a
+    fused norm name, say) are refused rather than one silently winning."""
+    if ours in out:
+        raise CheckpointError(f"{where}: {key} maps to {ours}, which another key already gave")
+    out[ours] = t
+
+
 def to_megalite(keys: Iterable[str], get: Callable[[str], torch.Tensor], where: str) -> dict[str, torch.Tensor]:
     """Full megatron-core tensors (any spec, per-layer or stacked) under megalite's keys; a key that maps
     to nothing is named."""
@@ -88,17 +96,17 @@ def to_megalite(keys: Iterable[str], get: Callable[[str], torch.Tensor], where: 
         if SKIPPED.search(key):
             continue
         if key in TOP:
-            out[TOP[key]] = get(key)
+            _put(out, TOP[key], get(key), key, where)
             continue
         if not LAYER_KEY.match(key):
             raise CheckpointError(f"{where}: {key} is not a parameter megalite knows")
         for i, suffix, t in _per_layer(key, get):
             if suffix in LAYER:
-                out[f"layers.{i}.{LAYER[suffix]}"] = t
+                _put(out, f"layers.{i}.{LAYER[suffix]}", t, key, where)
             elif (e := _expert(suffix)) is not None:
                 fc, j = e
                 if j is None:
-                    out[f"layers.{i}.mlp.experts.{fc}_weight"] = t
+                    _put(out, f"layers.{i}.mlp.experts.{fc}_weight", t, key, where)
                 else:
                     experts.setdefault((i, fc), {})[j] = t
             else:
