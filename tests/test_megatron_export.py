@@ -30,13 +30,13 @@ NAMES = ("gpt2", "llama")
 VOCAB = 95
 
 
-def _megalite_checkpoint(folder: str, name: str) -> None:
+def _megalite_checkpoint(folder: str, name: str, tp: int = 2, pp: int = 2) -> None:
     """A megalite checkpoint of the case's model, every tensor random (norms around 1), at TP2 x PP2."""
     config = config_from_args(CASES[name], VOCAB, name)
     g = torch.Generator().manual_seed(7)
     params = {k: 0.1 * torch.randn(shape, generator=g) + (1.0 if "norm.weight" in k else 0.0)
               for k, shape in _full_shapes(config).items()}
-    write_checkpoint(folder, config, params.__getitem__, tp=2, pp=2, iteration=5)
+    write_checkpoint(folder, config, params.__getitem__, tp=tp, pp=pp, iteration=5)
 
 
 def _load_in_megatron(rank: int, world: int, root: str) -> dict:
@@ -97,4 +97,7 @@ def test_legacy_format_and_moe_are_refused_by_name(exported, tmp_path, capsys):
     assert convert(["to-megatron", "--load", os.path.join(root, "gpt2"), "--save", str(tmp_path / "o"),
                     "--format", "torch"]) == 2
     assert "only torch_dist is exported" in capsys.readouterr().err
+    _megalite_checkpoint(str(tmp_path / "moe"), "mixtral", tp=1, pp=1)
+    assert convert(["to-megatron", "--load", str(tmp_path / "moe"), "--save", str(tmp_path / "o")]) == 2
+    assert "exports dense GPT/Llama-style models only" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "o")
