@@ -1,0 +1,103 @@
+"""Promise (docs/checkpoints.md, "Megatron-LM checkpoints"): ``convert_checkpoint.py to-megatron`` writes a
+torch_dist folder that megatron-core's own ``dist_checkpointing.load`` reads into its GPTModel at a TP of
+its choice, which then computes megalite's logits.
+
+The reference is megatron-core (pip package, tests only) on the CPU over gloo (tests/mcore_cpu.py). A
+GPT-2-style and a Llama-style (GQA, SwiGLU, RoPE, untied) megalite checkpoint are written at TP2 x PP2 with
+random weights, exported, and loaded by a megatron-core GPTModel at TP2 built from the ``args`` the export
+saved in common.pt; its logits must equal megalite's own at TP1 (fp32, 1e-5).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from megalite.checkpointing.megatron_args import config_from_args
+from megalite.checkpointing.megatron_names import _full_shapes
+from megalite.checkpointing.writer import write_checkpoint
+from megalite.parallel.groups import ProcessGroups
+from megalite.parallel.layout import RankLayout
+from tests.harness import run_ranks
+from tests.test_megatron_import import CASES, TOKENS, _megalite_logits
+from tools.convert_checkpoint import main as convert
+
+pytest.importorskip("megatron.core")
+
+NAMES = ("gpt2", "llama")
+VOCAB = 95
+
+
+def _megalite_checkpoint(folder: str, name: str, tp: int = 2, pp: int = 2) -> None:
+    """A megalite checkpoint of the case's model, every tensor random (norms around 1), at TP2 x PP2."""
+    config = config_from_args(CASES[name], VOCAB, name)
+    g = torch.Generator().manual_seed(7)
+    params = {k: 0.1 * torch.randn(shape, generator=g) + (1.0 if "norm.weight" in k else 0.0)
+              for k, shape in _full_shapes(config).items()}
+    write_checkpoint(folder, config, params.__getitem__, tp=tp, pp=pp, iteration=5)
+
+
+def _load_in_megatron(rank: int, world: int, root: str) -> dict:
+    """Each export loaded by megatron-core at TP2 (model built from the saved args); logits from rank 0."""
+    from tests.mcore_cpu import build_gpt, cpu_shim, logits
+
+    cpu_shim()
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=2)
+    out = {}
+    for name in NAMES:
+        it_dir = os.path.join(root, name + "_mcore", "iter_0000005")
+        args = torch.load(os.path.join(it_dir, "common.pt"), weights_only=False)["args"]
+        model = build_gpt(args, tp=2)
+        state = dist_checkpointing.load({"model": model.sharded_state_dict()}, it_dir)  # as Megatron-LM loads
+        assert state["iteration"] == 5 and state["args"].padded_vocab_size == 256
+        model.load_state_dict(state["model"])
+        got = logits(model, TOKENS, args.hidden_size)
+        out[name] = got if rank == 0 else None
+    ps.destroy_model_parallel()
+    return out
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory) -> tuple[str, dict]:
+    root = str(tmp_path_factory.mktemp("export"))
+    for name in NAMES:
+        _megalite_checkpoint(os.path.join(root, name), name)
+        assert convert(["to-megatron", "--load", os.path.join(root, name), "--save",
+                        os.path.join(root, name + "_mcore"), "--tensor-model-parallel-size", "2"]) == 0
+    ranks = run_ranks(_load_in_megatron, 2, root, timeout=120)
+    return root, ranks[0]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_megatron_core_loads_the_export_at_tp2_and_gives_megalite_logits(exported, name):
+    root, got = exported
+    want = _megalite_logits(os.path.join(root, name), ProcessGroups.unconnected(RankLayout(1, 1, 1), 0))
+    assert got[name].shape[-1] == 256  # Megatron's padding of 95 for TP2 (128 x 2)
+    torch.testing.assert_close(got[name][..., :VOCAB], want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_export_imports_back_with_the_same_logits(exported, name, tmp_path):
+    """from-megatron of the export: the same model (the args in common.pt describe it), the same logits."""
+    root, _ = exported
+    back = str(tmp_path / "back")
+    assert convert(["from-megatron", "--load", os.path.join(root, name + "_mcore"), "--save", back]) == 0
+    pg = ProcessGroups.unconnected(RankLayout(1, 1, 1), 0)
+    torch.testing.assert_close(_megalite_logits(back, pg), _megalite_logits(os.path.join(root, name), pg),
+                               rtol=0, atol=0)
+
+
+def test_legacy_format_and_moe_are_refused_by_name(exported, tmp_path, capsys):
+    root, _ = exported
+    assert convert(["to-megatron", "--load", os.path.join(root, "gpt2"), "--save", str(tmp_path / "o"),
+                    "--format", "torch"]) == 2
+    assert "only torch_dist is exported" in capsys.readouterr().err
+    _megalite_checkpoint(str(tmp_path / "moe"), "mixtral", tp=1, pp=1)
+    assert convert(["to-megatron", "--load", str(tmp_path / "moe"), "--save", str(tmp_path / "o")]) == 2
+    assert "exports dense GPT/Llama-style models only" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "o")
