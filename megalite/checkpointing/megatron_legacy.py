@@ -34,7 +34,7 @@ COLUMN = re.compile(r"(word_embeddings\.weight|output_layer\.weight|linear_qkv\.
                     r"|linear_fc1\.weight\d+)$")
 ROW = re.compile(r"(linear_proj\.weight|linear_fc2\.weight|linear_fc2\.weight\d+)$")
 LAYER = re.compile(r"^(decoder\.layers\.)(\d+)(\..+)$")
-EXPERT = re.compile(r"(\.mlp\.experts\.local_experts\.)(\d+)(\..+)$")
+LOCAL_EXPERT_KEY = re.compile(r"(\.mlp\.experts\.local_experts\.)(\d+)(\..+)$")
 SKIPPED = re.compile(r"(^|\.)_extra_state$")
 
 
@@ -112,7 +112,7 @@ class LegacyCheckpoint:
             if len(per_chunk) != vp:
                 raise CheckpointError(f"{files[t, p, e]}: holds {len(per_chunk)} model chunks, TP 0 / PP 0 {vp}")
             for c, sd in enumerate(per_chunk):
-                local = len({int(y[2]) for k in sd if (y := EXPERT.search(k))})  # experts per EP rank
+                local = len({int(y[2]) for k in sd if (y := LOCAL_EXPERT_KEY.search(k))})  # experts per EP rank
                 for key, value in sd.items():
                     g = self._global_key(key, start[p, c], e * local)
                     if (p > 0 or c > 0) and g.startswith("embedding.") and g in shards:
@@ -130,7 +130,7 @@ class LegacyCheckpoint:
         m = LAYER.match(key)
         if m:
             key = f"{m[1]}{int(m[2]) + layer_offset}{m[3]}"
-        x = EXPERT.search(key)
+        x = LOCAL_EXPERT_KEY.search(key)
         if x and expert_offset:
             key = key[:x.start()] + f"{x[1]}{expert_offset + int(x[2])}{x[3]}"
         return key
