@@ -272,3 +272,18 @@ def load_weights_only(stream, extra_globals: list) -> object:
     (``torch.serialization.safe_globals``, torch 2.5; the Megatron reader, checkpointing/safe_pickle.py)."""
     with torch.serialization.safe_globals(extra_globals):
         return torch.load(stream, map_location="cpu", weights_only=True)
+
+
+# ---- writing torch's distributed-checkpoint format (the Megatron-LM export) ---------------------
+def save_distributed_checkpoint(state: dict, folder: str) -> None:
+    """``state`` written by torch.distributed.checkpoint into ``folder`` from one process (no process group;
+    ``no_dist``, torch 2.3), without the writer's storage metadata: that records the folder as a pathlib path
+    in ``.metadata``, a type no reader of Megatron checkpoints needs to unpickle (the project's restricted
+    reader refuses it; megatron-core's own writer records none either)."""
+    import torch.distributed.checkpoint as dcp
+
+    class _Writer(dcp.FileSystemWriter):
+        def storage_meta(self) -> None:
+            return None
+
+    dcp.save(state, storage_writer=_Writer(folder), no_dist=True)

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from megalite import compat
 from megalite.checkpointing.errors import CheckpointError
 from megalite.checkpointing.megatron_names import LAYER, TOP
 from megalite.checkpointing.metadata import model_config
@@ -113,27 +114,12 @@ def _extra_states(num_layers: int) -> dict[str, list[None]]:
             for module in EXTRA_STATE for i in range(num_layers)}
 
 
-def _writer(folder: str) -> Any:
-    """torch's FileSystemWriter without its storage metadata: that records the folder as a pathlib path
-    in ``.metadata``, a type no reader of Megatron checkpoints needs to unpickle (this project's reader
-    refuses it; megatron-core's own writer records none either)."""
-    import torch.distributed.checkpoint as dcp
-
-    class _Writer(dcp.FileSystemWriter):
-        def storage_meta(self) -> None:
-            return None
-
-    return _Writer(folder)
-
-
 def save_torch_dist(folder: str, config: dict[str, Any], get: Callable[[str], torch.Tensor], iteration: int,
                     *, tp_hint: int = 1, padded_vocab: int | None = None, dtype: torch.dtype | None = None,
                     extra_common: dict[str, Any] | None = None) -> str:
     """Write ``folder``/latest_checkpointed_iteration.txt and ``folder``/iter_XXXXXXX/ in torch_dist format;
     returns the iteration folder. ``tp_hint``: the TP Megatron-LM will load at, for its vocabulary padding
     (``padded_vocab`` overrides it; it must equal what the loading run computes)."""
-    import torch.distributed.checkpoint as dcp
-
     cfg, vocab = model_config(config)
     padded = padded_vocab or padded_vocab_size(vocab, cfg.make_vocab_size_divisible_by, tp_hint)
     if padded < vocab:
@@ -141,7 +127,7 @@ def save_torch_dist(folder: str, config: dict[str, Any], get: Callable[[str], to
     state: dict[str, Any] = {**megatron_tensors(config, get, padded, dtype), **_extra_states(cfg.num_layers)}
     it_dir = os.path.join(folder, iter_dirname(iteration))
     os.makedirs(it_dir, exist_ok=True)
-    dcp.save(state, storage_writer=_writer(it_dir), no_dist=True)
+    compat.save_distributed_checkpoint(state, it_dir)
     common = {"args": megatron_args(config, padded), "iteration": iteration,
               "checkpoint_version": CHECKPOINT_VERSION, **(extra_common or {})}
     torch.save(common, os.path.join(it_dir, "common.pt"))
