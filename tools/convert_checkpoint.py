@@ -385,34 +385,36 @@ def _add_to_megatron(sub) -> None:
     t.set_defaults(func=cmd_to_megatron)
 
 
+def layout(sp: argparse.ArgumentParser) -> None:
+    """The layout flags of a written checkpoint, as pretrain_gpt.py spells them."""
+    def flag(name: str, default: int | None, help: str = "") -> None:
+        """The same value as pretrain_gpt.py's flag of that name: the same declared domain."""
+        domain, integer = domain_of(ParallelConfig, name)
+        domain_option(sp, "--" + name.replace("_", "-"), domain=domain, integer=integer, default=default,
+                      help=help)
+
+    flag("tensor_model_parallel_size", 1)
+    flag("pipeline_model_parallel_size", 1)
+    flag("num_layers_per_virtual_pipeline_stage", None)
+    flag("expert_model_parallel_size", 1, help="MoE models: EP ranks the routed experts are split over")
+    flag("expert_tensor_parallel_size", None,
+         help="MoE models: expert-TP ranks each routed expert is cut over (default: TP)")
+    flag("num_virtual_stages_per_pipeline_rank", None, help="model chunks per rank (Megatron-LM's flag)")
+    flag("decoder_first_pipeline_num_layers", None, help="layers of the first stage (pretrain_gpt.py's flag)")
+    flag("decoder_last_pipeline_num_layers", None, help="layers of the last stage (pretrain_gpt.py's flag)")
+    sp.add_argument("--account-for-embedding-in-pipeline-split", action="store_true",
+                    help="the embedding counts as a layer of the split")
+    sp.add_argument("--account-for-loss-in-pipeline-split", action="store_true",
+                    help="the loss counts as a layer of the split")
+    sp.add_argument("--pipeline-model-parallel-layout", default=None, help="every stage's layers (E|t*3|tL)")
+    sp.add_argument("--pipeline-schedule", choices=["1f1b", "zbv"], default="1f1b",
+                    help="zbv: the two chunks per rank placed in ZB-V's V (the run's --pipeline-schedule)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
-
-    def layout(sp: argparse.ArgumentParser) -> None:
-        def flag(name: str, default: int | None, help: str = "") -> None:
-            """The same value as pretrain_gpt.py's flag of that name: the same declared domain."""
-            domain, integer = domain_of(ParallelConfig, name)
-            domain_option(sp, "--" + name.replace("_", "-"), domain=domain, integer=integer, default=default,
-                          help=help)
-
-        flag("tensor_model_parallel_size", 1)
-        flag("pipeline_model_parallel_size", 1)
-        flag("num_layers_per_virtual_pipeline_stage", None)
-        flag("expert_model_parallel_size", 1, help="MoE models: EP ranks the routed experts are split over")
-        flag("expert_tensor_parallel_size", None,
-             help="MoE models: expert-TP ranks each routed expert is cut over (default: TP)")
-        flag("num_virtual_stages_per_pipeline_rank", None, help="model chunks per rank (Megatron-LM's flag)")
-        flag("decoder_first_pipeline_num_layers", None, help="layers of the first stage (pretrain_gpt.py's flag)")
-        flag("decoder_last_pipeline_num_layers", None, help="layers of the last stage (pretrain_gpt.py's flag)")
-        sp.add_argument("--account-for-embedding-in-pipeline-split", action="store_true",
-                        help="the embedding counts as a layer of the split")
-        sp.add_argument("--account-for-loss-in-pipeline-split", action="store_true",
-                        help="the loss counts as a layer of the split")
-        sp.add_argument("--pipeline-model-parallel-layout", default=None, help="every stage's layers (E|t*3|tL)")
-        sp.add_argument("--pipeline-schedule", choices=["1f1b", "zbv"], default="1f1b",
-                        help="zbv: the two chunks per rank placed in ZB-V's V (the run's --pipeline-schedule)")
 
     r = sub.add_parser("reshard", help="write a checkpoint at another TP/PP/VP/EP layout (optimizer state included)")
     r.add_argument("--load", required=True, help="checkpoint directory (holding latest_checkpointed_iteration.txt)")
