@@ -12,6 +12,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import random
 import socket
 import time
 import traceback
@@ -29,10 +30,32 @@ def _context():
     return _CTX
 
 
+# Ports below the kernel's ephemeral range (32768-60999 by default): a port the kernel hands out itself
+# (port 0) can be handed again to any outgoing connection, e.g. gloo's between ranks of another test,
+# in the moment between this check and the store binding it.
+_PORTS = range(20000, 32000)
+_RNG = random.Random()  # its own generator: a test that seeds ``random`` must not fix the ports
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on the loopback that was free a moment ago, outside the ephemeral range."""
+    for _ in range(100):
+        port = _RNG.choice(_PORTS)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {_PORTS.start}-{_PORTS.stop - 1} after 100 tries")
+
+
+class _PortTaken(Exception):
+    """The rendezvous port was taken between choosing it and binding it: start the ranks again."""
+
+
+# How a rank says its rendezvous store could not bind (the only failure run_ranks retries).
+_PORT_TAKEN = "EADDRINUSE"
 
 
 # Variables of the test process that the ranks must see (the forkserver's own environment is older).
@@ -50,8 +73,14 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, results
 
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=timeout))
+        try:
+            dist.init_process_group("gloo", rank=rank, world_size=world,
+                                    timeout=datetime.timedelta(seconds=timeout))
+        except Exception as e:  # noqa: BLE001 - only a taken port is retried, all else is reported
+            if _PORT_TAKEN in str(e):
+                results.put((rank, None, _PORT_TAKEN))
+                return
+            raise
         out = fn(rank, world, *args)
         # by value: the queue's own pickler would pass tensors as shared-memory handles, which some torch
         # releases (2.6) hand over through a socket of this process, gone once it exits
@@ -64,7 +93,20 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, results
 
 
 def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 240.0) -> list[Any]:
-    """Run ``fn(rank, world, *args)`` on ``world`` processes; return the results in rank order."""
+    """Run ``fn(rank, world, *args)`` on ``world`` processes; return the results in rank order.
+
+    A port taken before rank 0's store could bind it is the one failure tried again (on a new port, up
+    to three times): it happens before ``fn`` runs, so nothing has been done twice."""
+    for attempt in range(3):
+        try:
+            return _run_once(fn, world, args, timeout)
+        except _PortTaken:
+            if attempt == 2:
+                raise RuntimeError("the rendezvous port was taken three times running") from None
+    raise AssertionError("unreachable")
+
+
+def _run_once(fn: Callable[..., Any], world: int, args: tuple, timeout: float) -> list[Any]:
     ctx = _context()
     results = ctx.Queue()
     port = free_port()
@@ -75,6 +117,7 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 2
         p.start()
     out: dict[int, Any] = {}
     errors: list[str] = []
+    taken = False
     deadline = time.monotonic() + timeout
     try:
         while len(out) < world and not errors:
@@ -92,13 +135,16 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 2
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"ranks {missing} gave no result within {timeout:.0f} s") from None
                 continue
+            if ok is None:
+                taken = True
+                raise _PortTaken()
             if ok:
                 out[rank] = pickle.loads(value)
             else:
                 errors.append(f"--- rank {rank} failed:\n{value}")
     finally:
         for p in procs:
-            p.join(timeout=5 if not errors else 0.5)
+            p.join(timeout=0.5 if errors or taken else 5)
             if p.is_alive():
                 p.kill()
     if errors:

@@ -4,6 +4,7 @@ traceback, and a rank that dies is reported at once instead of waiting for the t
 from __future__ import annotations
 
 import os
+import socket
 import time
 
 import pytest
@@ -44,3 +45,23 @@ def test_dead_rank_is_reported_without_waiting_for_timeout():
     with pytest.raises(RuntimeError, match=r"ranks \[1\] exited without a result"):
         run_ranks(_die_on_one, 2, timeout=120)
     assert time.monotonic() - start < 60
+
+
+def test_port_taken_before_the_store_binds_is_tried_again(monkeypatch):
+    """The port race CI met: the port chosen is taken by the time rank 0's store binds it. The ranks
+    start again on a new port instead of failing the test with EADDRINUSE."""
+    from tests import harness
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        ports = iter([held.getsockname()[1]])
+        real = harness.free_port
+        monkeypatch.setattr(harness, "free_port", lambda: next(ports, None) or real())
+        assert run_ranks(_sum, 2) == [3.0, 3.0]
+
+
+def test_free_port_is_outside_the_ephemeral_range():
+    from tests.harness import free_port
+
+    assert all(20000 <= free_port() < 32000 for _ in range(20))
