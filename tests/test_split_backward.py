@@ -15,6 +15,7 @@ import torch
 from megalite.config.model import ModelConfig
 from megalite.moe.experts import grouped_linear
 from megalite.parallel.groups import ProcessGroups
+from megalite.pipeline.timeline import peak_pending_w
 from megalite.tensor_parallel.fused_cross_entropy import fused_linear_cross_entropy
 from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megalite.tensor_parallel.weight_grad import WeightGradStore
@@ -143,16 +144,8 @@ def _pass(rank: int, world: int) -> dict:
         losses = run_microbatches([model], mbs, pg, schedule=schedule, record=record)
         table = build_tables(ScheduleSpec(2, 1, 6, schedule))[pg.pp_rank]
         out[schedule] = ({n: p.grad.clone() for n, p in model.named_parameters()}, [float(x) for x in losses],
-                         record.peak_deferred, _table_peak_deferred(table), record.peak_live)
+                         record.peak_deferred, peak_pending_w(table), record.peak_live)
     return out
-
-
-def _table_peak_deferred(table) -> int:
-    pending = peak = 0
-    for a in table:
-        pending += {"B": 1, "W": -1}.get(a.kind, 0)
-        peak = max(peak, pending)
-    return peak
 
 
 def test_pipeline_pass_zb_h1_equals_1f1b_and_defers_as_the_table_says():

@@ -20,21 +20,10 @@ from megalite.pipeline.p2p_plan import needed, produced, round_plan
 from megalite.pipeline.partition import chunk_layers, loss_rank
 from megalite.pipeline.schedule_table import ScheduleSpec, build_tables, forward_only_table, rank_table, simulate
 from megalite.pipeline.stages import StageMap
+from megalite.pipeline.timeline import peak_in_flight
 
 GRID = [(p, m) for p in (1, 2, 3, 4, 8) for m in (1, 2, p, 2 * p, 4 * p)]
 KINDS = {"zb-h1": 1, "zbv": 2}
-
-
-def held(table, between: str) -> int:
-    """The most (chunk, micro-batch) pairs a rank holds after their F and before their ``between``."""
-    live, peak = set(), 0
-    for a in table:
-        if a.kind == "F":
-            live.add((a.chunk, a.microbatch))
-        elif a.kind == between:
-            live.discard((a.chunk, a.microbatch))
-        peak = max(peak, len(live))
-    return peak
 
 
 @pytest.mark.parametrize("p,m", GRID)
@@ -56,14 +45,14 @@ def test_zb_h1_keeps_1f1b_memory(p, m):
     for r, table in enumerate(build_tables(ScheduleSpec(p, 1, m, "zb-h1"))):
         plain = [a for a in table if a.kind != "W"]
         assert plain == rank_table(ScheduleSpec(p, 1, m), r)  # 1F1B's F and B order
-        assert held(table, "B") == held(plain, "B") <= p - r
-        assert held(table, "W") <= p
+        assert peak_in_flight(table, "B") == peak_in_flight(plain, "B") <= p - r
+        assert peak_in_flight(table, "W") <= p
 
 
 @pytest.mark.parametrize("p,m", GRID)
 def test_zbv_holds_at_most_p_stages(p, m):
     for table in build_tables(ScheduleSpec(p, 2, m, "zbv")):
-        assert held(table, "W") <= 2 * p
+        assert peak_in_flight(table, "W") <= 2 * p
 
 
 def _bubble_steps(kind: str, p: int, m: int) -> float:
