@@ -5,7 +5,8 @@ its choice, which then computes megalite's logits.
 The reference is megatron-core (pip package, tests only) on the CPU over gloo (tests/mcore_cpu.py). A
 GPT-2-style and a Llama-style (GQA, SwiGLU, RoPE, untied) megalite checkpoint are written at TP2 x PP2 with
 random weights, exported, and loaded by a megatron-core GPTModel at TP2 built from the ``args`` the export
-saved in common.pt; its logits must equal megalite's own at TP1 (fp32, 1e-5).
+saved in common.pt; its logits must equal megalite's own at TP1 (fp32, 1e-5). The legacy ``--format torch``
+export cut for TP2 loads the same way, each rank's file with ``load_state_dict(strict=True)``.
 """
 
 from __future__ import annotations
@@ -58,6 +59,14 @@ def _load_in_megatron(rank: int, world: int, root: str) -> dict:
         model.load_state_dict(state["model"])
         got = logits(model, TOKENS, args.hidden_size)
         out[name] = got if rank == 0 else None
+        # the legacy export, cut for TP2: this rank's file loaded strictly, as Megatron-LM's --load does
+        legacy = os.path.join(root, name + "_legacy", "iter_0000005", f"mp_rank_{rank:02d}", "model_optim_rng.pt")
+        saved = torch.load(legacy, weights_only=False)
+        assert saved["iteration"] == 5 and saved["args"].tensor_model_parallel_size == 2
+        model = build_gpt(saved["args"], tp=2)
+        model.load_state_dict(saved["model"], strict=True)
+        got = logits(model, TOKENS, args.hidden_size)
+        out[name + "_legacy"] = got if rank == 0 else None
     ps.destroy_model_parallel()
     return out
 
@@ -69,34 +78,44 @@ def exported(tmp_path_factory) -> tuple[str, dict]:
         _megalite_checkpoint(os.path.join(root, name), name)
         assert convert(["to-megatron", "--load", os.path.join(root, name), "--save",
                         os.path.join(root, name + "_mcore"), "--tensor-model-parallel-size", "2"]) == 0
+        for suffix, pp in (("_legacy", "1"), ("_legacy_pp2", "2")):
+            assert convert(["to-megatron", "--load", os.path.join(root, name), "--save",
+                            os.path.join(root, name + suffix), "--format", "torch",
+                            "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", pp]) == 0
     ranks = run_ranks(_load_in_megatron, 2, root, timeout=120)
     return root, ranks[0]
 
 
+@pytest.mark.parametrize("fmt", ["", "_legacy"])
 @pytest.mark.parametrize("name", NAMES)
-def test_megatron_core_loads_the_export_at_tp2_and_gives_megalite_logits(exported, name):
+def test_megatron_core_loads_the_export_at_tp2_and_gives_megalite_logits(exported, name, fmt):
     root, got = exported
     want = _megalite_logits(os.path.join(root, name), ProcessGroups.unconnected(RankLayout(1, 1, 1), 0))
-    assert got[name].shape[-1] == 256  # Megatron's padding of 95 for TP2 (128 x 2)
-    torch.testing.assert_close(got[name][..., :VOCAB], want, rtol=0, atol=1e-5)
+    assert got[name + fmt].shape[-1] == 256  # Megatron's padding of 95 for TP2 (128 x 2)
+    torch.testing.assert_close(got[name + fmt][..., :VOCAB], want, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("fmt", ["_mcore", "_legacy_pp2"])
 @pytest.mark.parametrize("name", NAMES)
-def test_the_export_imports_back_with_the_same_logits(exported, name, tmp_path):
-    """from-megatron of the export: the same model (the args in common.pt describe it), the same logits."""
+def test_the_export_imports_back_with_the_same_logits(exported, name, fmt, tmp_path):
+    """from-megatron of the export (torch_dist; legacy cut for TP2 x PP2): the same model (the args saved
+    with it describe it), the same logits."""
     root, _ = exported
     back = str(tmp_path / "back")
-    assert convert(["from-megatron", "--load", os.path.join(root, name + "_mcore"), "--save", back]) == 0
+    assert convert(["from-megatron", "--load", os.path.join(root, name + fmt), "--save", back]) == 0
     pg = ProcessGroups.unconnected(RankLayout(1, 1, 1), 0)
     torch.testing.assert_close(_megalite_logits(back, pg), _megalite_logits(os.path.join(root, name), pg),
                                rtol=0, atol=0)
 
 
-def test_legacy_format_and_moe_are_refused_by_name(exported, tmp_path, capsys):
+def test_bad_layouts_and_moe_are_refused_by_name(exported, tmp_path, capsys):
     root, _ = exported
     assert convert(["to-megatron", "--load", os.path.join(root, "gpt2"), "--save", str(tmp_path / "o"),
-                    "--format", "torch"]) == 2
-    assert "only torch_dist is exported" in capsys.readouterr().err
+                    "--format", "torch", "--pipeline-model-parallel-size", "3"]) == 2
+    assert "do not split evenly over --pipeline-model-parallel-size 3" in capsys.readouterr().err
+    assert convert(["to-megatron", "--load", os.path.join(root, "gpt2"), "--save", str(tmp_path / "o"),
+                    "--pipeline-model-parallel-size", "2"]) == 2
+    assert "the flag is for --format torch" in capsys.readouterr().err
     _megalite_checkpoint(str(tmp_path / "moe"), "mixtral", tp=1, pp=1)
     assert convert(["to-megatron", "--load", str(tmp_path / "moe"), "--save", str(tmp_path / "o")]) == 2
     assert "exports dense GPT/Llama-style models only" in capsys.readouterr().err

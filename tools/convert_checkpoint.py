@@ -16,7 +16,7 @@
     # a megalite checkpoint -> Megatron-LM's torch_dist folder (dense GPT/Llama-style models), loadable by
     # megatron-core's dist_checkpointing at any TP; --tensor-model-parallel-size pads the vocabulary as
     # Megatron-LM does for that TP
-    python tools/convert_checkpoint.py to-megatron --load ckpt --save megatron_ckpt [--format torch_dist]
+    python tools/convert_checkpoint.py to-megatron --load ckpt --save megatron_ckpt [--format torch_dist|torch]
 
     # a local transformers folder (GPT-2, Llama, Mixtral, Qwen2-MoE) -> a megalite checkpoint to continue pretraining
     python tools/convert_checkpoint.py from-hf --load hf_folder --save ckpt \\
@@ -63,6 +63,7 @@ from megalite.checkpointing.megatron import (  # noqa: E402
     read_megatron,
 )
 from megalite.checkpointing.megatron_export import save_torch_dist  # noqa: E402
+from megalite.checkpointing.megatron_legacy_export import save_legacy  # noqa: E402
 from megalite.checkpointing.metadata import model_config  # noqa: E402
 from megalite.checkpointing.paths import TRACKER, iter_dirname, swap_into_place  # noqa: E402
 from megalite.checkpointing.reader import CheckpointError  # noqa: E402
@@ -352,32 +353,45 @@ def _add_from_megatron(sub, layout) -> None:
 
 
 def cmd_to_megatron(a: argparse.Namespace) -> None:
-    if a.format != "torch_dist":
-        raise ValueError(f"--format {a.format}: only torch_dist is exported (Megatron-LM reads it at any TP/PP)")
+    if a.format == "torch_dist" and a.pipeline_model_parallel_size != 1:
+        raise ValueError("--pipeline-model-parallel-size: a torch_dist export holds whole tensors and loads at any "
+                         "PP; the flag is for --format torch")
     ckpt = FullCheckpoint(a.load, a.iteration)
     if model_config(ckpt.config)[0].num_experts:
         raise ValueError(f"--load {a.load}: an MoE model; to-megatron exports dense GPT/Llama-style models only")
     _refuse_existing(a.save, a.overwrite)
+    tp, pp, dtype = a.tensor_model_parallel_size, a.pipeline_model_parallel_size, DTYPES[a.dtype] if a.dtype else None
     with _staged_output(a.save) as staged:
         os.makedirs(staged)
-        it_dir = save_torch_dist(staged, ckpt.config, ckpt.param, ckpt.iteration,
-                                 tp_hint=a.tensor_model_parallel_size, padded_vocab=a.padded_vocab_size,
-                                 dtype=DTYPES[a.dtype] if a.dtype else None)
-    print(f"wrote {os.path.join(a.save, os.path.basename(it_dir))} (torch_dist, iteration {ckpt.iteration} of "
-          f"{a.load}). Load it in Megatron-LM with --ckpt-format torch_dist --load {a.save}")
+        if a.format == "torch_dist":
+            it_dir = save_torch_dist(staged, ckpt.config, ckpt.param, ckpt.iteration, tp_hint=tp,
+                                     padded_vocab=a.padded_vocab_size, dtype=dtype)
+        else:
+            it_dir = save_legacy(staged, ckpt.config, ckpt.param, ckpt.iteration, tp=tp, pp=pp,
+                                 padded_vocab=a.padded_vocab_size, dtype=dtype)
+    layout = "" if a.format == "torch_dist" else (f" --tensor-model-parallel-size {tp} "
+                                                  f"--pipeline-model-parallel-size {pp}")
+    print(f"wrote {os.path.join(a.save, os.path.basename(it_dir))} ({a.format}, iteration {ckpt.iteration} of "
+          f"{a.load}; weights only). Load it in Megatron-LM with --ckpt-format {a.format} --load {a.save}{layout} "
+          "--no-load-optim --no-load-rng")
 
 
 def _add_to_megatron(sub) -> None:
     """The to-megatron subcommand."""
-    t = sub.add_parser("to-megatron", help="export to a Megatron-LM torch_dist checkpoint (dense models)")
+    t = sub.add_parser("to-megatron", help="export to a Megatron-LM checkpoint, torch_dist or legacy torch "
+                       "(dense models)")
     t.add_argument("--load", required=True, help="checkpoint directory")
     t.add_argument("--save", required=True, help="output Megatron-LM checkpoint directory")
     domain_option(t, "--iteration", domain=ITERATION, integer=True, default=None,
                   help="iteration to read (default: the tracker's)")
     t.add_argument("--format", choices=["torch_dist", "torch"], default="torch_dist",
-                   help="Megatron-LM checkpoint format (only torch_dist is written)")
+                   help="Megatron-LM checkpoint format: torch_dist (loads at any layout) or the legacy torch "
+                   "format (one file per TP x PP rank, loaded at that layout)")
     domain_option(t, "--tensor-model-parallel-size", domain=Domain(lo=1, hi=MAX_COUNT), integer=True, default=1,
-                  help="the TP Megatron-LM will load at: the vocabulary is padded as it pads it")
+                  help="the TP Megatron-LM will load at: the vocabulary is padded as it pads it (--format "
+                  "torch: the TP the files are cut for)")
+    domain_option(t, "--pipeline-model-parallel-size", domain=Domain(lo=1, hi=MAX_COUNT), integer=True, default=1,
+                  help="--format torch: the pipeline stages the files are cut for (layers split evenly)")
     domain_option(t, "--padded-vocab-size", domain=Domain(lo=1, hi=MAX_COUNT), integer=True, default=None,
                   help="embedding rows to write (default: Megatron-LM's padding for the TP above)")
     t.add_argument("--dtype", choices=list(DTYPES), default=None, help="cast weights (default: as saved)")

@@ -106,6 +106,16 @@ def megatron_tensors(config: dict[str, Any], get: Callable[[str], torch.Tensor],
     return out
 
 
+def export_vocab(config: dict[str, Any], padded_vocab: int | None, tp: int) -> int:
+    """The embedding rows an export writes: ``padded_vocab`` if given (never below the vocabulary), else
+    Megatron-LM's padding of the vocabulary for ``tp``."""
+    cfg, vocab = model_config(config)
+    padded = padded_vocab or padded_vocab_size(vocab, cfg.make_vocab_size_divisible_by, tp)
+    if padded < vocab:
+        raise CheckpointError(f"to-megatron: --padded-vocab-size {padded} is below the vocabulary ({vocab})")
+    return padded
+
+
 def _extra_states(num_layers: int) -> dict[str, list[None]]:
     """One empty ``_extra_state`` object per linear and layer, under megatron-core's unique keys. The
     value is the list megatron-core's loader unpickles (torch's planner pickles a non-tensor value itself;
@@ -120,10 +130,8 @@ def save_torch_dist(folder: str, config: dict[str, Any], get: Callable[[str], to
     """Write ``folder``/latest_checkpointed_iteration.txt and ``folder``/iter_XXXXXXX/ in torch_dist format;
     returns the iteration folder. ``tp_hint``: the TP Megatron-LM will load at, for its vocabulary padding
     (``padded_vocab`` overrides it; it must equal what the loading run computes)."""
-    cfg, vocab = model_config(config)
-    padded = padded_vocab or padded_vocab_size(vocab, cfg.make_vocab_size_divisible_by, tp_hint)
-    if padded < vocab:
-        raise CheckpointError(f"to-megatron: --padded-vocab-size {padded} is below the vocabulary ({vocab})")
+    cfg, _ = model_config(config)
+    padded = export_vocab(config, padded_vocab, tp_hint)
     state: dict[str, Any] = {**megatron_tensors(config, get, padded, dtype), **_extra_states(cfg.num_layers)}
     it_dir = os.path.join(folder, iter_dirname(iteration))
     os.makedirs(it_dir, exist_ok=True)
