@@ -112,7 +112,11 @@ def test_bad_layouts_and_moe_are_refused_by_name(exported, tmp_path, capsys):
     root, _ = exported
     assert convert(["to-megatron", "--load", os.path.join(root, "gpt2"), "--save", str(tmp_path / "o"),
                     "--format", "torch", "--pipeline-model-parallel-size", "3"]) == 2
-    assert "do not split evenly over --pipeline-model-parallel-size 3" in capsys.readouterr().err
+    assert "--pipeline-model-parallel-size (3) must divide --num-layers (2)" in capsys.readouterr().err
+    # 2 KV groups at TP4: QKV's 64 rows divide by 4, but a cut there would split each group between two ranks
+    assert convert(["to-megatron", "--load", os.path.join(root, "llama"), "--save", str(tmp_path / "o"),
+                    "--format", "torch", "--tensor-model-parallel-size", "4"]) == 2
+    assert "--tensor-model-parallel-size (4) must divide --num-query-groups (2)" in capsys.readouterr().err
     assert convert(["to-megatron", "--load", os.path.join(root, "gpt2"), "--save", str(tmp_path / "o"),
                     "--pipeline-model-parallel-size", "2"]) == 2
     assert "the flag is for --format torch" in capsys.readouterr().err

@@ -37,6 +37,8 @@ from megalite.checkpointing.megatron_export import (
 from megalite.checkpointing.megatron_legacy import COLUMN, FILE, ROW
 from megalite.checkpointing.metadata import model_config
 from megalite.checkpointing.paths import TRACKER, iter_dirname
+from megalite.config.model import ModelConfig
+from megalite.config.validate import layout_errors
 
 # torch_dist's fused norm names -> the local spec's own state-dict names
 LOCAL_NORMS = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
@@ -61,6 +63,18 @@ def tp_shard(key: str, t: torch.Tensor, tp: int, rank: int, swiglu: bool) -> tor
         gate, up = t.chunk(2, dim=0)
         return torch.cat([gate.chunk(tp)[rank], up.chunk(tp)[rank]]).clone()
     return t.chunk(tp, dim=dim)[rank].clone()
+
+
+def legacy_layout_errors(cfg: ModelConfig, tp: int, pp: int) -> list[str]:
+    """Why the model cannot be cut into Megatron-LM's TP x PP (empty when it can): the training flags'
+    own layout rules, and Megatron-LM's stricter one on KV groups: each TP rank holds whole groups (no
+    replication of a group over ranks), or a group's K/V rows would be cut between two ranks' files."""
+    errors = layout_errors(cfg, tp, pp)
+    groups = cfg.num_query_groups or cfg.num_attention_heads
+    if groups % tp:
+        errors.append(f"--tensor-model-parallel-size ({tp}) must divide --num-query-groups ({groups}): Megatron-LM "
+                      "gives each TP rank whole KV groups")
+    return errors
 
 
 def stage_state(full: dict[str, torch.Tensor], num_layers: int, pp: int, stage: int,
@@ -91,12 +105,11 @@ def save_legacy(folder: str, config: dict[str, Any], get: Callable[[str], torch.
     the iteration folder. ``padded_vocab``: embedding rows (default: Megatron-LM's padding for ``tp``)."""
     cfg, _ = model_config(config)
     padded_vocab = export_vocab(config, padded_vocab, tp)
-    if cfg.num_layers % pp:
-        raise CheckpointError(f"to-megatron --format torch: {cfg.num_layers} layers do not split evenly over "
-                              f"--pipeline-model-parallel-size {pp}")
+    errors = legacy_layout_errors(cfg, tp, pp)
     if padded_vocab % tp:
-        raise CheckpointError(f"to-megatron --format torch: {padded_vocab} embedding rows do not split over "
-                              f"--tensor-model-parallel-size {tp}")
+        errors.append(f"{padded_vocab} embedding rows do not split over --tensor-model-parallel-size {tp}")
+    if errors:
+        raise CheckpointError("to-megatron --format torch: " + "; ".join(errors))
     full = megatron_tensors(config, get, padded_vocab, dtype)
     args = megatron_args(config, padded_vocab)
     args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.ckpt_format = tp, pp, "torch"
