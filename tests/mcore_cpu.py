@@ -77,6 +77,10 @@ def _config(args, tp: int, pp: int):
         moe = dict(num_moe_experts=args.num_experts, moe_ffn_hidden_size=args.moe_ffn_hidden_size,
                    moe_router_topk=args.moe_router_topk, moe_token_dispatcher_type="allgather",
                    moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none")
+        for name in ("moe_shared_expert_intermediate_size", "moe_router_score_function",
+                     "moe_router_enable_expert_bias", "moe_router_pre_softmax", "moe_router_topk_scaling_factor"):
+            if getattr(args, name, None) is not None:  # the router and shared expert the export's args describe
+                moe[name] = getattr(args, name)
     return TransformerConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
         num_attention_heads=args.num_attention_heads,

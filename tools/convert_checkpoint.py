@@ -353,24 +353,24 @@ def _add_from_megatron(sub, layout) -> None:
 
 
 def cmd_to_megatron(a: argparse.Namespace) -> None:
-    if a.format == "torch_dist" and a.pipeline_model_parallel_size != 1:
-        raise ValueError("--pipeline-model-parallel-size: a torch_dist export holds whole tensors and loads at any "
-                         "PP; the flag is for --format torch")
+    for flag in ("pipeline_model_parallel_size", "expert_model_parallel_size"):
+        if a.format == "torch_dist" and getattr(a, flag) != 1:
+            raise ValueError(f"--{flag.replace('_', '-')}: a torch_dist export holds whole tensors and loads at "
+                             "any layout; the flag is for --format torch")
     ckpt = FullCheckpoint(a.load, a.iteration)
-    if model_config(ckpt.config)[0].num_experts:
-        raise ValueError(f"--load {a.load}: an MoE model; to-megatron exports dense GPT/Llama-style models only")
     _refuse_existing(a.save, a.overwrite)
-    tp, pp, dtype = a.tensor_model_parallel_size, a.pipeline_model_parallel_size, DTYPES[a.dtype] if a.dtype else None
+    tp, pp, ep = a.tensor_model_parallel_size, a.pipeline_model_parallel_size, a.expert_model_parallel_size
+    dtype = DTYPES[a.dtype] if a.dtype else None
     with _staged_output(a.save) as staged:
         os.makedirs(staged)
         if a.format == "torch_dist":
             it_dir = save_torch_dist(staged, ckpt.config, ckpt.param, ckpt.iteration, tp_hint=tp,
                                      padded_vocab=a.padded_vocab_size, dtype=dtype)
         else:
-            it_dir = save_legacy(staged, ckpt.config, ckpt.param, ckpt.iteration, tp=tp, pp=pp,
+            it_dir = save_legacy(staged, ckpt.config, ckpt.param, ckpt.iteration, tp=tp, pp=pp, ep=ep,
                                  padded_vocab=a.padded_vocab_size, dtype=dtype)
-    layout = "" if a.format == "torch_dist" else (f" --tensor-model-parallel-size {tp} "
-                                                  f"--pipeline-model-parallel-size {pp}")
+    layout = "" if a.format == "torch_dist" else (f" --tensor-model-parallel-size {tp} --pipeline-model-parallel-size"
+                                                  f" {pp}" + (f" --expert-model-parallel-size {ep}" if ep > 1 else ""))
     print(f"wrote {os.path.join(a.save, os.path.basename(it_dir))} ({a.format}, iteration {ckpt.iteration} of "
           f"{a.load}; weights only). Load it in Megatron-LM with --ckpt-format {a.format} --load {a.save}{layout} "
           "--no-load-optim --no-load-rng")
@@ -379,7 +379,7 @@ def cmd_to_megatron(a: argparse.Namespace) -> None:
 def _add_to_megatron(sub) -> None:
     """The to-megatron subcommand."""
     t = sub.add_parser("to-megatron", help="export to a Megatron-LM checkpoint, torch_dist or legacy torch "
-                       "(dense models)")
+                       "(dense and MoE models)")
     t.add_argument("--load", required=True, help="checkpoint directory")
     t.add_argument("--save", required=True, help="output Megatron-LM checkpoint directory")
     domain_option(t, "--iteration", domain=ITERATION, integer=True, default=None,
@@ -392,6 +392,8 @@ def _add_to_megatron(sub) -> None:
                   "torch: the TP the files are cut for)")
     domain_option(t, "--pipeline-model-parallel-size", domain=Domain(lo=1, hi=MAX_COUNT), integer=True, default=1,
                   help="--format torch: the pipeline stages the files are cut for (layers split evenly)")
+    domain_option(t, "--expert-model-parallel-size", domain=Domain(lo=1, hi=MAX_COUNT), integer=True, default=1,
+                  help="--format torch: the expert-parallel ranks the routed experts are cut for")
     domain_option(t, "--padded-vocab-size", domain=Domain(lo=1, hi=MAX_COUNT), integer=True, default=None,
                   help="embedding rows to write (default: Megatron-LM's padding for the TP above)")
     t.add_argument("--dtype", choices=list(DTYPES), default=None, help="cast weights (default: as saved)")

@@ -17,8 +17,9 @@ tests/test_megatron_export.py against that call):
 
 Next to the tensors: ``metadata.json`` (the backend megatron-core's loader dispatches on) and
 ``common.pt`` (``args`` as Megatron-LM's training loop saves them, iteration, checkpoint version), so
-Megatron-LM's ``--load`` and this project's ``from-megatron`` both read the folder. Routed experts are not
-exported (their per-expert keys depend on the expert layer spec).
+Megatron-LM's ``--load`` and this project's ``from-megatron`` both read the folder. Routed experts are
+written as the local spec's SequentialMLP saves them: stacked [L, E, ...] under
+``mlp.experts.experts.linear_fc1.weight`` (fc2 alike), one ``_extra_state`` object per layer and expert.
 """
 
 from __future__ import annotations
@@ -39,19 +40,22 @@ from megalite.checkpointing.paths import TRACKER, iter_dirname
 from megalite.checkpointing.stored import all_specs
 from megalite.tensor_parallel.layers import padded_vocab_size
 
-# megalite layer suffix -> megatron-core's sharded key suffix (local spec; norms under the fused names)
+# megalite layer suffix -> megatron-core's sharded key suffix (local spec; norms under the fused names; a
+# routed expert's fc1/fc2 stacked [E, ...] under SequentialMLP's sharded key)
 FUSED_NORMS = {"input_norm.weight": "self_attention.linear_qkv.layer_norm_weight",
                "input_norm.bias": "self_attention.linear_qkv.layer_norm_bias",
                "pre_mlp_norm.weight": "mlp.linear_fc1.layer_norm_weight",
                "pre_mlp_norm.bias": "mlp.linear_fc1.layer_norm_bias"}
-EXPORT_LAYER = {**{v: k for k, v in LAYER.items() if v not in FUSED_NORMS}, **FUSED_NORMS}
+EXPERTS = {"mlp.experts.fc1_weight": "mlp.experts.experts.linear_fc1.weight",
+           "mlp.experts.fc2_weight": "mlp.experts.experts.linear_fc2.weight"}
+EXPORT_LAYER = {**{v: k for k, v in LAYER.items() if v not in FUSED_NORMS}, **FUSED_NORMS, **EXPERTS}
 EXPORT_TOP = {"embedding.word.weight": "embedding.word_embeddings.weight",
               "embedding.position.weight": "embedding.position_embeddings.weight",
               "final_norm.weight": "decoder.final_layernorm.weight",
               "final_norm.bias": "decoder.final_layernorm.bias",
               "output_layer.weight": "output_layer.weight"}
 assert all(TOP[v] == k for k, v in EXPORT_TOP.items())
-EXTRA_STATE = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+ATTENTION_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj")
 CHECKPOINT_VERSION = 3.0
 BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
            "common_backend_version": 1}
@@ -62,11 +66,18 @@ ARG_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_hea
               "normalization", "norm_epsilon", "apply_layernorm_1p", "swiglu", "untie_embeddings_and_output_weights",
               "add_qkv_bias", "hidden_dropout", "attention_dropout", "init_method_std",
               "make_vocab_size_divisible_by")
+MOE_ARG_FIELDS = ("num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_shared_expert_intermediate_size",
+                  "moe_router_score_function", "moe_router_pre_softmax", "moe_router_topk_scaling_factor",
+                  "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
+                  "moe_router_enable_expert_bias", "moe_router_bias_update_rate", "moe_expert_capacity_factor",
+                  "moe_token_drop_policy", "moe_pad_expert_input_to_capacity", "moe_token_dispatcher_type")
 
 
 def megatron_args(config: dict[str, Any], padded_vocab: int) -> Namespace:
     """The ``args`` Namespace Megatron-LM would have saved for this model (its own argument names; the
-    inverse of megatron_args.config_from_args), so the folder describes its model without megalite."""
+    inverse of megatron_args.config_from_args), so the folder describes its model without megalite. An MoE
+    model's experts are written as SequentialMLP's (per-expert keys), so ``moe_grouped_gemm`` is False."""
+    cfg, _ = model_config(config)
     fields = {k: config[k] for k in ARG_FIELDS if config.get(k) is not None}
     heads = int(config["num_attention_heads"])
     groups = config.get("num_query_groups") if config.get("group_query_attention") else None
@@ -74,36 +85,66 @@ def megatron_args(config: dict[str, Any], padded_vocab: int) -> Namespace:
                   add_bias_linear=not config.get("disable_bias_linear", False),
                   vocab_size=int(config["vocab_size"]), padded_vocab_size=padded_vocab,
                   tensor_model_parallel_size=1, pipeline_model_parallel_size=1, ckpt_format="torch_dist")
+    if cfg.num_experts:
+        fields.update({k: config[k] for k in MOE_ARG_FIELDS if config.get(k) is not None})
+        fields.update(moe_layer_freq=[int(m) for m in cfg.moe_layers()], moe_grouped_gemm=False,
+                      expert_model_parallel_size=1)
     return Namespace(**fields)
 
 
-def megatron_tensors(config: dict[str, Any], get: Callable[[str], torch.Tensor], padded_vocab: int,
-                     dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """megatron-core's sharded keys -> full tensors, the layers stacked on a leading axis; ``get(key)`` the
-    full tensor of a megalite key."""
+def _refuse_unexported(config: dict[str, Any]) -> None:
+    """What a Megatron-LM model would compute differently: a gated shared expert (Megatron's gate differs
+    from megalite's, as the import refuses it too)."""
+    if config.get("moe_shared_expert_gate"):
+        raise CheckpointError("to-megatron: --moe-shared-expert-gate is not exported (Megatron-LM's shared-expert "
+                              "gate computes another function than megalite's)")
+
+
+def megatron_layers(config: dict[str, Any], get: Callable[[str], torch.Tensor], padded_vocab: int,
+                    dtype: torch.dtype | None = None) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
+    """(top-level tensors, one dict per layer) under megatron-core's names, full tensors; ``get(key)`` the
+    full tensor of a megalite key. A layer's dict holds its own suffixes (a dense layer of an MoE model
+    its fc1/fc2, an MoE layer its router and experts)."""
     cfg, _ = model_config(config)
-    if cfg.num_experts:
-        raise CheckpointError("to-megatron: MoE models are not exported (only dense GPT/Llama-style ones)")
-    keys = list(all_specs(config, 1))
-    out: dict[str, torch.Tensor] = {}
-    per_layer: dict[str, list[torch.Tensor | None]] = {}
-    for key in keys:
+    _refuse_unexported(config)
+    top: dict[str, torch.Tensor] = {}
+    layers: list[dict[str, torch.Tensor]] = [{} for _ in range(cfg.num_layers)]
+    for key in all_specs(config, 1):
         t = get(key)
         t = t.to(dtype) if dtype is not None else t
         if key in EXPORT_TOP:
             if key in ("embedding.word.weight", "output_layer.weight") and t.shape[0] < padded_vocab:
                 t = torch.cat([t, t.new_zeros(padded_vocab - t.shape[0], *t.shape[1:])])
-            out[EXPORT_TOP[key]] = t.contiguous()
+            top[EXPORT_TOP[key]] = t.contiguous()
             continue
         _, i, suffix = key.split(".", 2)
         if suffix not in EXPORT_LAYER:
             raise CheckpointError(f"to-megatron: {key} has no megatron-core counterpart")
-        per_layer.setdefault(EXPORT_LAYER[suffix], [None] * cfg.num_layers)[int(i)] = t
-    for suffix, ts in per_layer.items():
-        if any(t is None for t in ts):
-            raise CheckpointError(f"to-megatron: {suffix} is missing in some layers")
-        out[f"decoder.layers.{suffix}"] = torch.stack(ts).contiguous()  # type: ignore[arg-type]
-    return out
+        layers[int(i)][EXPORT_LAYER[suffix]] = t.contiguous()
+    return top, layers
+
+
+def megatron_tensors(config: dict[str, Any], get: Callable[[str], torch.Tensor], padded_vocab: int,
+                     dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """megatron-core's sharded keys -> full tensors, the layers stacked on a leading axis. A model whose
+    layers differ (MoE only every k-th layer) is refused: torch_dist stacks such keys over some layers
+    only, which this writer does not lay out (the legacy format, per layer, takes it)."""
+    top, layers = megatron_layers(config, get, padded_vocab, dtype)
+    if any(set(layer) != set(layers[0]) for layer in layers):
+        raise CheckpointError("to-megatron --format torch_dist: the layers are not alike (--moe-layer-freq "
+                              "mixes dense and MoE layers); export it with --format torch")
+    stacked = {f"decoder.layers.{suffix}": torch.stack([layer[suffix] for layer in layers]).contiguous()
+               for suffix in layers[0]}
+    return {**top, **stacked}
+
+
+def layer_linears(layer: dict[str, torch.Tensor]) -> list[str]:
+    """The linear modules of one layer (megatron-core's local-spec names), each of which saves an
+    ``_extra_state``: attention's two, the dense MLP's or the shared expert's fc1/fc2 (routed experts
+    apart: one pair per expert)."""
+    mlp = [m for m in ("mlp.linear_fc1", "mlp.linear_fc2", "mlp.shared_experts.linear_fc1",
+                       "mlp.shared_experts.linear_fc2") if f"{m}.weight" in layer]
+    return [*ATTENTION_LINEARS, *mlp]
 
 
 def export_vocab(config: dict[str, Any], padded_vocab: int | None, tp: int) -> int:
@@ -116,12 +157,20 @@ def export_vocab(config: dict[str, Any], padded_vocab: int | None, tp: int) -> i
     return padded
 
 
-def _extra_states(num_layers: int) -> dict[str, list[None]]:
-    """One empty ``_extra_state`` object per linear and layer, under megatron-core's unique keys. The
+def _extra_states(tensors: dict[str, torch.Tensor], num_layers: int) -> dict[str, list[None]]:
+    """One empty ``_extra_state`` object per linear and layer (per layer and expert for routed experts)
+    under megatron-core's unique keys, ``<key>/shard_<offset>_<shape>``, read off the stacked tensors. The
     value is the list megatron-core's loader unpickles (torch's planner pickles a non-tensor value itself;
     a BytesIO would be pickled as a BytesIO)."""
-    return {f"decoder.layers.{module}._extra_state/shard_{i}_{num_layers}": [None]
-            for module in EXTRA_STATE for i in range(num_layers)}
+    out = {f"decoder.layers.{module}._extra_state/shard_{i}_{num_layers}": [None]
+           for module in layer_linears({k.removeprefix("decoder.layers."): t for k, t in tensors.items()})
+           for i in range(num_layers)}
+    fc1 = tensors.get("decoder.layers." + EXPERTS["mlp.experts.fc1_weight"])
+    experts = 0 if fc1 is None else fc1.shape[1]
+    for fc in ("linear_fc1", "linear_fc2"):
+        out.update({f"decoder.layers.mlp.experts.experts.{fc}._extra_state/shard_{i}.{j}_{num_layers}.{experts}":
+                    [None] for i in range(num_layers) for j in range(experts)})
+    return out
 
 
 def save_torch_dist(folder: str, config: dict[str, Any], get: Callable[[str], torch.Tensor], iteration: int,
@@ -132,7 +181,8 @@ def save_torch_dist(folder: str, config: dict[str, Any], get: Callable[[str], to
     (``padded_vocab`` overrides it; it must equal what the loading run computes)."""
     cfg, _ = model_config(config)
     padded = export_vocab(config, padded_vocab, tp_hint)
-    state: dict[str, Any] = {**megatron_tensors(config, get, padded, dtype), **_extra_states(cfg.num_layers)}
+    tensors = megatron_tensors(config, get, padded, dtype)
+    state: dict[str, Any] = {**tensors, **_extra_states(tensors, cfg.num_layers)}
     it_dir = os.path.join(folder, iter_dirname(iteration))
     os.makedirs(it_dir, exist_ok=True)
     compat.save_distributed_checkpoint(state, it_dir)

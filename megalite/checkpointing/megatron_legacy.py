@@ -58,6 +58,13 @@ def _grid(folder: str) -> dict[tuple[int, int, int], str]:
     return files
 
 
+def _ep_without_pp(files: dict[tuple[int, int, int], str], args: Any) -> bool:
+    """Whether ``mp_rank_TT_XXX`` names EP ranks: Megatron-LM adds the PP rank only when PP > 1 and the EP
+    rank only when EP > 1, so a single suffix is the EP rank when the saved args say PP 1."""
+    single = all(k[2] == 0 for k in files) and any(k[1] for k in files)
+    return single and getattr(args, "pipeline_model_parallel_size", None) == 1
+
+
 def _chunks(state: dict[str, Any], path: str) -> list[dict[str, torch.Tensor]]:
     """The model state dict of each model chunk in one file (``model``, or ``model0``, ``model1``...)."""
     if "model" in state:
@@ -87,12 +94,14 @@ class LegacyCheckpoint:
     def __init__(self, folder: str) -> None:
         self.folder = self.where = folder
         files = _grid(folder)
-        self.tp, self.pp, self.ep = (max(k[i] for k in files) + 1 for i in range(3))
         states = {k: load_torch_file(path) for k, path in files.items()}
         for k, s in states.items():
             if not isinstance(s, dict):
                 raise CheckpointError(f"{files[k]}: holds a {type(s).__name__}, not the dict Megatron-LM saves")
         first = states[0, 0, 0]
+        if _ep_without_pp(files, first.get("args")):  # mp_rank_TT_EEE: the one suffix is the EP rank
+            files, states = ({(t, 0, x): v for (t, x, _), v in d.items()} for d in (files, states))
+        self.tp, self.pp, self.ep = (max(k[i] for k in files) + 1 for i in range(3))
         self.common = {k: v for k, v in first.items() if k in ("args", "iteration", "checkpoint_version")}
         self.swiglu = bool(getattr(first.get("args"), "swiglu", False))
         chunks = {k: _chunks(s, files[k]) for k, s in states.items()}

@@ -14,12 +14,16 @@ chosen here:
   layer on the last (a tied model's last stage holds the embedding as ``output_layer.weight``, as
   megatron-core's GPTModel does).
 
-No optimizer or RNG state is written (Megatron-LM then needs ``--no-load-optim --no-load-rng`` or
-``--finetune``); routed experts are not exported.
+Routed experts are written as SequentialMLP's ``local_experts.{j}`` (each expert's fc1/fc2 cut over TP
+like the dense MLP's), split over ``ep`` expert-parallel ranks into ``mp_rank_TT[_PPP]_EEE`` folders (the
+EP suffix only when EP > 1, as Megatron-LM names them), every non-expert tensor repeated in each EP rank's
+file. No optimizer or RNG state is written (Megatron-LM then needs ``--no-load-optim --no-load-rng`` or
+``--finetune``).
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Callable
 from typing import Any
@@ -29,10 +33,11 @@ import torch
 from megalite.checkpointing.errors import CheckpointError
 from megalite.checkpointing.megatron_export import (
     CHECKPOINT_VERSION,
-    EXTRA_STATE,
+    EXPERTS,
     export_vocab,
+    layer_linears,
     megatron_args,
-    megatron_tensors,
+    megatron_layers,
 )
 from megalite.checkpointing.megatron_legacy import COLUMN, FILE, ROW
 from megalite.checkpointing.metadata import model_config
@@ -45,6 +50,8 @@ LOCAL_NORMS = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.w
                "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
                "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
                "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias"}
+# SequentialMLP's sharded (stacked) expert keys -> one expert's own suffix under local_experts.{j}
+EXPERT_SUFFIXES = {v: v.removeprefix("mlp.experts.experts.") for v in EXPERTS.values()}
 
 
 def tp_shard(key: str, t: torch.Tensor, tp: int, rank: int, swiglu: bool) -> torch.Tensor:
@@ -77,19 +84,28 @@ def legacy_layout_errors(cfg: ModelConfig, tp: int, pp: int) -> list[str]:
     return errors
 
 
-def stage_state(full: dict[str, torch.Tensor], num_layers: int, pp: int, stage: int,
-                tied: bool) -> dict[str, torch.Tensor | None]:
-    """The full tensors stage ``stage`` holds, per-layer local-spec names numbered from 0 on the stage."""
-    per = num_layers // pp
+def stage_state(top: dict[str, torch.Tensor], layers: list[dict[str, torch.Tensor]], pp: int, stage: int,
+                tied: bool, ep: int = 1, ep_rank: int = 0) -> dict[str, torch.Tensor | None]:
+    """The full tensors stage ``stage`` (and EP rank ``ep_rank``) holds under the local spec's names,
+    layers numbered from 0 on the stage, routed experts one key pair per local expert numbered from 0."""
+    per = len(layers) // pp
     out: dict[str, torch.Tensor | None] = {}
-    for key, t in full.items():
-        if key.startswith("decoder.layers."):
-            suffix = key.removeprefix("decoder.layers.")
-            for i in range(per):
-                out[f"decoder.layers.{i}.{LOCAL_NORMS.get(suffix, suffix)}"] = t[stage * per + i]
-                for module in EXTRA_STATE:  # the linears' (empty) extra state: a strict load asks for it
-                    out[f"decoder.layers.{i}.{module}._extra_state"] = None
-        elif key.startswith("embedding."):
+    for i, layer in enumerate(layers[stage * per:(stage + 1) * per]):
+        for suffix, t in layer.items():
+            if suffix in EXPERT_SUFFIXES:
+                local = t.shape[0] // ep
+                for j in range(local):
+                    out[f"decoder.layers.{i}.mlp.experts.local_experts.{j}.{EXPERT_SUFFIXES[suffix]}"] = \
+                        t[ep_rank * local + j]
+            else:
+                out[f"decoder.layers.{i}.{LOCAL_NORMS.get(suffix, suffix)}"] = t
+        for module in layer_linears(layer):  # the linears' (empty) extra state: a strict load asks for it
+            out[f"decoder.layers.{i}.{module}._extra_state"] = None
+        for j in range(_experts(layer) // ep):
+            for fc in ("linear_fc1", "linear_fc2"):
+                out[f"decoder.layers.{i}.mlp.experts.local_experts.{j}.{fc}._extra_state"] = None
+    for key, t in top.items():
+        if key.startswith("embedding."):
             if stage == 0:
                 out[key] = t
             if tied and stage == pp - 1 and key == "embedding.word_embeddings.weight" and pp > 1:
@@ -99,8 +115,14 @@ def stage_state(full: dict[str, torch.Tensor], num_layers: int, pp: int, stage: 
     return out
 
 
+def _experts(layer: dict[str, torch.Tensor]) -> int:
+    fc1 = layer.get(EXPERTS["mlp.experts.fc1_weight"])
+    return 0 if fc1 is None else fc1.shape[0]
+
+
 def save_legacy(folder: str, config: dict[str, Any], get: Callable[[str], torch.Tensor], iteration: int, *,
-                tp: int, pp: int, padded_vocab: int | None = None, dtype: torch.dtype | None = None) -> str:
+                tp: int, pp: int, ep: int = 1, padded_vocab: int | None = None,
+                dtype: torch.dtype | None = None) -> str:
     """Write ``folder``/latest_checkpointed_iteration.txt and ``folder``/iter_XXXXXXX/mp_rank_*/; returns
     the iteration folder. ``padded_vocab``: embedding rows (default: Megatron-LM's padding for ``tp``)."""
     cfg, _ = model_config(config)
@@ -108,16 +130,20 @@ def save_legacy(folder: str, config: dict[str, Any], get: Callable[[str], torch.
     errors = legacy_layout_errors(cfg, tp, pp)
     if padded_vocab % tp:
         errors.append(f"{padded_vocab} embedding rows do not split over --tensor-model-parallel-size {tp}")
+    if ep > 1 and (cfg.num_experts or 0) % ep:
+        errors.append(f"--expert-model-parallel-size ({ep}) must divide the routed experts ({cfg.num_experts or 0})")
     if errors:
         raise CheckpointError("to-megatron --format torch: " + "; ".join(errors))
-    full = megatron_tensors(config, get, padded_vocab, dtype)
+    top, layers = megatron_layers(config, get, padded_vocab, dtype)
     args = megatron_args(config, padded_vocab)
     args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.ckpt_format = tp, pp, "torch"
+    if ep > 1:
+        args.expert_model_parallel_size = ep
     it_dir = os.path.join(folder, iter_dirname(iteration))
-    for stage in range(pp):
-        held = stage_state(full, cfg.num_layers, pp, stage, cfg.tied_embeddings)
-        for rank in range(tp):
-            rank_dir = f"mp_rank_{rank:02d}" + (f"_{stage:03d}" if pp > 1 else "")
+    for stage, e in itertools.product(range(pp), range(ep)):
+        held = stage_state(top, layers, pp, stage, cfg.tied_embeddings, ep, e)
+        for rank in range(tp):  # Megatron-LM's file names: the PP rank when PP > 1, the EP rank when EP > 1
+            rank_dir = f"mp_rank_{rank:02d}" + (f"_{stage:03d}" if pp > 1 else "") + (f"_{e:03d}" if ep > 1 else "")
             model = {k: t if t is None else tp_shard(k, t, tp, rank, cfg.swiglu) for k, t in held.items()}
             os.makedirs(os.path.join(it_dir, rank_dir), exist_ok=True)
             torch.save({"model": model, "args": args, "iteration": iteration,
