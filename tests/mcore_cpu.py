@@ -63,6 +63,36 @@ def cpu_shim() -> None:
     filesystem_async._process_memory = lambda: 0
 
 
+class _CpuTorch:
+    """torch as seen by megatron-core's optimizer modules: the small buffers they create with
+    ``device='cuda'`` (loss scale, norm results, overflow flags) made on the CPU; all else is torch."""
+
+    def __getattr__(self, name: str):
+        import torch
+
+        value = getattr(torch, name)
+        if name not in ("tensor", "zeros", "empty", "ones", "full"):
+            return value
+
+        def on_cpu(*args, **kwargs):
+            if str(kwargs.get("device", "")).startswith("cuda"):
+                kwargs["device"] = "cpu"
+            return value(*args, **kwargs)
+
+        return on_cpu
+
+
+def optimizer_cpu_shim() -> None:
+    """megatron-core's non-distributed optimizer on the CPU: its modules' CUDA buffers on the CPU (its
+    fallback optimizer is torch's AdamW; gradient clipping asserts CUDA tensors, so the tests run with
+    ``clip_grad=0``)."""
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer
+
+    for module in (optimizer, distrib_optimizer, clip_grads, utils):
+        module.torch = _CpuTorch()
+
+
 # ---- tiny megatron-core models from Megatron-LM's argument names --------------------------------------
 
 
@@ -154,9 +184,10 @@ def logits(model, tokens, hidden_size: int):
         return out
 
 
-def save_megatron(model, args, folder: str, iteration: int) -> None:
+def save_megatron(model, args, folder: str, iteration: int, optimizer=None) -> None:
     """What Megatron-LM's training loop writes for a torch_dist checkpoint (the model's sharded state, the
-    args, the iteration) and its tracker, written by megatron-core's own dist_checkpointing.save."""
+    args, the iteration; ``optimizer``: the optimizer's sharded state, saved as Megatron-LM saves it) and
+    its tracker, written by megatron-core's own dist_checkpointing.save."""
     import os
 
     import torch.distributed as dist
@@ -167,6 +198,8 @@ def save_megatron(model, args, folder: str, iteration: int) -> None:
         os.makedirs(it_dir, exist_ok=True)
     dist.barrier()
     state = {"model": model.sharded_state_dict(), "args": args, "iteration": iteration, "checkpoint_version": 3.0}
+    if optimizer is not None:
+        state["optimizer"] = optimizer
     dist_checkpointing.save(state, it_dir)
     _tracker(folder, iteration)
 

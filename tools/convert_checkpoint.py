@@ -57,6 +57,7 @@ from megalite.checkpointing.hf import (  # noqa: E402
 )
 from megalite.checkpointing.hf_moe import moe_tp_errors  # noqa: E402
 from megalite.checkpointing.megatron import (  # noqa: E402
+    MegatronCheckpoint,
     checkpoint_format,
     is_megatron_checkpoint,
     iteration_folder,
@@ -68,7 +69,7 @@ from megalite.checkpointing.metadata import model_config  # noqa: E402
 from megalite.checkpointing.paths import TRACKER, iter_dirname, swap_into_place  # noqa: E402
 from megalite.checkpointing.reader import CheckpointError  # noqa: E402
 from megalite.checkpointing.reshard import reshard  # noqa: E402
-from megalite.checkpointing.writer import write_checkpoint  # noqa: E402
+from megalite.checkpointing.writer import OptimizerSource, write_checkpoint  # noqa: E402
 from megalite.config.domain import MAX_COUNT, Domain, domain_option  # noqa: E402
 from megalite.config.flags import domain_of  # noqa: E402
 from megalite.config.parallel import ParallelConfig  # noqa: E402
@@ -321,19 +322,37 @@ def cmd_from_megatron(a: argparse.Namespace) -> None:
     errors = layout_errors(cfg, tp, pp, a.num_layers_per_virtual_pipeline_stage, split) + moe_tp_errors(cfg, tp)
     if errors:
         raise ValueError(f"--load {a.load}: this model cannot be cut into TP={tp} PP={pp}:\n  " + "\n  ".join(errors))
+    optimizer = None if a.no_load_optim else _megatron_optimizer(src)
     note = {"tool": "convert_checkpoint.py from-megatron", "source": os.path.abspath(a.load),
-            "format": src.format, "weights_only": True}
+            "format": src.format, "weights_only": optimizer is None}
     with _staged_output(a.save) as staged:
         path = write_checkpoint(staged, src.config, src.params.__getitem__, tp=tp, pp=pp, note=note,
+                                optimizer=optimizer,
                                 layers_per_virtual_stage=a.num_layers_per_virtual_pipeline_stage,
                                 ep=a.expert_model_parallel_size, etp=a.expert_tensor_parallel_size,
                                 iteration=src.iteration, state=src.state, split=split,
                                 extra={"tokenizer": src.tokenizer} if src.tokenizer else None,
                                 dtype=DTYPES[a.dtype] if a.dtype else None)
     path = os.path.join(a.save, os.path.basename(path))
+    what = src.optimizer_note if optimizer else "weights only" + ("" if a.no_load_optim else f"; {src.optimizer_note}")
     print(f"wrote {path} (TP={tp} PP={pp}, {src.format} checkpoint of iteration {src.iteration}, vocab "
-          f"{src.config['vocab_size']}; weights only). Continue with:\n  --load {a.save} --no-load-optim "
-          f"{model_flags(src.config)}")
+          f"{src.config['vocab_size']}; {what}). Continue with:\n  --load {a.save}"
+          f"{' --no-load-optim' if optimizer is None else ''} {model_flags(src.config)}")
+
+
+def _megatron_optimizer(src: MegatronCheckpoint) -> OptimizerSource | None:
+    """The imported Adam state as the writer's source (fp32 main params: Megatron's fp32_param where it kept
+    one, else the weights themselves), or None when the checkpoint holds none megalite reads."""
+    if src.optimizer is None:
+        return None
+    state = src.optimizer
+
+    def get(key: str, name: str) -> torch.Tensor:
+        if name == "main" and key not in state.get("main", {}):
+            return src.params[key].float()
+        return state[name][key]
+
+    return OptimizerSource(get, src.optimizer_step)
 
 
 def _add_from_megatron(sub, layout) -> None:
@@ -347,6 +366,8 @@ def _add_from_megatron(sub, layout) -> None:
     domain_option(m, "--vocab-size", domain=Domain(lo=1, hi=MAX_COUNT), integer=True, default=None,
                   help="true vocabulary size: drop Megatron's padding rows (default: args.vocab_size, else all rows)")
     m.add_argument("--dtype", choices=list(DTYPES), default=None, help="cast weights (default: as stored)")
+    m.add_argument("--no-load-optim", action="store_true", help="leave the Adam state out (by default it is "
+                   "imported when the checkpoint holds it in torch_dist's model-space layout)")
     m.add_argument("--overwrite", action="store_true", help="replace a non-empty --save folder")
     layout(m)
     m.set_defaults(func=cmd_from_megatron)

@@ -21,7 +21,14 @@ import torch
 
 from megalite.checkpointing.errors import CheckpointError
 from megalite.checkpointing.megatron_args import config_from_args
-from megalite.checkpointing.megatron_names import check_params, to_megalite
+from megalite.checkpointing.megatron_names import (
+    OPTIMIZER_FIELDS as OPTIMIZER_STATE_FIELDS,
+)
+from megalite.checkpointing.megatron_names import (
+    check_params,
+    split_optimizer_keys,
+    to_megalite,
+)
 
 TRACKER = "latest_checkpointed_iteration.txt"
 TOKENIZER_ARGS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model")
@@ -79,6 +86,9 @@ class MegatronCheckpoint:
     state: dict[str, Any] = field(default_factory=dict)
     layout: dict[str, Any] = field(default_factory=dict)  # the TP / PP sizes it was saved at (from its args)
     tokenizer: dict[str, Any] | None = None  # the run's tokenizer flags (megalite's names are Megatron-LM's)
+    optimizer: dict[str, dict[str, torch.Tensor]] | None = None  # field (exp_avg, exp_avg_sq, main) -> key -> full
+    optimizer_step: float = 0.0  # Adam's step count (its bias correction)
+    optimizer_note: str = "the checkpoint holds no optimizer state"  # why ``optimizer`` is None
 
 
 def _vocab(args: Any, rows: int, vocab_size: int | None, where: str) -> int:
@@ -114,6 +124,7 @@ def read_megatron(load_dir: str, iteration: int | None = None, vocab_size: int |
         raise CheckpointError(f"{folder}: neither a torch_dist checkpoint (.metadata, common.pt) nor a legacy "
                               "one (mp_rank_*/model_optim_rng.pt)")
     args = common.get("args")
+    keys, optim_keys, other = split_optimizer_keys(keys)
     params = to_megalite(keys, get, where)
     emb = params.get("embedding.word.weight")
     if emb is None:
@@ -124,4 +135,31 @@ def read_megatron(load_dir: str, iteration: int | None = None, vocab_size: int |
     layout = {"tp": getattr(args, "tensor_model_parallel_size", None),
               "pp": getattr(args, "pipeline_model_parallel_size", None)}
     tokenizer = {k: getattr(args, k, None) for k in TOKENIZER_ARGS} if getattr(args, "tokenizer_type", None) else None
-    return MegatronCheckpoint(folder, fmt, config, params, it, _state(common, args, it), layout, tokenizer)
+    out = MegatronCheckpoint(folder, fmt, config, params, it, _state(common, args, it), layout, tokenizer)
+    if other and not optim_keys:
+        out.optimizer_note = (f"its optimizer state is in a layout not read ({other[0]}: the distributed "
+                              "optimizer's buffers); only the weights are imported")
+    elif optim_keys:
+        out.optimizer, out.optimizer_step = _optimizer(optim_keys, get, common, config, where)
+        out.optimizer_note = f"Adam state of step {out.optimizer_step:g} imported"
+    return out
+
+
+def _optimizer(fields: dict[str, list[str]], get: Any, common: dict[str, Any], config: dict[str, Any],
+               where: str) -> tuple[dict[str, dict[str, torch.Tensor]], float]:
+    """The optimizer state of torch_dist's model-space keys as megalite's full tensors per field (each
+    checked as a parameter is: every parameter, its full shape, the vocabulary padding dropped), and the
+    step count from common.pt."""
+    missing = [f for f in ("exp_avg", "exp_avg_sq") if f not in fields]
+    if missing:
+        raise CheckpointError(f"{where}: its optimizer state has no {missing[0]} (Adam's moments are read)")
+    prefix = {v: k for k, v in OPTIMIZER_STATE_FIELDS.items()}
+    out = {}
+    for name, keys in fields.items():
+        tensors = to_megalite(keys, lambda k, f=name: get(f"optimizer.state.{prefix[f]}.{k}"), where)
+        checked = check_params(tensors, config, f"{where} (optimizer {name})")
+        out[name] = {k: t.float() for k, t in checked.items()}
+    step = ((common.get("optimizer") or {}).get("state") or {}).get("common_step")
+    if not isinstance(step, torch.Tensor | int | float) or not float(step) >= 0:
+        raise CheckpointError(f"{where}: common.pt's optimizer.state.common_step ({step!r}) is not a step count")
+    return out, float(step)

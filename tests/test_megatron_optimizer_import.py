@@ -1,0 +1,113 @@
+"""Promise (docs/checkpoints.md, "Megatron-LM checkpoints"): a torch_dist checkpoint Megatron-LM saved with
+its optimizer (its default) imports, and ``from-megatron`` carries its Adam state over: every parameter's
+moments under megalite's name, full, and the step count.
+
+The reference is megatron-core on the CPU over gloo (tests/mcore_cpu.py): its GPTModel at TP2 wrapped in
+its DistributedDataParallel, its optimizer from ``get_megatron_optimizer`` (torch's AdamW when neither
+apex nor Transformer Engine is installed), two steps, then ``dist_checkpointing.save`` of the model's and
+the optimizer's sharded state as Megatron-LM's training loop saves them. Each rank also keeps its own
+moments per parameter name, joined here over TP by the parameter's own ``partition_dim``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from megalite.checkpointing.full_reader import FullCheckpoint
+from megalite.checkpointing.megatron_names import to_megalite
+from tests.harness import run_ranks
+from tests.test_megatron_import import CASES, TOKENS
+from tools.convert_checkpoint import main as convert
+
+pytest.importorskip("megatron.core")
+
+NAMES = ("gpt2", "llama")
+STEPS = 2
+
+
+def _train_and_save(rank: int, world: int, root: str) -> dict:
+    """Each case trained STEPS steps by megatron-core at TP2 and saved with its optimizer; this rank's
+    moments per parameter name, with how the parameter is cut."""
+    from tests.mcore_cpu import build_gpt, cpu_shim, optimizer_cpu_shim, save_megatron
+
+    cpu_shim()
+    optimizer_cpu_shim()
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=2)
+    out = {}
+    for name in NAMES:
+        args = CASES[name]
+        model = build_gpt(args, tp=2).train()
+        ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
+        opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.1, clip_grad=0.0,
+                                                     bf16=False, fp16=False), [ddp])
+        b, s = TOKENS.shape
+        mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1).view(1, 1, s, s)
+        for _ in range(STEPS):
+            ddp.zero_grad_buffer()
+            opt.zero_grad()
+            ddp(TOKENS, torch.arange(s).expand(b, s), mask).square().mean().backward()
+            ddp.finish_grad_sync()
+            assert opt.step()[0]
+        save_megatron(model, args, os.path.join(root, name), STEPS,
+                      optimizer=opt.sharded_state_dict(model.sharded_state_dict()))
+        inner = opt.chained_optimizers[0].optimizer if hasattr(opt, "chained_optimizers") else opt.optimizer
+        out[name] = {n: ({k: v.clone() for k, v in inner.state[p].items()},
+                         getattr(p, "partition_dim", -1) if getattr(p, "tensor_model_parallel", False) else -1)
+                     for n, p in model.named_parameters()}
+    ps.destroy_model_parallel()
+    return out
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> tuple[str, list[dict]]:
+    root = str(tmp_path_factory.mktemp("megatron_optim"))
+    return root, run_ranks(_train_and_save, 2, root, timeout=180)
+
+
+def _joined(per_rank: list[dict], name: str, field: str, swiglu: bool) -> torch.Tensor:
+    """The full moment of one megatron-core parameter from its TP shards (SwiGLU's fc1 as [gate; up])."""
+    shards = [r[name][0][field] for r in per_rank]
+    dim = per_rank[0][name][1]
+    if dim < 0:
+        assert all(torch.equal(t, shards[0]) for t in shards)
+        return shards[0]
+    if swiglu and "linear_fc1" in name:
+        halves = [t.chunk(2) for t in shards]
+        return torch.cat([torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])])
+    return torch.cat(shards, dim=dim)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_from_megatron_carries_the_adam_state_over(saved, name, tmp_path, capsys):
+    root, ranks = saved
+    per_rank = [r[name] for r in ranks]
+    out = str(tmp_path / "imported")
+    assert convert(["from-megatron", "--load", os.path.join(root, name), "--save", out,
+                    "--tensor-model-parallel-size", "2"]) == 0
+    assert f"Adam state of step {STEPS} imported" in capsys.readouterr().out
+    ckpt = FullCheckpoint(out)
+    assert ckpt.has_optimizer() and ckpt.optimizer_step() == STEPS
+    names = list(per_rank[0])
+    for field in ("exp_avg", "exp_avg_sq"):
+        want = to_megalite(names, lambda n, f=field: _joined(per_rank, n, f, CASES[name].swiglu), "reference")
+        assert sorted(want) == sorted(ckpt.keys())
+        for key, t in want.items():
+            assert torch.count_nonzero(t) > 0, key  # two steps of a real gradient: the test compares something
+            torch.testing.assert_close(ckpt.optim(key, field), t, rtol=0, atol=0, msg=f"{key} {field}")
+    for key in ckpt.keys():  # an fp32 run's main parameters are its weights
+        torch.testing.assert_close(ckpt.optim(key, "main"), ckpt.param(key).float(), rtol=0, atol=0)
+
+
+def test_no_load_optim_imports_the_weights_only(saved, tmp_path, capsys):
+    root, _ = saved
+    out = str(tmp_path / "weights")
+    assert convert(["from-megatron", "--load", os.path.join(root, "gpt2"), "--save", out, "--no-load-optim"]) == 0
+    assert "weights only" in capsys.readouterr().out
+    assert not FullCheckpoint(out).has_optimizer()
