@@ -29,6 +29,7 @@ from megalite.pipeline.executor import PipelinePass, PipelineRecord
 from megalite.pipeline.p2p_plan import needed, produced
 from megalite.pipeline.schedule_table import ScheduleSpec, build_tables
 from megalite.pipeline.schedules import forward_backward
+from megalite.pipeline.stages import StageMap
 from tests.harness import run_ranks
 
 H = 4
@@ -54,15 +55,18 @@ def _step(chunk: nn.Module, mb: dict, hidden: torch.Tensor | None) -> torch.Tens
 
 
 def record_training(world: int, tp: int, pp: int, vp: int, m: int, kind: str = "1f1b",
-                    forward_only: bool = False, sync: bool = False) -> list[list]:
-    """Every rank's recorded p2p events for one step of the real executor (no communication)."""
+                    forward_only: bool = False, sync: bool = False, stages: StageMap | None = None) -> list[list]:
+    """Every rank's recorded p2p events for one step of the real executor (no communication). Which chunk
+    holds the loss comes from the schedule's own placement (the executor's: the V under ZB-V) unless
+    ``stages`` says otherwise."""
     layout = RankLayout(world, tp, pp)
+    stages = stages or ScheduleSpec(pp, vp, m, kind).stages
     logs = []
     for rank in range(world):
         pg = ProcessGroups.unconnected(layout, rank, record=True)
         chunks = [Stage() for _ in range(vp)]
         for c, chunk in enumerate(chunks):
-            chunk.last = c * pp + pg.pp_rank == pp * vp - 1
+            chunk.last = stages.stage(pg.pp_rank, c) == stages.last
         record = PipelineRecord(synchronize=True) if sync else None
         forward_backward(PipelinePass(chunks, [{}] * m, _step, pg, SHAPE, forward_only=forward_only, record=record),
                          kind)
@@ -88,6 +92,28 @@ GRID = [(p, v, m, kind) for p in (2, 3, 4, 8) for v in (1, 2, 3) for kind in ("1
 def test_recorded_training_traffic_is_nccl_safe(p, v, m, kind):
     replay(record_training(p, 1, p, v, m, kind))
     replay(record_training(p, 1, p, v, m, kind, forward_only=True))
+
+
+ZB_CHUNKS = {"zb-h1": 1, "zbv": 2}  # zbv: two chunks per rank in a V; both take any m >= 1
+ZB_GRID = [(p, m, kind) for p in (2, 3, 4, 8) for kind in ZB_CHUNKS for m in sorted({1, 2, p, 2 * p, 4 * p + 1})]
+
+
+@pytest.mark.parametrize("p,m,kind", ZB_GRID, ids=lambda x: str(x))
+def test_recorded_zero_bubble_traffic_is_nccl_safe(p, m, kind):
+    """ZB-H1 and ZB-V, m below, at and above p: the B/W split and the V's turn (a hand-off on rank p - 1)."""
+    v = ZB_CHUNKS[kind]
+    for forward_only in (False, True):
+        logs = record_training(p, 1, p, v, m, kind, forward_only=forward_only)
+        assert all(any(isinstance(e, Post) for e in log) for log in logs)
+        replay(logs)
+
+
+def test_zero_bubble_replay_needs_the_v_placement():
+    """Teeth: recorded as if ZB-V's chunks were round-robin, rank p - 1's chunk 1 hands on a loss (a scalar)
+    where its neighbour receives hidden states, and the checker reports the mismatch."""
+    with pytest.raises(NcclCheckError, match=r"from rank 3 to rank 2 is sent as activation chunk 1 micro-batch 0 "
+                       r"\[\] but received as activation chunk 1 micro-batch 0 \[2, 1, 4\]"):
+        replay(record_training(4, 1, 4, 2, 4, "zbv", forward_only=True, stages=StageMap(4, 2)))
 
 
 @pytest.mark.parametrize("tp,dp,p,v,m", [(2, 2, 2, 2, 4), (2, 1, 4, 2, 8), (1, 2, 4, 1, 6), (2, 2, 2, 1, 3)])

@@ -5,8 +5,8 @@
   micro-batches between F and W (1F1B's peak); ZB-V holds at most 2p chunk-micro-batches (p stages' worth);
 - with F = B = W the simulator gives ZB-H1 a bubble of (p - 1) steps, a third of 1F1B's 3(p - 1) (m >= p),
   and ZB-V p - 1 chunk steps (m >= p), the least a V allows; both complete for every m >= 1;
-- the message rounds of both are planned (no deadlock), a V turn is a hand-off on the rank, and the
-  recorded batches replay under the NCCL checker;
+- the message rounds of both are planned (no deadlock) and a V turn is a hand-off on the rank (the batches
+  the executor posts are replayed under the NCCL checker in tests/test_nccl_protocol.py, not here);
 - the V placement: chunk 0 is stage r, chunk 1 stage 2p - 1 - r, the loss on rank 0.
 """
 

@@ -2,14 +2,15 @@
 process loss curve and grad norms (fp32, relative 1e-5, 5 iterations) at p = 2 and p = 4, with TP2 + SP, DP2
 with the distributed optimizer and --overlap-grad-reduce, ZeRO-2 (overlapped) and ZeRO-3 with the fused output
 layer + cross-entropy, CP2, full recomputation, and MoE with EP2 (the backward split into B and W:
-tests/test_split_backward.py); every layout under NCCL's point-to-point rules, one also on plain gloo;
+tests/test_split_backward.py), and at m = 1, 3 (below p) and 8 micro-batches per step besides 2 and 4; every
+layout under NCCL's point-to-point rules, one also on plain gloo;
 evaluation (forward only) through the same placement. The tables themselves: tests/test_zero_bubble_tables.py."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.layouts import LayoutMatrix
+from tests.layouts import LayoutMatrix, ModeCache, assert_matches_serial, layout_curves, serial_curve
 from tests.tp_utils import LLAMA_GQA, layout_flat
 
 VOCAB = 256
@@ -39,6 +40,7 @@ LAYOUTS = {
     "zbv_pp2_dp2_distopt": (1, 2, 1, {"pipeline_schedule": "zbv", **DPO, **EVAL}),
     "zbv_pp2_dp2_recompute": (1, 2, 1, {"pipeline_schedule": "zbv", **RECOMPUTE}),
     "zbv_pp2_ep2": (1, 2, 1, {"pipeline_schedule": "zbv", "expert_model_parallel_size": 2}),
+    "zbv_pp2_dp2": (1, 2, 1, {"pipeline_schedule": "zbv"}),
 }
 CASES = [("llama4", "zbh1_pp4"), ("llama4", "zbh1_pp2_tp2_sp"), ("llama4", "zbh1_pp2_dp2_distopt"),
          ("llama4", "zbh1_pp2_dp2_recompute"), ("moe4", "zbh1_pp2_ep2"), ("llama4", "zbh1_pp2_zero2"),
@@ -47,6 +49,10 @@ CASES = [("llama4", "zbh1_pp4"), ("llama4", "zbh1_pp2_tp2_sp"), ("llama4", "zbh1
          ("llama4", "zbv_pp2_dp2_recompute"), ("moe4", "zbv_pp2_ep2"), ("tied4", "zbv_pp2_dp2_distopt"),
          ("tied4", "zbv_pp2_tp2_sp")]
 GLOO_CASES = [("llama4", "zbv_pp2_tp2_sp")]
+# (model, layout, m): micro-batches per step other than the cases' 2 and 4 (m < p, odd m, m = 4p), under NCCL
+# semantics only; the global batch is m x DP, in the serial run too
+M_CASES = [("llama4", "zbh1_pp4", 1), ("llama4", "zbh1_pp4", 3), ("llama8", "zbv_pp4", 3),
+           ("llama4", "zbv_pp2_dp2", 3), ("llama4", "zbv_pp2_dp2", 8)]
 
 
 def flat(model: str, tp: int = 1, pp: int = 1, cp: int = 1, **extra) -> dict:
@@ -59,3 +65,25 @@ MATRIX = LayoutMatrix(4, flat, LAYOUTS, CASES, GLOO_CASES)
 @pytest.mark.parametrize("mode,model,layout", MATRIX.params())
 def test_zero_bubble_curve_matches_serial(mode, model, layout):
     MATRIX.check(mode, model, layout, ITERS)
+
+
+def _batch(layout: str, m: int) -> int:
+    """The global batch that gives ``m`` micro-batches of one sample per step on 4 ranks."""
+    tp, pp, cp, _ = LAYOUTS[layout]
+    return m * 4 // (tp * pp * cp)
+
+
+def _launch_m(mode: str) -> list[dict]:
+    runs = {(model, layout, m): flat(model, *LAYOUTS[layout][:3], global_batch_size=_batch(layout, m),
+                                     **LAYOUTS[layout][3]) for model, layout, m in M_CASES}
+    return layout_curves(4, runs)
+
+
+M_CURVES = ModeCache(_launch_m)
+
+
+@pytest.mark.parametrize("model,layout,m", M_CASES)
+def test_zero_bubble_curve_matches_serial_at_other_m(model, layout, m):
+    """Both schedules' tables at m < p and odd m, run on real ranks under NCCL's point-to-point rules."""
+    ref = serial_curve(flat(model, global_batch_size=_batch(layout, m)))
+    assert_matches_serial(M_CURVES("nccl_semantics"), (model, layout, m), ref, ITERS)
