@@ -88,6 +88,69 @@ def test_b_queues_weight_grads_and_w_adds_them(name):
     assert params[0] in fired, "W's accumulation did not fire the gradient hook"
 
 
+CALLS: list[bool] = []  # one per grouped GEMM: whether it ran with autograd recording (an unsplit F)
+
+
+def _loop_grouped_mm(x: torch.Tensor, weight_t: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """A reference grouped GEMM for builds without one (the CPU's): each group's rows times its weight_t."""
+    CALLS.append(torch.is_grad_enabled())
+    ends = offs.tolist()
+    starts = [0] + ends[:-1]
+    return torch.cat([x[a:b] @ weight_t[e] for e, (a, b) in enumerate(zip(starts, ends, strict=True))])
+
+
+@pytest.fixture
+def grouped_mm(monkeypatch):
+    """The grouped GEMM this build has, else the reference one in its place (the code path is the same)."""
+    from megalite import compat
+
+    CALLS.clear()
+    if not compat.grouped_mm_supported("cpu", torch.float32):
+        monkeypatch.setattr(compat, "grouped_mm_supported", lambda device, dtype: True)
+        monkeypatch.setattr(compat, "grouped_mm", _loop_grouped_mm)
+    yield
+    CALLS.clear()
+
+
+def test_moe_grouped_keeps_the_grouped_gemm_in_f_and_b_and_defers_w(grouped_mm):
+    """--moe-grouped-gemm under the split: F and B's input gradient are grouped GEMMs, the weight gradient
+    waits for W, and after W every gradient is the unsplit one."""
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(3, 8, 12))  # 16-byte row strides: the grouped GEMM takes them
+    rows = torch.randn(7, 12, requires_grad=True)
+
+    def fn():
+        return grouped_linear(rows, weight, [3, 0, 4], True) * torch.arange(8.0)
+
+    ref_params, ref_inputs = _reference(fn, [rows], [weight])
+    patched = bool(CALLS)
+    CALLS.clear()
+    after_b, after_w, input_grads, pending, nbytes = _split(fn, [rows], [weight])
+    assert after_b[0] is None and pending == 1 and nbytes > 0, "the experts' weight gradient was not deferred"
+    assert after_w[0] is not None
+    if patched:  # the reference GEMM counts its calls: one in F, one for B's input gradient, none in W
+        assert CALLS == [False, False], CALLS
+    torch.testing.assert_close(after_w[0], ref_params[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(input_grads[0], ref_inputs[0], rtol=1e-5, atol=1e-6)
+
+
+def test_moe_grouped_whole_model_split_equals_unsplit(grouped_mm):
+    cfg = ModelConfig(**{**LLAMA_GQA, "hidden_size": 32, "num_experts": 4, "moe_router_topk": 2,
+                         "moe_ffn_hidden_size": 32, "moe_grouped_gemm": True})
+    model = build(cfg, PG, 64)
+    tokens = torch.randint(0, 64, (2, 16))
+    params = [p for p in model.parameters() if p.requires_grad]
+    names = {id(p): n for n, p in model.named_parameters()}
+    ref, _ = _reference(lambda: model(tokens, labels=tokens).mean(), [], params)
+    CALLS.clear()
+    after_b, after_w, _, _, _ = _split(lambda: model(tokens, labels=tokens).mean(), [], params)
+    for got, want in zip(after_w, ref, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    experts = [n for p, g in zip(params, after_b, strict=True) if "experts" in (n := names[id(p)])]
+    assert experts and all(g is None for p, g in zip(params, after_b, strict=True) if names[id(p)] in experts)
+    assert not CALLS or (len(CALLS) == 2 * 2 * cfg.num_layers and not any(CALLS)), CALLS  # fc1, fc2: F, B
+
+
 @pytest.mark.parametrize("extra", [{}, {"recompute_granularity": "full", "recompute_method": "uniform",
                                         "recompute_num_layers": 1},
                                    {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 32}],

@@ -38,16 +38,22 @@ def _grouped_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return all(n * x.element_size() % 16 == 0 for n in (x.shape[1], weight.shape[1]))
 
 
+def _grouped_fits(x: torch.Tensor, weight: torch.Tensor, grouped: bool) -> bool:
+    """Whether the grouped GEMM runs here: rows to multiply, a torch and device that have it, sizes it takes."""
+    return grouped and x.shape[0] > 0 and compat.grouped_mm_supported(x.device.type, x.dtype) \
+        and _grouped_mm_fits(x, weight)
+
+
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int], grouped: bool) -> torch.Tensor:
     """Rows of ``x`` [n, in], consecutive blocks of ``counts`` rows, each times its expert's ``weight[e]``
     [out, in] transposed: [n, out]. Grouped where possible, else (no rows, sizes it refuses, a torch without it) the
-    loop. In a split backward (``tensor_parallel/weight_grad.py``) the per-expert loop whose weight gradient
-    is deferred to W."""
-    deferrable = experts_linear(x, weight, counts)
+    loop. In a split backward (``tensor_parallel/weight_grad.py``) F and B keep the grouped GEMM where it runs
+    and only the weight gradient, deferred to W, loops over the experts."""
+    fits = _grouped_fits(x, weight, grouped)
+    deferrable = experts_linear(x, weight, counts, compat.grouped_mm if fits else None)
     if deferrable is not None:
         return deferrable
-    if grouped and x.shape[0] > 0 and compat.grouped_mm_supported(x.device.type, x.dtype) \
-            and _grouped_mm_fits(x, weight):
+    if fits:
         offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
         return _ContiguousGrad.apply(compat.grouped_mm(x, weight.transpose(1, 2), offs))
     parts = x.split(counts)

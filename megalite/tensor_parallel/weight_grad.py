@@ -137,30 +137,47 @@ def linear(x: torch.Tensor, weight: nn.Parameter, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+GroupedMM = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
 class _DeferrableExperts(torch.autograd.Function):
     """The local experts' GEMMs over consecutive row blocks (x [n, in], weight [E, out, in]), the stacked
-    weight's gradient deferrable as one W."""
+    weight's gradient deferrable as one W. With ``grouped`` (a grouped GEMM, ``mm(x, w_t, offs)``) F and B's
+    input gradient stay one grouped GEMM each; only W, off the critical path, loops over the experts."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: nn.Parameter, counts: list[int]) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: nn.Parameter, counts: list[int], grouped: GroupedMM | None):
         ctx.save_for_backward(x, weight)
-        ctx.counts = counts
+        ctx.counts, ctx.grouped = counts, grouped
+        if grouped is not None:
+            return grouped(x, weight.transpose(1, 2), _offsets(counts, x.device))
         return torch.cat([p @ weight[e].t() for e, p in enumerate(x.split(counts))])
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
         x, weight = ctx.saved_tensors
         counts = ctx.counts
-        grad_x = torch.cat([q @ weight[e] for e, q in enumerate(g.split(counts))])
+        g = g.contiguous()
+        if ctx.grouped is not None:
+            grad_x = ctx.grouped(g, weight, _offsets(counts, g.device))
+        else:
+            grad_x = torch.cat([q @ weight[e] for e, q in enumerate(g.split(counts))])
 
         def grad_w() -> torch.Tensor:
             return torch.stack([q.t() @ p for q, p in zip(g.split(counts), x.split(counts), strict=True)])
 
-        return grad_x, weight_grad(weight, grad_w, g, x), None
+        return grad_x, weight_grad(weight, grad_w, g, x), None, None
 
 
-def experts_linear(x: torch.Tensor, weight: nn.Parameter, counts: list[int]) -> torch.Tensor | None:
-    """The experts' GEMMs on the deferrable path, or None where no store is armed (the caller's kernels)."""
+def _offsets(counts: list[int], device: torch.device) -> torch.Tensor:
+    """The grouped GEMM's group ends."""
+    return torch.tensor(counts, device=device).cumsum(0).to(torch.int32)
+
+
+def experts_linear(x: torch.Tensor, weight: nn.Parameter, counts: list[int],
+                   grouped: GroupedMM | None = None) -> torch.Tensor | None:
+    """The experts' GEMMs on the deferrable path (F and B's input gradient through ``grouped`` where
+    given), or None where no store is armed (the caller's kernels)."""
     if armed() and weight.requires_grad and torch.is_grad_enabled() and x.shape[0] > 0:
-        return _DeferrableExperts.apply(x, weight, list(counts))
+        return _DeferrableExperts.apply(x, weight, list(counts), grouped)
     return None
