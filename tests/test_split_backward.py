@@ -3,7 +3,8 @@ gradients and the gradients of norms, biases, embeddings and the router, and que
 of the linear layers, the output layer (fused or not) and the experts for W; W adds them through
 autograd, so after W every gradient equals the unsplit backward's and the accumulation hooks fire. In a
 pipeline pass the W's pending match the table's count, and with --overlap-grad-reduce no bucket starts
-reducing while a W that touches it is queued."""
+reducing while a W that touches it is queued: under ZB-H1 and ZB-V each starts strictly after the last W
+that adds into one of its parameters."""
 
 from __future__ import annotations
 
@@ -222,8 +223,11 @@ def test_pipeline_pass_zb_h1_equals_1f1b_and_defers_as_the_table_says():
         assert zlive == live, "ZB-H1 holds 1F1B's activations in flight"
 
 
-# --overlap-grad-reduce: every bucket starts during the pass, and never while a W that touches it is queued
-EVENTS: list[tuple[str, int, bool]] = []  # ("pass" | "end", 0, _) , ("start", bucket, touched), ("buckets", n, _)
+# --overlap-grad-reduce: every bucket starts during the pass, and only after the last W that adds into it
+# Events in order (the index is the sequence number): ("pass" | "end", None, _), ("w", id(param), _) just
+# before a W adds that parameter's gradient, ("start", id(bucket), (queued-W-touches-it, its param ids)),
+# ("buckets", n, _) per buffer at the step's finish.
+EVENTS: list[tuple[str, int | None, object]] = []
 STORE: list[WeightGradStore | None] = [None]
 
 
@@ -232,47 +236,79 @@ def _spy() -> None:
     from megalite.pipeline import schedules
     from megalite.training import train_step
 
-    start, finish = grad_buffer.GradBuffer._start, grad_buffer.GradBuffer.finish_grad_sync
+    start, finish, defer = grad_buffer.GradBuffer._start, grad_buffer.GradBuffer.finish_grad_sync, WeightGradStore.defer
 
     def spy_start(self, bucket):
         if bucket.work is None and STORE[0] is not None:
-            EVENTS.append(("start", id(bucket), bool(STORE[0].queued() & set(bucket.params))))
+            touched = bool(STORE[0].queued() & set(bucket.params))
+            EVENTS.append(("start", id(bucket), (touched, frozenset(id(p) for p in bucket.params))))
         return start(self, bucket)
 
     def spy_finish(self):
-        EVENTS.append(("buckets", len(self.buckets), False))
+        EVENTS.append(("buckets", len(self.buckets), None))
         return finish(self)
+
+    def spy_defer(self, key, param, fn, kept):
+        def recorded():
+            EVENTS.append(("w", id(param), None))
+            return fn()
+        return defer(self, key, param, recorded, kept)
 
     def spy_forward_backward(job, schedule="1f1b"):
         STORE[0] = None if job.forward_only else WeightGradStore()
-        EVENTS.append(("pass", 0, False))
+        EVENTS.append(("pass", None, None))
         try:
             return schedules.forward_backward(dataclasses.replace(job, weight_grads=STORE[0]), schedule)
         finally:
-            EVENTS.append(("end", 0, False))
+            EVENTS.append(("end", None, None))
             STORE[0] = None
 
     grad_buffer.GradBuffer._start, grad_buffer.GradBuffer.finish_grad_sync = spy_start, spy_finish
+    WeightGradStore.defer = spy_defer
     train_step.forward_backward = spy_forward_backward
 
 
-def _events(res, pg) -> list[tuple[str, int, bool]]:
+def _events(res, pg) -> list[tuple[str, int | None, object]]:
     return list(EVENTS)
 
 
-def test_overlapped_buckets_start_after_their_last_w():
+def _check_pass(events: list, i: int) -> int:
+    """One pass from ``events[i]``: every bucket starts inside it, strictly after the last W adding into any
+    of its parameters; returns how many buckets had such a W."""
+    end = next(j for j in range(i, len(events)) if events[j][0] == "end")
+    last_w: dict[int, int] = {}  # param id -> sequence number of its last W in the pass
+    starts: dict[int, tuple[int, frozenset]] = {}
+    for k in range(i, end):
+        kind, key, info = events[k]
+        if kind == "w":
+            last_w[key] = k
+        elif kind == "start":
+            starts[key] = (k, info[1])
+    touched = 0
+    for at, params in starts.values():
+        last = max((last_w[p] for p in params if p in last_w), default=None)
+        if last is not None:
+            touched += 1
+            assert at > last, f"bucket started at event {at}, before its last W at {last}"
+    nxt = next((j for j in range(end, len(events)) if events[j][0] == "pass"), len(events))
+    buckets = sum(n for kind, n, _ in events[end:nxt] if kind == "buckets")
+    assert len(starts) == buckets > 1, (len(starts), buckets)  # all started inside the pass
+    return touched
+
+
+@pytest.mark.parametrize("schedule", ["zb-h1", "zbv"])
+def test_overlapped_buckets_start_after_their_last_w(schedule):
     flat = layout_flat({**LLAMA_GQA, "hidden_size": 32, "num_layers": 4}, vocab=64, iters=2, tp=1, pp=2,
-                       pipeline_schedule="zb-h1", use_distributed_optimizer=True, overlap_grad_reduce=True,
+                       pipeline_schedule=schedule, use_distributed_optimizer=True, overlap_grad_reduce=True,
                        ddp_bucket_size=3000)
     for curve in layout_curves(4, {"run": flat}, extract={"run": _events}, prepare=_spy):
         events = curve["run"].extra
-        assert not [e for e in events if e[0] == "start" and e[2]], "a bucket started while a W touching it was queued"
+        early = [e for e in events if e[0] == "start" and e[2][0]]
+        assert not early, "a bucket started while a W touching it was queued"
         passes = [i for i, e in enumerate(events) if e[0] == "pass"]
+        assert len(passes) == 2
         for i in passes:
-            end = next(j for j in range(i, len(events)) if events[j][0] == "end")
-            during = {b for kind, b, _ in events[i:end] if kind == "start"}
-            buckets = next(n for kind, n, _ in events[end:] if kind == "buckets")
-            assert len(during) == buckets > 1, (len(during), buckets)  # all started inside the pass
+            assert _check_pass(events, i) > 1, "some buckets must take gradients from W's"
 
 
 def test_bf16_split_equals_unsplit():

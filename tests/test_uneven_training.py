@@ -1,7 +1,8 @@
 """Promise (docs/parallelism.md, "Uneven pipeline stages"): a pipeline cut unevenly (Megatron-LM's
 --decoder-first/last-pipeline-num-layers, the account-for flags, --num-virtual-stages-per-pipeline-rank, a
 --pipeline-model-parallel-layout string; ZB-V's V) gives the single-process loss curve and grad norms (fp32,
-relative 1e-5), with TP2 + SP, DP2 with the distributed optimizer, full recomputation and MoE with EP2, under
+relative 1e-5) under every schedule (1F1B, interleaved, GPipe, ZB-H1, ZB-V), with TP2 + SP, DP2 with the
+distributed optimizer (ZB-V's also overlapping its grad reduce), full recomputation and MoE with EP2, under
 NCCL's point-to-point rules (one also on plain gloo). Checkpoints are layout-free: one saved with an uneven
 split continues at an even one on the uninterrupted curve and the other way round, a ZB-V checkpoint
 continues under 1F1B and back; inference loads an uneven checkpoint at an uneven layout with the
@@ -44,10 +45,19 @@ LAYOUTS = {
                                              "account_for_loss_in_pipeline_split": True}),
     "pp4_layout": (1, 4, 1, {"pipeline_model_parallel_layout": "E|t*4|ttt|t*3L"}),
     "zbv_pp2_first1_last3": (1, 2, 1, {"pipeline_schedule": "zbv", **FIRST1_LAST3}),
+    "zbh1_pp4_first1_last3": (1, 4, 1, {"pipeline_schedule": "zb-h1", **FIRST1_LAST3}),
+    "gpipe_pp4_first1_last3": (1, 4, 1, {"pipeline_schedule": "gpipe", **FIRST1_LAST3}),
+    "zbv_pp2_tp2_sp_first1_last3": (2, 2, 1, {"pipeline_schedule": "zbv", "sequence_parallel": True,
+                                              **FIRST1_LAST3}),
+    "zbv_pp2_dp2_distopt_overlap_first1_last3": (1, 2, 1, {"pipeline_schedule": "zbv",
+                                                           "use_distributed_optimizer": True,
+                                                           "overlap_grad_reduce": True, **FIRST1_LAST3}),
 }
 CASES = [("l10", "pp2_tp2_sp_first3"), ("l10", "pp2_dp2_distopt_last4"),
          ("l10", "pp2_dp2_recompute_first4"), ("moe6", "pp2_ep2_first2"), ("l10", "pp2_interleaved_first2"),
-         ("l10", "pp4_account_embedding_loss"), ("l10", "pp4_layout"), ("l10", "zbv_pp2_first1_last3")]
+         ("l10", "pp4_account_embedding_loss"), ("l10", "pp4_layout"), ("l10", "zbv_pp2_first1_last3"),
+         ("l10", "zbh1_pp4_first1_last3"), ("l10", "gpipe_pp4_first1_last3"), ("l10", "zbv_pp2_tp2_sp_first1_last3"),
+         ("l10", "zbv_pp2_dp2_distopt_overlap_first1_last3")]
 # 1, 3, 3, 3 layers over 4 stages through pretrain_gpt.py, on plain gloo and under NCCL's rules: the
 # pp4_uneven case of tests/test_cli_layouts.py
 

@@ -2,9 +2,10 @@
 process loss curve and grad norms (fp32, relative 1e-5, 5 iterations) at p = 2 and p = 4, with TP2 + SP, DP2
 with the distributed optimizer and --overlap-grad-reduce, ZeRO-2 (overlapped) and ZeRO-3 with the fused output
 layer + cross-entropy, CP2, full recomputation, and MoE with EP2 (the backward split into B and W:
-tests/test_split_backward.py), and at m = 1, 3 (below p) and 8 micro-batches per step besides 2 and 4; every
-layout under NCCL's point-to-point rules, one also on plain gloo;
-evaluation (forward only) through the same placement. The tables themselves: tests/test_zero_bubble_tables.py."""
+tests/test_split_backward.py), and at m = 1, 3 (below p) and 8 micro-batches per step besides 2 and 4; in bf16
+(W's bf16 weight gradients added into the fp32 main grads) ZB-H1 gives the single-process bf16 curve at the same
+tolerance; every layout under NCCL's point-to-point rules, one also on plain gloo; evaluation (forward only)
+through the same placement. The tables themselves: tests/test_zero_bubble_tables.py."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from tests.tp_utils import LLAMA_GQA, layout_flat
 VOCAB = 256
 ITERS = 5
 MODELS = {"llama4": {**LLAMA_GQA, "num_layers": 4, "hidden_size": 32},
+          "llama4_bf16": {**LLAMA_GQA, "num_layers": 4, "hidden_size": 32, "bf16": True},  # against serial bf16
           "llama8": {**LLAMA_GQA, "num_layers": 8, "hidden_size": 32},
           "tied4": {**LLAMA_GQA, "num_layers": 4, "hidden_size": 32, "untie_embeddings_and_output_weights": False},
           "moe4": {**LLAMA_GQA, "num_layers": 4, "hidden_size": 32, "num_experts": 4, "moe_router_topk": 2,
@@ -47,7 +49,7 @@ CASES = [("llama4", "zbh1_pp4"), ("llama4", "zbh1_pp2_tp2_sp"), ("llama4", "zbh1
          ("llama4", "zbh1_pp2_zero3_fused_ce"), ("llama4", "zbh1_pp2_cp2"),
          ("llama8", "zbv_pp4"), ("llama4", "zbv_pp2_tp2_sp"), ("llama4", "zbv_pp2_dp2_distopt"),
          ("llama4", "zbv_pp2_dp2_recompute"), ("moe4", "zbv_pp2_ep2"), ("tied4", "zbv_pp2_dp2_distopt"),
-         ("tied4", "zbv_pp2_tp2_sp")]
+         ("tied4", "zbv_pp2_tp2_sp"), ("llama4_bf16", "zbh1_pp4"), ("llama4_bf16", "zbh1_pp2_dp2_distopt")]
 GLOO_CASES = [("llama4", "zbv_pp2_tp2_sp")]
 # (model, layout, m): micro-batches per step other than the cases' 2 and 4 (m < p, odd m, m = 4p), under NCCL
 # semantics only; the global batch is m x DP, in the serial run too
