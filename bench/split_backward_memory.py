@@ -3,7 +3,9 @@
 Between a micro-batch's B and its W the split backward keeps, for every GEMM whose weight gradient W
 computes, its input and its output gradient; everything else of that micro-batch is freed by B as in an
 unsplit backward. So ZB-H1's activations in flight are 1F1B's (p − r micro-batches on rank r), plus, at
-the moment after a B, r + 1 micro-batches' worth of these bytes (rank r defers r W's).
+the moment after a B, r + 1 micro-batches' worth of these bytes (rank r defers r W's). ZB-V's pending W's
+are of both chunks of a rank, which keep different bytes (rank 0's chunk 1 holds the output layer), so its
+peak is the table played with each W's own chunk's bytes (``peak_table_bytes``).
 
   python bench/split_backward_memory.py            # the formula against the store's count, one rank
   python bench/split_backward_memory.py --tp 2     # on 2 ranks with TP2 + sequence parallelism
@@ -21,6 +23,9 @@ import torch
 
 from megalite.config.model import ModelConfig
 from megalite.parallel.groups import ProcessGroups
+from megalite.pipeline.schedule_table import ScheduleSpec, build_tables
+from megalite.pipeline.stages import StageMap
+from megalite.pipeline.timeline import peak_pending_w_bytes
 from megalite.tensor_parallel.weight_grad import WeightGradStore
 
 
@@ -55,6 +60,26 @@ def deferred_w_bytes(cfg: ModelConfig, layers: int, tokens: int, padded_vocab: i
     """One pending W of a stage holding ``layers`` dense layers (and the output layer with ``output``)."""
     total = element * layers * layer_elements(cfg, tokens, tp, sp)
     return total + (output_bytes(cfg, tokens, padded_vocab, tp, sp, element) if output else 0)
+
+
+def chunk_w_bytes(cfg: ModelConfig, stages: StageMap, rank: int, chunk: int, tokens: int, padded_vocab: int,
+                  tp: int = 1, sp: bool = False, element: int = 4) -> int:
+    """One pending W of (rank, chunk) with the layers cut evenly over the virtual stages: its layers', plus
+    the output layer's where it holds the last stage (under the V, rank 0's chunk 1). The embedding adds
+    nothing: its gradient is computed in B."""
+    layers = cfg.num_layers // (stages.last + 1)
+    output = stages.stage(rank, chunk) == stages.last
+    return deferred_w_bytes(cfg, layers, tokens, padded_vocab, tp, sp, output, element)
+
+
+def peak_table_bytes(cfg: ModelConfig, spec: ScheduleSpec, rank: int, tokens: int, padded_vocab: int,
+                     tp: int = 1, sp: bool = False, element: int = 4) -> int:
+    """The most bytes rank ``rank``'s pending W's keep at once: its table played, each B adding and each W
+    freeing its own chunk's ``chunk_w_bytes`` (ZB-H1: the count times one W; ZB-V: mixed chunks)."""
+    def one(chunk: int) -> int:
+        return chunk_w_bytes(cfg, spec.stages, rank, chunk, tokens, padded_vocab, tp, sp, element)
+
+    return peak_pending_w_bytes(build_tables(spec)[rank], one)
 
 
 def _model(cfg: ModelConfig, pg: ProcessGroups, vocab: int) -> tuple[torch.nn.Module, bool]:
