@@ -251,12 +251,18 @@ def test_bf16_split_equals_unsplit():
         torch.testing.assert_close(got, want, rtol=2e-2, atol=1e-3)
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["unfused_output", "fused_output"])
-def test_deferred_bytes_equal_the_formula(fused):
-    """docs/design.md's deferred-W bytes: what the store keeps after one B equals the formula exactly."""
+MOE = {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 32}
+
+
+@pytest.mark.parametrize("extra", [{}, {"cross_entropy_loss_fusion": True}, MOE,
+                                   {**MOE, "moe_shared_expert_intermediate_size": 48, "moe_layer_freq": "2"}],
+                         ids=["unfused_output", "fused_output", "moe", "moe_shared_mixed"])
+def test_deferred_bytes_equal_the_formula(extra):
+    """docs/design.md's deferred-W bytes: what the store keeps after one B equals the formula exactly (with
+    MoE layers, the routed experts' rows and the shared expert included)."""
     from bench.split_backward_memory import measure
 
-    cfg = ModelConfig(**{**LLAMA_GQA, "hidden_size": 32, "num_layers": 2, "cross_entropy_loss_fusion": fused})
+    cfg = ModelConfig(**{**LLAMA_GQA, "hidden_size": 32, "num_layers": 2, **extra})
     got, want = measure(cfg, PG, 16, 2, 64)
     assert got == want > 0
 
