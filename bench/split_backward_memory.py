@@ -1,4 +1,4 @@
-"""Bytes a zero-bubble schedule keeps for one deferred W, by formula and measured (docs/design.md §3.11).
+"""Bytes a zero-bubble schedule keeps for one deferred W, by formula and measured (docs/design.md §3.4).
 
 Between a micro-batch's B and its W the split backward keeps, for every GEMM whose weight gradient W
 computes, its input and its output gradient; everything else of that micro-batch is freed by B as in an
