@@ -12,7 +12,8 @@ played with them, real p = 2 steps of 1F1B against ZB-H1 and ZB-V, the timeline 
 3. p2: real ``train_step`` runs on 2 gloo ranks (one thread each), 1F1B, ZB-H1 and ZB-V side by side,
    their steps alternating: the step's span and idle fraction from the PipelineRecord timelines (and the
    table replayed with its measured durations), the fastest of ``--steps`` steps and the medians; peak
-   activations in flight, W's pending and their bytes against the formula.
+   activations in flight, W's pending and their bytes against the formula's peak (the table played with
+   each W's chunk's bytes, ``split_backward_memory.peak_table_bytes``).
 4. --plot FILE: 1F1B, interleaved 1F1B, ZB-H1 and ZB-V at p = 4, m = 8 with the measured chunk times.
 
     OMP_NUM_THREADS=1 python bench/bench_zero_bubble.py [--plot docs/pipeline_zero_bubble.png]
@@ -34,7 +35,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.bench_pipeline import MICRO_BATCH, MODEL, VOCAB, groups, make_cfg  # noqa: E402
-from bench.split_backward_memory import deferred_w_bytes  # noqa: E402
+from bench.split_backward_memory import deferred_w_bytes, peak_table_bytes  # noqa: E402
 from bench.zero_bubble_formulas import paper_bubble  # noqa: E402
 from megalite.config.arguments import MegaliteConfig  # noqa: E402
 from megalite.config.model import ModelConfig  # noqa: E402
@@ -219,8 +220,7 @@ def p2_rows(m: int, repeats: int) -> list[dict]:
                          idle_median=statistics.median(s["idle"] for s in steps),
                          peak_live=[x["peak_live"] for x in last], peak_deferred=[x["peak_deferred"] for x in last],
                          deferred_bytes=[x["deferred_bytes"] for x in last],
-                         formula=None if kind == "zbv" else  # a V's pending W's mix chunks (the loss on rank 0)
-                         [x["peak_deferred"] * expected_w_bytes(r, 2, x["padded_vocab"]) for r, x in enumerate(last)]))
+                         formula=[expected_peak_bytes(kind, r, m, x["padded_vocab"]) for r, x in enumerate(last)]))
     return rows
 
 
@@ -233,11 +233,11 @@ def replay(events: dict[int, list], kind: str, m: int) -> float:
     return bubble_fraction(trace)
 
 
-def expected_w_bytes(rank: int, p: int, padded_vocab: int) -> int:
-    """One pending W's bytes on pipeline rank ``rank``: its layers' GEMMs, and the unfused output layer's
-    on the last rank."""
-    return deferred_w_bytes(model_cfg(), MODEL["num_layers"] // p, MODEL["seq_length"] * MICRO_BATCH, padded_vocab,
-                            output=rank == p - 1)
+def expected_peak_bytes(kind: str, rank: int, m: int, padded_vocab: int) -> int:
+    """The formula's peak bytes of pending W's on pipeline rank ``rank`` at p = 2: the table played with each
+    W's chunk's bytes (its layers' GEMMs; the unfused output layer's where the chunk holds the loss)."""
+    spec = ScheduleSpec(2, SCHEDULES[kind][1], m, kind)
+    return peak_table_bytes(model_cfg(), spec, rank, MODEL["seq_length"] * MICRO_BATCH, padded_vocab)
 
 
 def print_p2(rows: list[dict], repeats: int) -> None:
@@ -250,7 +250,7 @@ def print_p2(rows: list[dict], repeats: int) -> None:
         ratio = r["span"] / base[r["m"]]["span"]
         print(f"| {r['m']} | {r['kind']} | {r['span']:.3f} | {ratio:.3f} | {r['idle']:.3f} | {r['replayed']:.3f} | "
               f"{r['step_s']:.3f} | {r['span_median']:.3f} | {r['idle_median']:.3f} | {r['peak_live']} | "
-              f"{r['peak_deferred']} | {r['deferred_bytes']} | {r['formula'] or '—'} |")
+              f"{r['peak_deferred']} | {r['deferred_bytes']} | {r['formula']} |")
 
 
 # ---- 4. the picture -----------------------------------------------------------------------------------

@@ -1,9 +1,11 @@
-"""Bytes a zero-bubble schedule keeps for one deferred W, by formula and measured (docs/design.md §3.11).
+"""Bytes a zero-bubble schedule keeps for one deferred W, by formula and measured (docs/design.md §3.4).
 
 Between a micro-batch's B and its W the split backward keeps, for every GEMM whose weight gradient W
 computes, its input and its output gradient; everything else of that micro-batch is freed by B as in an
 unsplit backward. So ZB-H1's activations in flight are 1F1B's (p − r micro-batches on rank r), plus, at
-the moment after a B, r + 1 micro-batches' worth of these bytes (rank r defers r W's).
+the moment after a B, r + 1 micro-batches' worth of these bytes (rank r defers r W's). ZB-V's pending W's
+are of both chunks of a rank, which keep different bytes (rank 0's chunk 1 holds the output layer), so its
+peak is the table played with each W's own chunk's bytes (``peak_table_bytes``).
 
   python bench/split_backward_memory.py            # the formula against the store's count, one rank
   python bench/split_backward_memory.py --tp 2     # on 2 ranks with TP2 + sequence parallelism
@@ -21,23 +23,43 @@ import torch
 
 from megalite.config.model import ModelConfig
 from megalite.parallel.groups import ProcessGroups
+from megalite.pipeline.schedule_table import ScheduleSpec, build_tables
+from megalite.pipeline.stages import StageMap
+from megalite.pipeline.timeline import peak_pending_w_bytes
 from megalite.tensor_parallel.weight_grad import WeightGradStore
 
 
-def layer_elements(cfg: ModelConfig, tokens: int, tp: int, sp: bool) -> int:
-    """Elements one dense transformer layer keeps for W: per GEMM its input and its output gradient.
+def layer_elements(cfg: ModelConfig, tokens: int, tp: int, sp: bool, moe: bool = False,
+                   routed_rows: int | None = None) -> int:
+    """Elements one transformer layer keeps for W: per GEMM its input and its output gradient.
 
     tokens = s·b. Column-parallel GEMMs (QKV, fc1) take the full input, or its 1/tp sequence shard with
     SP (all-gathered again in W), and give 1/tp of the outputs; row-parallel ones (proj, fc2) take 1/tp
-    of the inputs and give the full output, whose gradient is whole on every rank."""
-    h, d, f = cfg.hidden_size, cfg.kv_channels, cfg.ffn_hidden_size
+    of the inputs and give the full output, whose gradient is whole on every rank. An MoE layer (``moe``)
+    has no dense MLP: its experts' fc1 and fc2 keep the same per routed row (``expert_elements``) and its
+    shared expert, if any, a dense MLP's."""
+    h, d = cfg.hidden_size, cfg.kv_channels
     qkv_out = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * d
     col_in = h // tp if sp else h
-    qkv = col_in + qkv_out // tp
-    proj = cfg.num_attention_heads * d // tp + h
-    fc1 = col_in + (2 * f if cfg.swiglu else f) // tp
-    fc2 = f // tp + h
-    return tokens * (qkv + proj + fc1 + fc2)
+    attention = col_in + qkv_out // tp + cfg.num_attention_heads * d // tp + h
+    if not moe:
+        return tokens * (attention + _mlp(cfg, cfg.ffn_hidden_size, col_in, tp))
+    shared = cfg.moe_shared_expert_intermediate_size
+    rows = tokens * cfg.moe_router_topk if routed_rows is None else routed_rows
+    return tokens * (attention + (_mlp(cfg, shared, col_in, tp) if shared else 0)) + expert_elements(cfg, rows)
+
+
+def _mlp(cfg: ModelConfig, ffn: int, col_in: int, tp: int) -> int:
+    """Per token, a dense MLP of width ``ffn``: fc1's input and output gradient, fc2's."""
+    return col_in + (2 * ffn if cfg.swiglu else ffn) // tp + ffn // tp + cfg.hidden_size
+
+
+def expert_elements(cfg: ModelConfig, rows: int, etp: int = 1) -> int:
+    """The routed experts' of one MoE layer: the rows its local experts received (s·b·k with EP = 1 and no
+    capacity drop; with EP, what the dispatch brought, which depends on the routing), each keeping fc1's
+    input (h) and output gradient (f₁/etp) and fc2's input (f/etp) and output gradient (h)."""
+    f = cfg.expert_ffn_hidden_size
+    return rows * (2 * cfg.hidden_size + ((2 * f if cfg.swiglu else f) + f) // etp)
 
 
 def output_bytes(cfg: ModelConfig, tokens: int, padded_vocab: int, tp: int, sp: bool, element: int) -> int:
@@ -51,10 +73,32 @@ def output_bytes(cfg: ModelConfig, tokens: int, padded_vocab: int, tp: int, sp: 
 
 
 def deferred_w_bytes(cfg: ModelConfig, layers: int, tokens: int, padded_vocab: int, tp: int = 1, sp: bool = False,
-                     output: bool = True, element: int = 4) -> int:
-    """One pending W of a stage holding ``layers`` dense layers (and the output layer with ``output``)."""
-    total = element * layers * layer_elements(cfg, tokens, tp, sp)
+                     output: bool = True, element: int = 4, moe_layers: int = 0) -> int:
+    """One pending W of a stage holding ``layers`` layers, ``moe_layers`` of them MoE (and the output layer
+    with ``output``)."""
+    total = element * (layers - moe_layers) * layer_elements(cfg, tokens, tp, sp)
+    total += element * moe_layers * layer_elements(cfg, tokens, tp, sp, moe=True) if moe_layers else 0
     return total + (output_bytes(cfg, tokens, padded_vocab, tp, sp, element) if output else 0)
+
+
+def chunk_w_bytes(cfg: ModelConfig, stages: StageMap, rank: int, chunk: int, tokens: int, padded_vocab: int,
+                  tp: int = 1, sp: bool = False, element: int = 4) -> int:
+    """One pending W of (rank, chunk) with the layers cut evenly over the virtual stages: its layers', plus
+    the output layer's where it holds the last stage (under the V, rank 0's chunk 1). The embedding adds
+    nothing: its gradient is computed in B."""
+    layers = cfg.num_layers // (stages.last + 1)
+    output = stages.stage(rank, chunk) == stages.last
+    return deferred_w_bytes(cfg, layers, tokens, padded_vocab, tp, sp, output, element)
+
+
+def peak_table_bytes(cfg: ModelConfig, spec: ScheduleSpec, rank: int, tokens: int, padded_vocab: int,
+                     tp: int = 1, sp: bool = False, element: int = 4) -> int:
+    """The most bytes rank ``rank``'s pending W's keep at once: its table played, each B adding and each W
+    freeing its own chunk's ``chunk_w_bytes`` (ZB-H1: the count times one W; ZB-V: mixed chunks)."""
+    def one(chunk: int) -> int:
+        return chunk_w_bytes(cfg, spec.stages, rank, chunk, tokens, padded_vocab, tp, sp, element)
+
+    return peak_pending_w_bytes(build_tables(spec)[rank], one)
 
 
 def _model(cfg: ModelConfig, pg: ProcessGroups, vocab: int) -> tuple[torch.nn.Module, bool]:
@@ -86,7 +130,8 @@ def measure(cfg: ModelConfig, pg: ProcessGroups, s: int, b: int, vocab: int) -> 
     tokens = torch.randint(0, vocab, (b, s), generator=torch.Generator().manual_seed(0))
     store = WeightGradStore()
     _step(model, tokens, store)
-    formula = deferred_w_bytes(cfg, cfg.num_layers, s * b, model.padded_vocab, pg.tp_size, sp)
+    formula = deferred_w_bytes(cfg, cfg.num_layers, s * b, model.padded_vocab, pg.tp_size, sp,
+                               moe_layers=sum(cfg.moe_layers()))
     return store.pending_bytes(), formula
 
 

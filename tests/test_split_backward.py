@@ -180,47 +180,74 @@ def test_whole_model_split_equals_unsplit(extra):
         assert any("experts" in n for n in deferred), deferred
 
 
-def _pass(rank: int, world: int) -> dict:
-    """One pipeline pass of a tiny model on 2 stages, 1F1B and ZB-H1: gradients, peaks."""
+PASS_CFG = {**LLAMA_GQA, "hidden_size": 32, "num_layers": 4}
+
+
+def _chunks(pg: ProcessGroups, cfg: ModelConfig, schedule: str) -> list[torch.nn.Module]:
+    """This rank's model chunks of a 2-stage pipeline: one (1F1B, ZB-H1) or two in a V (ZB-V)."""
     from megalite.model.build import initialize_parameters
     from megalite.model.gpt import GPTModel
-    from megalite.parallel.layout import RankLayout
-    from megalite.pipeline.executor import PipelineRecord
     from megalite.pipeline.partition import chunk_layers
-    from megalite.pipeline.schedule_table import ScheduleSpec, build_tables
+    from megalite.pipeline.stages import StageMap
     from megalite.tensor_parallel.context import BuildContext
     from megalite.tensor_parallel.random import model_parallel_seed
+
+    stages = StageMap(2, 2, v_shape=True) if schedule == "zbv" else StageMap(2)
+    chunks = []
+    for c in range(stages.vp):
+        stage = stages.stage(pg.pp_rank, c)
+        model = GPTModel(cfg, BuildContext(pg, model_parallel_seed(1234, 0, stage)), 64,
+                         layer_numbers=chunk_layers(4, 2, stages.vp, pg.pp_rank, c, stages),
+                         pre_process=stage == 0, post_process=stage == stages.last)
+        initialize_parameters(model, pg, 1234, cfg.init_method_std, cfg.num_layers)
+        chunks.append(model)
+    return chunks
+
+
+def _pass(rank: int, world: int) -> dict:
+    """One pipeline pass of a tiny model on 2 stages, 1F1B, ZB-H1 and ZB-V: gradients, peaks, the bytes the
+    pending W's kept against the formula's peak (``split_backward_memory.peak_table_bytes``)."""
+    from bench.split_backward_memory import peak_table_bytes
+    from megalite.parallel.layout import RankLayout
+    from megalite.pipeline.executor import PipelineRecord
+    from megalite.pipeline.schedule_table import ScheduleSpec, build_tables
     from megalite.training.train_step import run_microbatches
 
     pg = ProcessGroups.build(RankLayout(world, 1, 2), rank)
-    cfg = ModelConfig(**{**LLAMA_GQA, "hidden_size": 32, "num_layers": 4})
-    tracker = model_parallel_seed(1234, 0, pg.pp_rank)
-    model = GPTModel(cfg, BuildContext(pg, tracker), 64, layer_numbers=chunk_layers(4, 2, 1, pg.pp_rank, 0),
-                     pre_process=pg.pp_rank == 0, post_process=pg.pp_rank == 1)
-    initialize_parameters(model, pg, 1234, cfg.init_method_std, cfg.num_layers)
+    cfg = ModelConfig(**PASS_CFG)
+    one = _chunks(pg, cfg, "1f1b")
     g = torch.Generator().manual_seed(7)
     mbs = [{"tokens": torch.randint(0, 64, (1, 16), generator=g), "labels": torch.randint(0, 64, (1, 16), generator=g),
             "loss_mask": torch.ones(1, 16)} for _ in range(6)]
     out = {}
-    for schedule in ("1f1b", "zb-h1"):
-        model.zero_grad(set_to_none=True)
+    for schedule in ("1f1b", "zb-h1", "zbv"):
+        chunks = _chunks(pg, cfg, schedule) if schedule == "zbv" else one
+        for model in chunks:
+            model.zero_grad(set_to_none=True)
         record = PipelineRecord()
-        losses = run_microbatches([model], mbs, pg, schedule=schedule, record=record)
-        table = build_tables(ScheduleSpec(2, 1, 6, schedule))[pg.pp_rank]
-        out[schedule] = ({n: p.grad.clone() for n, p in model.named_parameters()}, [float(x) for x in losses],
-                         record.peak_deferred, peak_pending_w(table), record.peak_live)
+        losses = run_microbatches(chunks, mbs, pg, schedule=schedule, record=record)
+        spec = ScheduleSpec(2, len(chunks), 6, schedule)
+        formula = peak_table_bytes(cfg, spec, pg.pp_rank, 16, chunks[0].padded_vocab)
+        out[schedule] = ({n: p.grad.clone() for n, p in one[0].named_parameters()}, [float(x) for x in losses],
+                         record.peak_deferred, peak_pending_w(build_tables(spec)[pg.pp_rank]), record.peak_live,
+                         record.peak_deferred_bytes, formula)
     return out
 
 
 def test_pipeline_pass_zb_h1_equals_1f1b_and_defers_as_the_table_says():
     for rank, out in enumerate(run_ranks(_pass, 2)):
-        grads, losses, _, _, live = out["1f1b"]
-        zgrads, zlosses, peak, table_peak, zlive = out["zb-h1"]
+        grads, losses, _, _, live, _, _ = out["1f1b"]
+        zgrads, zlosses, peak, table_peak, zlive, nbytes, formula = out["zb-h1"]
         assert zlosses == pytest.approx(losses, rel=1e-6)
         for n, g in grads.items():
             torch.testing.assert_close(zgrads[n], g, rtol=1e-5, atol=1e-7)
         assert peak == table_peak == rank + 1, (rank, peak, table_peak)  # rank r defers r W's past its B
         assert zlive == live, "ZB-H1 holds 1F1B's activations in flight"
+        assert nbytes == formula > 0, (rank, nbytes, formula)  # the count times one W's bytes
+        _, _, vpeak, vtable_peak, _, vbytes, vformula = out["zbv"]
+        assert vpeak == vtable_peak > 0, (rank, vpeak, vtable_peak)
+        # the V's pending W's mix chunks (the loss chunk on rank 0): the table played with each chunk's bytes
+        assert vbytes == vformula > 0, (rank, vbytes, vformula)
 
 
 # --overlap-grad-reduce: every bucket starts during the pass, and only after the last W that adds into it
@@ -323,12 +350,18 @@ def test_bf16_split_equals_unsplit():
         torch.testing.assert_close(got, want, rtol=2e-2, atol=1e-3)
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["unfused_output", "fused_output"])
-def test_deferred_bytes_equal_the_formula(fused):
-    """docs/design.md's deferred-W bytes: what the store keeps after one B equals the formula exactly."""
+MOE = {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 32}
+
+
+@pytest.mark.parametrize("extra", [{}, {"cross_entropy_loss_fusion": True}, MOE,
+                                   {**MOE, "moe_shared_expert_intermediate_size": 48, "moe_layer_freq": "2"}],
+                         ids=["unfused_output", "fused_output", "moe", "moe_shared_mixed"])
+def test_deferred_bytes_equal_the_formula(extra):
+    """docs/design.md's deferred-W bytes: what the store keeps after one B equals the formula exactly (with
+    MoE layers, the routed experts' rows and the shared expert included)."""
     from bench.split_backward_memory import measure
 
-    cfg = ModelConfig(**{**LLAMA_GQA, "hidden_size": 32, "num_layers": 2, "cross_entropy_loss_fusion": fused})
+    cfg = ModelConfig(**{**LLAMA_GQA, "hidden_size": 32, "num_layers": 2, **extra})
     got, want = measure(cfg, PG, 16, 2, 64)
     assert got == want > 0
 

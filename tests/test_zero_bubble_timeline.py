@@ -5,7 +5,9 @@ from the pure tables (megalite/pipeline/timeline.py) and one single-process stag
   dominates and it is more), and matches the paper's (p - 1)(F + B - W) for any F, B, W tried;
 - ZB-H1 holds 1F1B's micro-batches between F and B (min(p - r, m) on rank r), at most r + 1 W's pending;
 - ZB-V holds at most 2p chunk-activations (p stages' worth, 1F1B's rank-0 peak) on every rank, exactly 2p
-  once m >= 2p.
+  once m >= 2p;
+- ZB-V sends twice 1F1B's pipeline messages: 4(p - 1) activations and gradients per micro-batch against
+  2(p - 1) (2p - 1 stage boundaries, of which rank p - 1's turn of the V is a hand-off on one rank).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import pytest
 
 from bench.zero_bubble_formulas import paper_bubble
+from megalite.pipeline.p2p_plan import produced
 from megalite.pipeline.schedule_table import bubble_fraction, build_tables
 from megalite.pipeline.timeline import SCHEDULES, idle_per_rank, peak_in_flight, peak_pending_w, play, spec_for
 
@@ -62,3 +65,20 @@ def test_unit_bubbles_of_the_four_schedules():
         v = SCHEDULES[name][1]
         got[name] = bubble_fraction(play(name, 4, 8, 1 / v, 1 / v, 1 / v))
     assert got == pytest.approx({"1f1b": 3 / 8, "interleaved": 3 / 16, "zb-h1": 3 / 24, "zbv": 3 / 48})
+
+
+def _messages(name: str, p: int, m: int) -> int:
+    """Activations and gradients the named schedule's tables send between ranks in one step."""
+    spec = spec_for(name, p, m)
+    sent = 0
+    for r, table in enumerate(build_tables(spec)):
+        for a in table:
+            out = produced(a, p, r, spec.vp, spec.stages)
+            sent += out is not None and out[0] != r
+    return sent
+
+
+@pytest.mark.parametrize("p,m", GRID)
+def test_zbv_sends_twice_1f1b_messages(p, m):
+    assert _messages("1f1b", p, m) == _messages("zb-h1", p, m) == 2 * (p - 1) * m
+    assert _messages("zbv", p, m) == 4 * (p - 1) * m

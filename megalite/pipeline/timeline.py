@@ -3,11 +3,15 @@ idle time, for the zero-bubble figures (bench/bench_zero_bubble.py, docs/paralle
 
 - ``peak_in_flight``: the most (chunk, micro-batch) pairs a rank holds between their F and their B (the
   activations autograd keeps) or their W (the split backward also keeps what the W needs);
+- ``peak_pending_w`` / ``peak_pending_w_bytes``: the most W's pending at once, and the most bytes they keep
+  when each W keeps its own chunk's (ZB-V's pending W's mix chunks of different sizes);
 - ``play``: a named schedule (``SCHEDULES``) run on the ideal machine with given F, B, W times per chunk;
 - ``idle_per_rank``: each rank's idle time within the step's span (``bubble_fraction`` divides by busy).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from megalite.pipeline.schedule_table import Action, ScheduleSpec, build_tables, simulate
 
@@ -47,6 +51,19 @@ def peak_pending_w(table: list[Action]) -> int:
         pending += (a.kind == "B") - (a.kind == "W")
         peak = max(peak, pending)
     return peak if any(a.kind == "W" for a in table) else 0
+
+
+def peak_pending_w_bytes(table: list[Action], w_bytes: Callable[[int], int]) -> int:
+    """Most bytes the pending W's keep at once, a W of chunk c keeping ``w_bytes(c)``: the count times one
+    W's bytes only where every chunk keeps the same, which ZB-V's loss chunk on rank 0 does not."""
+    if not any(a.kind == "W" for a in table):
+        return 0  # an unsplit table: its B's are whole backwards and keep nothing for later
+    pending = peak = 0
+    for a in table:
+        if a.kind in ("B", "W"):
+            pending += w_bytes(a.chunk) if a.kind == "B" else -w_bytes(a.chunk)
+        peak = max(peak, pending)
+    return peak
 
 
 def play(name: str, p: int, m: int, f: float, b: float, w: float, whole: float | None = None) -> Trace:
