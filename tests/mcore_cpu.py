@@ -205,7 +205,7 @@ def save_megatron(model, args, folder: str, iteration: int, optimizer=None) -> N
 
 
 
-def save_megatron_legacy(model, args, folder: str, iteration: int) -> None:
+def save_megatron_legacy(model, args, folder: str, iteration: int, optimizer=None) -> None:
     """The legacy ``torch`` format as Megatron-LM's training loop writes it: per (TP, PP) rank
     ``mp_rank_TT[_PPP]/model_optim_rng.pt`` holding the rank's plain state dict (layer numbers local to
     its stage) under 'model', the args, the iteration, the checkpoint version and the RNG states
@@ -224,7 +224,7 @@ def save_megatron_legacy(model, args, folder: str, iteration: int) -> None:
     rng = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
            "torch_rng_state": torch.get_rng_state()}
     torch.save({"model": model.state_dict(), "args": args, "iteration": iteration, "checkpoint_version": 3.0,
-                "rng_state": [rng]}, path)
+                "rng_state": [rng], **({} if optimizer is None else {"optimizer": optimizer})}, path)
     _tracker(folder, iteration)
 
 

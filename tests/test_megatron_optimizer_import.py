@@ -31,7 +31,7 @@ STEPS = 2
 def _train_and_save(rank: int, world: int, root: str) -> dict:
     """Each case trained STEPS steps by megatron-core at TP2 and saved with its optimizer; this rank's
     moments per parameter name, with how the parameter is cut."""
-    from tests.mcore_cpu import build_gpt, cpu_shim, optimizer_cpu_shim, save_megatron
+    from tests.mcore_cpu import build_gpt, cpu_shim, optimizer_cpu_shim, save_megatron, save_megatron_legacy
 
     cpu_shim()
     optimizer_cpu_shim()
@@ -57,6 +57,7 @@ def _train_and_save(rank: int, world: int, root: str) -> dict:
             assert opt.step()[0]
         save_megatron(model, args, os.path.join(root, name), STEPS,
                       optimizer=opt.sharded_state_dict(model.sharded_state_dict()))
+        save_megatron_legacy(model, args, os.path.join(root, name + "_legacy"), STEPS, optimizer=opt.state_dict())
         inner = opt.chained_optimizers[0].optimizer if hasattr(opt, "chained_optimizers") else opt.optimizer
         out[name] = {n: ({k: v.clone() for k, v in inner.state[p].items()},
                          getattr(p, "partition_dim", -1) if getattr(p, "tensor_model_parallel", False) else -1)
@@ -84,12 +85,15 @@ def _joined(per_rank: list[dict], name: str, field: str, swiglu: bool) -> torch.
     return torch.cat(shards, dim=dim)
 
 
+@pytest.mark.parametrize("fmt", ["", "_legacy"])
 @pytest.mark.parametrize("name", NAMES)
-def test_from_megatron_carries_the_adam_state_over(saved, name, tmp_path, capsys):
+def test_from_megatron_carries_the_adam_state_over(saved, name, fmt, tmp_path, capsys):
+    """torch_dist (model-space keys) and the legacy format (torch's numbering, rebuilt from megatron-core's
+    default parameter groups, each TP rank's file joined as its weights are)."""
     root, ranks = saved
     per_rank = [r[name] for r in ranks]
     out = str(tmp_path / "imported")
-    assert convert(["from-megatron", "--load", os.path.join(root, name), "--save", out,
+    assert convert(["from-megatron", "--load", os.path.join(root, name + fmt), "--save", out,
                     "--tensor-model-parallel-size", "2"]) == 0
     assert f"Adam state of step {STEPS} imported" in capsys.readouterr().out
     ckpt = FullCheckpoint(out)

@@ -136,6 +136,7 @@ def read_megatron(load_dir: str, iteration: int | None = None, vocab_size: int |
               "pp": getattr(args, "pipeline_model_parallel_size", None)}
     tokenizer = {k: getattr(args, k, None) for k in TOKENIZER_ARGS} if getattr(args, "tokenizer_type", None) else None
     out = MegatronCheckpoint(folder, fmt, config, params, it, _state(common, args, it), layout, tokenizer)
+    out.optimizer_note = getattr(src, "optimizer_note", out.optimizer_note)
     if other and not optim_keys:
         out.optimizer_note = (f"its optimizer state is in a layout not read ({other[0]}: the distributed "
                               "optimizer's buffers); only the weights are imported")

@@ -13,6 +13,9 @@ numbers are local to each chunk and expert numbers local to each EP rank. Mergin
   [gate_r; up_r] per rank and is joined as [gate_0 … gate_n; up_0 … up_n];
 - expert parallel: EP rank e's local expert j is expert e·E/EP + j.
 
+The optimizer state each file holds (torch's numbering of the rank's parameters) is read by
+megatron_legacy_optim.py, joined like the weights and offered under torch_dist's optimizer keys.
+
 Each file is read through safe_pickle.py; missing files, unknown or inconsistent keys are named.
 """
 
@@ -26,6 +29,8 @@ from typing import Any
 import torch
 
 from megalite.checkpointing.errors import CheckpointError
+from megalite.checkpointing.megatron_legacy_optim import legacy_moments
+from megalite.checkpointing.megatron_names import OPTIMIZER_FIELDS, OPTIMIZER_STATE
 from megalite.checkpointing.safe_pickle import load_torch_file
 
 FILE = "model_optim_rng.pt"
@@ -36,6 +41,7 @@ ROW = re.compile(r"(linear_proj\.weight|linear_fc2\.weight|linear_fc2\.weight\d+
 LAYER = re.compile(r"^(decoder\.layers\.)(\d+)(\..+)$")
 LOCAL_EXPERT_KEY = re.compile(r"(\.mlp\.experts\.local_experts\.)(\d+)(\..+)$")
 SKIPPED = re.compile(r"(^|\.)_extra_state$")
+OPTIM_NAMES = {v: k for k, v in OPTIMIZER_FIELDS.items()}  # megalite's optimizer field -> torch_dist's name
 
 
 def _grid(folder: str) -> dict[tuple[int, int, int], str]:
@@ -106,6 +112,24 @@ class LegacyCheckpoint:
         self.swiglu = bool(getattr(first.get("args"), "swiglu", False))
         chunks = {k: _chunks(s, files[k]) for k, s in states.items()}
         self._shards = self._globalise(chunks, files)
+        self._optim: dict[str, dict[str, list]] = {}
+        self.optimizer_note = "the checkpoint holds no optimizer state"
+        if all(s.get("optimizer") is not None for s in states.values()):
+            self._read_optimizer(states, chunks, files)
+
+    def _read_optimizer(self, states: dict, chunks: dict, files: dict) -> None:
+        """Each rank's Adam state by parameter name (megatron_legacy_optim.py), globalised and joined as the
+        weights are; the step into ``common`` as torch_dist keeps it. Not read: the reason in the note."""
+        per_file = {k: legacy_moments(s["optimizer"], chunks[k]) for k, s in states.items()}
+        reasons = [f"{files[k]}: {r}" for k, r in per_file.items() if isinstance(r, str)]
+        steps = {r[1] for r in per_file.values() if not isinstance(r, str)}
+        if reasons or len(steps) != 1:
+            self.optimizer_note = reasons[0] if reasons else f"its files' optimizer steps differ ({sorted(steps)})"
+            return
+        for field in {f for r in per_file.values() for c in r[0] for f in c}:
+            self._optim[OPTIM_NAMES[field]] = self._globalise(
+                {k: [c.get(field, {}) for c in r[0]] for k, r in per_file.items()}, files)
+        self.common["optimizer"] = {"state": {"common_step": steps.pop()}}
 
     def _globalise(self, chunks: dict[tuple[int, int, int], list[dict]], files: dict) -> dict[str, list]:
         """Global key -> [TP shard 0, 1, ...], layers and experts renumbered."""
@@ -145,10 +169,13 @@ class LegacyCheckpoint:
         return key
 
     def keys(self) -> list[str]:
-        return list(self._shards)
+        """The weights' keys, and the optimizer's as torch_dist names them (``optimizer.state.exp_avg.<key>``)."""
+        return list(self._shards) + [f"optimizer.state.{f}.{k}" for f, shards in self._optim.items() for k in shards]
 
     def tensor(self, key: str) -> torch.Tensor:
-        parts = self._shards[key]
+        m = OPTIMIZER_STATE.match(key)
+        parts = self._optim[m[1]][m[2]] if m else self._shards[key]
+        key = m[2] if m else key
         if len(parts) == 1:
             return parts[0]
         if ROW.search(key):
