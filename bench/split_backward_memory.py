@@ -21,40 +21,8 @@ import torch
 
 from megalite.config.model import ModelConfig
 from megalite.parallel.groups import ProcessGroups
+from megalite.planning.zero_bubble import deferred_w_bytes
 from megalite.tensor_parallel.weight_grad import WeightGradStore
-
-
-def layer_elements(cfg: ModelConfig, tokens: int, tp: int, sp: bool) -> int:
-    """Elements one dense transformer layer keeps for W: per GEMM its input and its output gradient.
-
-    tokens = s·b. Column-parallel GEMMs (QKV, fc1) take the full input, or its 1/tp sequence shard with
-    SP (all-gathered again in W), and give 1/tp of the outputs; row-parallel ones (proj, fc2) take 1/tp
-    of the inputs and give the full output, whose gradient is whole on every rank."""
-    h, d, f = cfg.hidden_size, cfg.kv_channels, cfg.ffn_hidden_size
-    qkv_out = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * d
-    col_in = h // tp if sp else h
-    qkv = col_in + qkv_out // tp
-    proj = cfg.num_attention_heads * d // tp + h
-    fc1 = col_in + (2 * f if cfg.swiglu else f) // tp
-    fc2 = f // tp + h
-    return tokens * (qkv + proj + fc1 + fc2)
-
-
-def output_bytes(cfg: ModelConfig, tokens: int, padded_vocab: int, tp: int, sp: bool, element: int) -> int:
-    """The output layer's: unfused, its input and the logits' gradient [s·b, v/tp]; fused with the
-    cross-entropy, the per-token upstream gradient (fp32) and the fp32 partial weight gradient the fusion
-    keeps anyway."""
-    if cfg.cross_entropy_loss_fusion:
-        return 4 * tokens + 4 * padded_vocab // tp * cfg.hidden_size
-    col_in = cfg.hidden_size // tp if sp else cfg.hidden_size
-    return element * tokens * (col_in + padded_vocab // tp)
-
-
-def deferred_w_bytes(cfg: ModelConfig, layers: int, tokens: int, padded_vocab: int, tp: int = 1, sp: bool = False,
-                     output: bool = True, element: int = 4) -> int:
-    """One pending W of a stage holding ``layers`` dense layers (and the output layer with ``output``)."""
-    total = element * layers * layer_elements(cfg, tokens, tp, sp)
-    return total + (output_bytes(cfg, tokens, padded_vocab, tp, sp, element) if output else 0)
 
 
 def _model(cfg: ModelConfig, pg: ProcessGroups, vocab: int) -> tuple[torch.nn.Module, bool]:

@@ -20,6 +20,7 @@ from megalite.planning.kernels import linear_s, stage_compute_s
 from megalite.planning.memory import stage_dense_params, stage_expert_params, stage_layer_bytes
 from megalite.planning.moe import dispatch_comm_bytes
 from megalite.planning.shape import RunShape
+from megalite.planning.zero_bubble import ZERO_BUBBLE, zero_bubble_idle_s
 
 
 def step_flops(sh: RunShape, with_recompute: bool) -> float:
@@ -71,8 +72,12 @@ def busy_per_micro_batch_s(sh: RunShape, cl: ClusterConfig) -> float:
 
 
 def bubble_s(sh: RunShape, cl: ClusterConfig) -> float:
-    """Idle time of the pipeline schedule: (p - 1)/v micro-batch times of a stage (GPipe: p - 1)."""
-    v = 1 if sh.cfg.parallel.pipeline_schedule == "gpipe" else sh.v
+    """Idle time of the pipeline schedule: (p - 1)/v micro-batch times of a stage (GPipe: p - 1); zb-h1 and
+    zbv: their table played with the stage's F = B = W (planning/zero_bubble.py)."""
+    name = sh.cfg.parallel.pipeline_schedule
+    if name in ZERO_BUBBLE and sh.pp > 1:
+        return zero_bubble_idle_s(name, sh.pp, sh.m, busy_per_micro_batch_s(sh, cl))
+    v = 1 if name == "gpipe" else sh.v
     return busy_per_micro_batch_s(sh, cl) * (sh.pp - 1) / v
 
 
