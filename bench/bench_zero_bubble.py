@@ -5,7 +5,7 @@ played with them, real p = 2 steps of 1F1B against ZB-H1 and ZB-V, the timeline 
    of 2 layers and a chunk of 1), the forward F, the whole backward, and the split backward the executor
    runs: B under ``WeightGradStore.collect`` (input gradients; norms and biases) and W (``store.run``,
    the deferred GEMMs); also B as ``torch.autograd.grad`` w.r.t. the input alone, W as whole minus that.
-   Median of ``--repeats``. The bytes the pending W keeps against ``split_backward_memory.deferred_w_bytes``.
+   Median of ``--repeats``. The bytes the pending W keeps against ``megalite.planning.zero_bubble.deferred_w_bytes``.
 2. tables: every schedule played on the ideal machine (free messages) with those times, p = 2, 4, 8 and
    m = p, 2p, 4p: bubble (idle / busy, mean over ranks) and each ratio to 1F1B's, next to the paper's
    closed forms; and with F = B = W.
@@ -13,7 +13,7 @@ played with them, real p = 2 steps of 1F1B against ZB-H1 and ZB-V, the timeline 
    their steps alternating: the step's span and idle fraction from the PipelineRecord timelines (and the
    table replayed with its measured durations), the fastest of ``--steps`` steps and the medians; peak
    activations in flight, W's pending and their bytes against the formula's peak (the table played with
-   each W's chunk's bytes, ``split_backward_memory.peak_table_bytes``).
+   each W's chunk's bytes, ``megalite.planning.zero_bubble.peak_table_bytes``).
 4. --plot FILE: 1F1B, interleaved 1F1B, ZB-H1 and ZB-V at p = 4, m = 8 with the measured chunk times.
 
     OMP_NUM_THREADS=1 python bench/bench_zero_bubble.py [--plot docs/pipeline_zero_bubble.png]
@@ -35,7 +35,6 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.bench_pipeline import MICRO_BATCH, MODEL, VOCAB, groups, make_cfg  # noqa: E402
-from bench.split_backward_memory import deferred_w_bytes, peak_table_bytes  # noqa: E402
 from bench.zero_bubble_formulas import paper_bubble  # noqa: E402
 from megalite.config.arguments import MegaliteConfig  # noqa: E402
 from megalite.config.model import ModelConfig  # noqa: E402
@@ -43,6 +42,7 @@ from megalite.model.gpt import GPTModel  # noqa: E402
 from megalite.parallel.groups import ProcessGroups  # noqa: E402
 from megalite.pipeline.schedule_table import ScheduleSpec, bubble_fraction, build_tables, simulate  # noqa: E402
 from megalite.pipeline.timeline import SCHEDULES, play  # noqa: E402
+from megalite.planning.zero_bubble import deferred_w_bytes, peak_table_bytes  # noqa: E402
 from megalite.tensor_parallel.context import BuildContext  # noqa: E402
 from megalite.tensor_parallel.init import initialize_parameters  # noqa: E402
 from megalite.tensor_parallel.random import model_parallel_seed  # noqa: E402

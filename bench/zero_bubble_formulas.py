@@ -3,7 +3,7 @@
 Bubble sizes per rank (idle time in a step) from Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024,
 Table 2, with F, B, W one stage's forward, input-gradient backward and weight-gradient times:
 1F1B (p − 1)(F + B + W), ZB-H1 (p − 1)(F + B − W), ZB-H2 (p − 1)(F + B − 2W); interleaved 1F1B is 1F1B's
-divided by v. The bytes a pending W keeps: bench/split_backward_memory.py.
+divided by v. The bytes a pending W keeps: megalite/planning/zero_bubble.py.
 """
 
 from __future__ import annotations

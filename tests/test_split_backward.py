@@ -206,11 +206,11 @@ def _chunks(pg: ProcessGroups, cfg: ModelConfig, schedule: str) -> list[torch.nn
 
 def _pass(rank: int, world: int) -> dict:
     """One pipeline pass of a tiny model on 2 stages, 1F1B, ZB-H1 and ZB-V: gradients, peaks, the bytes the
-    pending W's kept against the formula's peak (``split_backward_memory.peak_table_bytes``)."""
-    from bench.split_backward_memory import peak_table_bytes
+    pending W's kept against the formula's peak (``megalite.planning.zero_bubble.peak_table_bytes``)."""
     from megalite.parallel.layout import RankLayout
     from megalite.pipeline.executor import PipelineRecord
     from megalite.pipeline.schedule_table import ScheduleSpec, build_tables
+    from megalite.planning.zero_bubble import peak_table_bytes
     from megalite.training.train_step import run_microbatches
 
     pg = ProcessGroups.build(RankLayout(world, 1, 2), rank)

@@ -146,7 +146,8 @@ def test_bad_split_is_one_line_naming_the_flags(entry, monkeypatch, capsys, case
 
 def test_planner_reads_the_split():
     """The planner's per-rank layers, parameters and activations follow the split the model builds, and an
-    uneven split's compute is paced by its busiest rank; --search proposes the loss counted as a layer."""
+    uneven split's compute is paced by its busiest rank; --search proposes the loss counted as a layer
+    and first/last counts."""
     from megalite.planning.hardware import ClusterConfig
     from megalite.planning.kernels import stage_compute_s
     from megalite.planning.memory import peak_memory, stage_dense_params, stage_layer_bytes
@@ -167,7 +168,9 @@ def test_planner_reads_the_split():
     assert peak_memory(uneven).stage == 1  # three layers and 1F1B's p - 1 micro-batches in flight
     worse = shape(decoder_first_pipeline_num_layers=4)  # 4, 2, 2, 2: the first rank paces it
     assert stage_compute_s(worse, cl) > stage_compute_s(uneven, cl)
-    assert (4, True) in pipeline_splits(7) and (4, False) not in pipeline_splits(7)
+    splits = pipeline_splits(7)
+    assert (4, True, None, None) in splits and (4, False, None, None) not in splits
+    assert (4, False, None, 1) in splits  # the first/last counts (tests/test_planning_pipeline.py)
 
 
 def test_resume_restores_rng_only_where_the_rank_holds_the_same_layers():

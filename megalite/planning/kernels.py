@@ -112,14 +112,19 @@ def logits_s(sh: RunShape, cl: ClusterConfig) -> float:
 
 
 def stage_compute_s(sh: RunShape, cl: ClusterConfig) -> float:
-    """One micro-batch through one pipeline rank's layers (all its chunks; pipeline rank 0's MoE layers),
-    plus the output layer spread over the stages (stage_compute_s is the pace of every stage). Under an
-    uneven split (parallel/placement.py) the pace is the busiest rank's: its own layers, the output layer
-    on the rank holding the loss."""
+    """One micro-batch through the busiest pipeline rank (``stage_paces``): the pace of every stage."""
+    return max(stage_paces(sh, cl))
+
+
+def stage_paces(sh: RunShape, cl: ClusterConfig) -> list[float]:
+    """Each pipeline rank's compute per micro-batch: its layers (all its chunks), and the output layer on
+    the rank holding the loss. An even split spreads the output layer over the stages (the time model's
+    convention, which its held-out rows were predicted with); an uneven split (parallel/placement.py) puts it
+    on the loss rank, which the first/last counts can lighten."""
     if sh.split.even or sh.pp == 1:
-        return layers_compute_s(sh, cl, 0) + logits_s(sh, cl) / sh.pp
+        return [layers_compute_s(sh, cl, 0) + logits_s(sh, cl) / sh.pp] * sh.pp
     loss_rank = sh.split.stages.holder(sh.split.stages.last)[0]
-    return max(layers_compute_s(sh, cl, r) + (logits_s(sh, cl) if r == loss_rank else 0.0) for r in range(sh.pp))
+    return [layers_compute_s(sh, cl, r) + (logits_s(sh, cl) if r == loss_rank else 0.0) for r in range(sh.pp)]
 
 
 def layers_compute_s(sh: RunShape, cl: ClusterConfig, stage: int) -> float:

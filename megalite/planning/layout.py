@@ -37,6 +37,8 @@ class Layout:
     ep: int = 1  # --expert-model-parallel-size
     etp: int | None = None  # --expert-tensor-parallel-size (None: TP)
     account_loss: bool = False  # --account-for-loss-in-pipeline-split: the last stage one layer fewer
+    first_layers: int | None = None  # --decoder-first-pipeline-num-layers
+    last_layers: int | None = None  # --decoder-last-pipeline-num-layers
 
     @classmethod
     def from_config(cls, cfg: MegaliteConfig) -> "Layout":
@@ -44,7 +46,8 @@ class Layout:
         return cls(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size,
                    p.num_layers_per_virtual_pipeline_stage, cfg.training.micro_batch_size, p.sequence_parallel,
                    cfg.model.recompute_granularity, cfg.ddp.sharding, p.expert_model_parallel_size,
-                   p.expert_tensor_parallel_size, p.account_for_loss_in_pipeline_split)
+                   p.expert_tensor_parallel_size, p.account_for_loss_in_pipeline_split,
+                   p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers)
 
     def apply(self, cfg: MegaliteConfig) -> MegaliteConfig:
         """A copy of ``cfg`` with this layout's flags (the sections it changes copied, the others shared:
@@ -57,9 +60,9 @@ class Layout:
         p.context_parallel_size, p.num_layers_per_virtual_pipeline_stage = self.cp, self.vp_layers
         p.sequence_parallel = self.sequence_parallel
         p.expert_model_parallel_size, p.expert_tensor_parallel_size = self.ep, self.etp
-        # the search chooses the split itself: even, or the loss counted as a layer
+        # the search chooses the split itself: even, the loss counted as a layer, or first/last counts
         p.account_for_loss_in_pipeline_split, p.account_for_embedding_in_pipeline_split = self.account_loss, False
-        p.decoder_first_pipeline_num_layers = p.decoder_last_pipeline_num_layers = None
+        p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers = self.first_layers, self.last_layers
         p.pipeline_model_parallel_layout = p.num_virtual_stages_per_pipeline_rank = None
         out.training.micro_batch_size = self.micro_batch
         out.model.recompute_granularity = self.recompute
@@ -83,6 +86,10 @@ class Layout:
             out.append(f"--num-layers-per-virtual-pipeline-stage {self.vp_layers}")
         if self.account_loss:
             out.append("--account-for-loss-in-pipeline-split")
+        if self.first_layers is not None:
+            out.append(f"--decoder-first-pipeline-num-layers {self.first_layers}")
+        if self.last_layers is not None:
+            out.append(f"--decoder-last-pipeline-num-layers {self.last_layers}")
         out.append(f"--micro-batch-size {self.micro_batch}")
         if self.sequence_parallel:
             out.append("--sequence-parallel")

@@ -23,6 +23,7 @@ from megalite.planning.moe import (
     moe_mlp_activation_bytes,
 )
 from megalite.planning.shape import RunShape
+from megalite.planning.zero_bubble import ZERO_BUBBLE, deferred_w_bytes, pending_w
 
 UNFUSED_BACKENDS = ("unfused", "local")  # the explicit softmax(QK^T)V; others are flash attention on a GPU
 
@@ -361,6 +362,19 @@ def comm_buffer_bytes(sh: RunShape) -> float:
     return pp + sp + cp
 
 
+def deferred_w_term(sh: RunShape, stage: int) -> float:
+    """zb-h1 / zbv: the W's a rank has pending at its peak (the schedule table's count; ZB-H1 r + 1) times
+    the bytes one keeps (docs/design.md §3.4): ZB-V's are chunk W's (half the rank's layers), and the W
+    of the chunk holding the output layer keeps its bytes too (counted on every pending W: an upper bound)."""
+    name = sh.cfg.parallel.pipeline_schedule
+    n = pending_w(name, sh.pp, sh.m, stage)
+    chunks = 2 if name == "zbv" else 1
+    loss_rank = sh.split.stages.holder(sh.split.stages.last)[0]  # ZB-V: rank 0, its chunk 1
+    one = deferred_w_bytes(sh.cfg.model, -(-sh.layers_in(stage) // chunks), sh.local_tokens, sh.padded_vocab, sh.tp,
+                           sh.sp, output=stage == loss_rank, element=sh.act_bytes)
+    return float(n * one)
+
+
 # ---- the total -----------------------------------------------------------------------------------------
 @dataclass
 class MemoryReport:
@@ -381,6 +395,8 @@ def stage_memory(sh: RunShape, stage: int) -> MemoryReport:
         terms.update(expert_state_terms(sh, stage))
     act, moe_act = activation_bytes(sh, stage), moe_activation_bytes(sh, stage)
     terms.update({"activations": act - moe_act, "communication buffers": comm_buffer_bytes(sh)})
+    if sh.cfg.parallel.pipeline_schedule in ZERO_BUBBLE and sh.pp > 1:
+        terms["deferred W (zero bubble)"] = deferred_w_term(sh, stage)
     if sh.is_moe:
         terms.update({"MoE activations": moe_act, "MoE dispatch buffers": dispatch_buffer_bytes(sh)})
     return MemoryReport(stage, stage_params(sh, stage), terms)

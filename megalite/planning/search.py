@@ -6,8 +6,11 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
+from itertools import product
+from typing import NamedTuple
 
 from megalite.config.arguments import MegaliteConfig
+from megalite.parallel.placement import LayerSplit
 from megalite.planning.estimate import Plan, estimate
 from megalite.planning.hardware import ClusterConfig
 from megalite.planning.layout import Layout, layout_rule_errors
@@ -20,37 +23,84 @@ def divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
+class PipeSplit(NamedTuple):
+    """A pipeline size and how its layers are cut: even, the loss counted as a layer, or Megatron-LM's
+    first/last stage counts (--decoder-first/last-pipeline-num-layers)."""
+
+    pp: int
+    loss: bool = False
+    first: int | None = None
+    last: int | None = None
+
+    @property
+    def even(self) -> bool:
+        return not self.loss and self.first is None and self.last is None
+
+
 def candidates(cfg: MegaliteConfig, cluster: ClusterConfig, context_parallel: bool = True) -> Iterator[Layout]:
-    """Layouts whose sizes divide the world and the layers (or, the loss counted as a layer of the split,
-    the layers + 1: --account-for-loss-in-pipeline-split): TP and TP x CP inside a node; the
-    distributed optimizer whenever there is more than one DP x CP rank (it needs less memory and, with
-    16-bit weights, moves fewer bytes; ``search`` tries ZeRO-2, then ZeRO-3, where it does not fit); SP
-    whenever TP > 1 (same bytes, 1/TP of the activations). MoE models: every EP that divides the experts
-    and, with expert-TP = TP or 1, the stage's ranks."""
+    """Layouts whose sizes divide the world and whose pipeline split parallel/placement.py accepts
+    (``pipeline_splits``): TP and TP x CP inside a node; the distributed optimizer whenever there is more
+    than one DP x CP rank (it needs less memory and, with 16-bit weights, moves fewer bytes; ``search``
+    tries ZeRO-2, then ZeRO-3, where it does not fit); SP whenever TP > 1 (same bytes, 1/TP of the
+    activations). MoE models: every EP that divides the experts and, with expert-TP = TP or 1, the stage's
+    ranks."""
     m, world, gpn = cfg.model, cluster.world_size, cluster.gpus_per_node
     gbs = cfg.training.global_batch_size or cfg.training.micro_batch_size
     for tp in divisors(gpn):
         for cp in divisors(gpn // tp) if context_parallel else [1]:
-            for pp, loss in pipeline_splits(m.num_layers):
+            for split in pipeline_splits(m.num_layers, world // (tp * cp) if world % (tp * cp) == 0 else 0):
+                pp = split.pp
                 if world % (tp * cp * pp):
                     continue
                 dp = world // (tp * cp * pp)
-                vps = [None] if loss else [None] + [k for k in divisors(m.num_layers // pp)
-                                                    if pp > 1 and m.num_layers // (pp * k) > 1]
+                vps = [None] if not split.even else [None] + [k for k in divisors(m.num_layers // pp)
+                                                              if pp > 1 and m.num_layers // (pp * k) > 1]
                 for mbs in MICRO_BATCHES:
                     if gbs % (mbs * dp):
                         continue
-                    for vp in vps:
-                        for rc in RECOMPUTE:
-                            for ep, etp in expert_layouts(cfg, tp * cp * dp, tp):
-                                yield Layout(tp, pp, cp, vp, mbs, tp > 1, rc, "optim" if dp * cp > 1 else "no_shard",
-                                             ep, etp, loss)
+                    for vp, rc in product(vps, RECOMPUTE):
+                        for ep, etp in expert_layouts(cfg, tp * cp * dp, tp):
+                            yield Layout(tp, pp, cp, vp, mbs, tp > 1, rc, "optim" if dp * cp > 1 else "no_shard",
+                                         ep, etp, split.loss, split.first, split.last)
 
 
-def pipeline_splits(num_layers: int) -> list[tuple[int, bool]]:
-    """(PP, whether the loss counts as a layer): every PP dividing the layers (even split), and every PP > 1
-    dividing the layers + 1 (the last stage holding one layer fewer beside the output layer)."""
-    return [(pp, False) for pp in divisors(num_layers)] + [(pp, True) for pp in divisors(num_layers + 1) if pp > 1]
+def pipeline_splits(num_layers: int, world: int | None = None) -> list[PipeSplit]:
+    """Every PP dividing the layers (even split); every PP > 1 dividing the layers + 1 (the loss counted as
+    a layer: the last stage one layer fewer); and, for every PP > 1 (dividing ``world`` when given),
+    ``first_last_splits``. Each passes parallel/placement.py's rules for the split."""
+    out = [PipeSplit(pp) for pp in divisors(num_layers) if world is None or world % pp == 0]
+    out += [PipeSplit(pp, True) for pp in divisors(num_layers + 1) if pp > 1 and (world is None or world % pp == 0)]
+    for pp in range(2, num_layers + 1):
+        if world is None or (world and world % pp == 0):
+            out += first_last_splits(num_layers, pp)
+    return out
+
+
+def first_last_splits(num_layers: int, pp: int) -> list[PipeSplit]:
+    """First/last counts no larger than the other stages' share, that share at most one layer above
+    ceil(layers / PP): the layers cut over a PP that does not divide them, and a lighter first stage
+    (embedding, most micro-batches in flight) or last stage (output layer and loss) beside one layer more
+    on the others. Kept only where LayerSplit accepts them and they differ from the even split."""
+    top = -(-num_layers // pp)
+    even = LayerSplit(num_layers, pp).counts if num_layers % pp == 0 else None
+    out: list[PipeSplit] = []
+    for share in (top, top + 1):
+        for first, last in _end_counts(num_layers, pp, share):
+            split = LayerSplit(num_layers, pp, first=first, last=last)
+            if not split.errors() and split.counts != even and max(split.counts) == share:
+                out.append(PipeSplit(pp, False, first, last))
+    return list(dict.fromkeys(out))
+
+
+def _end_counts(num_layers: int, pp: int, share: int) -> Iterator[tuple[int | None, int | None]]:
+    """(first, last) counts, each 1..share or unset, leaving ``share`` layers to every other stage."""
+    for ends in ((True, True), (True, False), (False, True)):
+        rest = num_layers - share * (pp - sum(ends))
+        if ends == (True, True):
+            for first in range(max(1, rest - share), min(share, rest - 1) + 1):
+                yield first, rest - first
+        elif 1 <= rest <= share:
+            yield (rest, None) if ends[0] else (None, rest)
 
 
 def expert_layouts(cfg: MegaliteConfig, stage_ranks: int, tp: int) -> list[tuple[int, int | None]]:
@@ -132,8 +182,8 @@ def best_variants(result: SearchResult) -> list[Plan]:
     seen: dict[tuple, Plan] = {}
     for plan in result.plans:
         lay = plan.layout
-        seen.setdefault((lay.tp, lay.pp, lay.cp, lay.vp_layers, lay.micro_batch, lay.ep, lay.etp, lay.account_loss),
-                        plan)
+        seen.setdefault((lay.tp, lay.pp, lay.cp, lay.vp_layers, lay.micro_batch, lay.ep, lay.etp, lay.account_loss,
+                         lay.first_layers, lay.last_layers), plan)
     return list(seen.values())
 
 
@@ -142,6 +192,8 @@ def label(plan: Plan) -> str:
     v = sh.v
     experts = (f" EP{sh.ep}" + (f" ETP{sh.etp}" if sh.etp != sh.tp else "")) if sh.is_moe else ""
     pipe = f"TP{lay.tp} PP{lay.pp}" + ("+L" if lay.account_loss else "")  # +L: the loss counted as a layer
+    if lay.first_layers is not None or lay.last_layers is not None:  # the first/last stage counts
+        pipe += f" {lay.first_layers or '-'}/{lay.last_layers or '-'}"
     return (pipe + (f" VP{v}" if v > 1 else "") + (f" CP{lay.cp}" if lay.cp > 1 else "") + experts
             + f" mbs{lay.micro_batch} {lay.recompute or 'no'}-rc")
 

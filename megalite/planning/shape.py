@@ -42,7 +42,8 @@ class RunShape:
         p, t, pr = cfg.parallel, cfg.training, cfg.precision
         tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
         dp = max(world // (tp * pp * cp), 1)
-        # ZB-V's two chunks are modelled as one 1F1B chunk (the planner has no zero-bubble schedule model)
+        # ZB-V's two chunks are modelled as one chunk of the rank's layers; its bubble and deferred W's are
+        # planning/zero_bubble.py's
         v = p.virtual_stages(cfg.model.num_layers) if pp > 1 and p.pipeline_schedule != "zbv" else 1
         gbs = t.global_batch_size or t.micro_batch_size * dp
         m = max(gbs // (t.micro_batch_size * dp), 1)

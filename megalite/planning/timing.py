@@ -20,6 +20,7 @@ from megalite.planning.kernels import linear_s, stage_compute_s
 from megalite.planning.memory import stage_dense_params, stage_expert_params, stage_layer_bytes
 from megalite.planning.moe import dispatch_comm_bytes
 from megalite.planning.shape import RunShape
+from megalite.planning.zero_bubble import ZERO_BUBBLE, zero_bubble_idle_s
 
 
 def step_flops(sh: RunShape, with_recompute: bool) -> float:
@@ -53,14 +54,24 @@ def memory_bound_s(sh: RunShape, cl: ClusterConfig) -> float:
 OPTIMIZER_BYTES = 34  # Adam, per parameter (optimizer_s)
 
 
+def state_stage(sh: RunShape) -> int:
+    """The pipeline rank whose gradients and optimizer step the step waits for: rank 0 under an even split
+    (as planned so far), the rank with the most dense parameters under an uneven one (a lighter first
+    stage does not shorten the others' optimizer step)."""
+    if sh.split.even or sh.pp == 1:
+        return 0
+    return max(range(sh.pp), key=lambda r: (stage_dense_params(sh, r), -r))
+
+
 def optimizer_s(sh: RunShape, cl: ClusterConfig) -> float:
     """The optimizer step, bound by the bytes it moves per parameter the rank updates (its shard with
     the distributed optimizer / ZeRO): the fp32 gradient read, the fp32 main parameter and two Adam
     moments read and written, the 16-bit weight written (34 bytes; 32 in fp32)."""
-    n = stage_dense_params(sh, 0)
+    stage = state_stage(sh)
+    n = stage_dense_params(sh, stage)
     shards = sh.dp * sh.cp if sh.cfg.ddp.shards_optimizer else 1
     per = OPTIMIZER_BYTES if sh.param_bytes == 2 else 32
-    experts = stage_expert_params(sh, 0) / (sh.edp if sh.cfg.ddp.shards_optimizer else 1) if sh.is_moe else 0.0
+    experts = stage_expert_params(sh, stage) / (sh.edp if sh.cfg.ddp.shards_optimizer else 1) if sh.is_moe else 0.0
     return (n / shards + experts) * per / cl.hbm_bytes_per_s()
 
 
@@ -71,8 +82,12 @@ def busy_per_micro_batch_s(sh: RunShape, cl: ClusterConfig) -> float:
 
 
 def bubble_s(sh: RunShape, cl: ClusterConfig) -> float:
-    """Idle time of the pipeline schedule: (p - 1)/v micro-batch times of a stage (GPipe: p - 1)."""
-    v = 1 if sh.cfg.parallel.pipeline_schedule == "gpipe" else sh.v
+    """Idle time of the pipeline schedule: (p - 1)/v micro-batch times of a stage (GPipe: p - 1); zb-h1 and
+    zbv: their table played with the stage's F = B = W (planning/zero_bubble.py)."""
+    name = sh.cfg.parallel.pipeline_schedule
+    if name in ZERO_BUBBLE and sh.pp > 1:
+        return zero_bubble_idle_s(name, sh.pp, sh.m, busy_per_micro_batch_s(sh, cl))
+    v = 1 if name == "gpipe" else sh.v
     return busy_per_micro_batch_s(sh, cl) * (sh.pp - 1) / v
 
 
@@ -216,7 +231,8 @@ def dp_comm_s(sh: RunShape, cl: ClusterConfig) -> float:
     axis = "dp"
     inter = crosses_nodes(sh, cl, axis, sh.dp) or (sh.cp > 1 and crosses_nodes(sh, cl, "cp", sh.cp))
     k = ranks_per_node_in_group(sh, cl, axis, sh.dp) if sh.cfg.parallel.hierarchical_dp_reduce else 1
-    return _grad_sync_s(sh, cl, stage_dense_params(sh, 0), d, inter, k, sh.cfg.ddp.shards_params)
+    n = stage_dense_params(sh, state_stage(sh))
+    return _grad_sync_s(sh, cl, n, d, inter, k, sh.cfg.ddp.shards_params)
 
 
 def expert_dp_comm_s(sh: RunShape, cl: ClusterConfig) -> float:
