@@ -68,7 +68,22 @@ def _load_in_megatron(rank: int, world: int, root: str) -> dict:
         got = logits(model, TOKENS, args.hidden_size)
         out[name + "_legacy"] = got if rank == 0 else None
     ps.destroy_model_parallel()
-    return out
+    ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=2)
+    for name in NAMES:  # at PP2: the torch_dist folder resharded by megatron-core, the legacy cut for TP1 x PP2
+        it_dir = os.path.join(root, name + "_mcore", "iter_0000005")
+        args = torch.load(os.path.join(it_dir, "common.pt"), weights_only=False)["args"]
+        model = build_gpt(args, tp=1, pp=2)
+        model.load_state_dict(dist_checkpointing.load({"model": model.sharded_state_dict()}, it_dir)["model"])
+        out[name + "_pp2"] = logits(model, TOKENS, args.hidden_size)
+        legacy = os.path.join(root, name + "_legacy_tp1pp2", "iter_0000005", f"mp_rank_00_{rank:03d}",
+                              "model_optim_rng.pt")
+        saved = torch.load(legacy, weights_only=False)
+        assert saved["args"].pipeline_model_parallel_size == 2
+        model = build_gpt(saved["args"], tp=1, pp=2)
+        model.load_state_dict(saved["model"], strict=True)
+        out[name + "_legacy_tp1pp2"] = logits(model, TOKENS, args.hidden_size)
+    ps.destroy_model_parallel()
+    return {k: v for k, v in out.items() if v is not None}
 
 
 @pytest.fixture(scope="module")
@@ -78,20 +93,22 @@ def exported(tmp_path_factory) -> tuple[str, dict]:
         _megalite_checkpoint(os.path.join(root, name), name)
         assert convert(["to-megatron", "--load", os.path.join(root, name), "--save",
                         os.path.join(root, name + "_mcore"), "--tensor-model-parallel-size", "2"]) == 0
-        for suffix, pp in (("_legacy", "1"), ("_legacy_pp2", "2")):
+        for suffix, tp, pp in (("_legacy", "2", "1"), ("_legacy_pp2", "2", "2"), ("_legacy_tp1pp2", "1", "2")):
             assert convert(["to-megatron", "--load", os.path.join(root, name), "--save",
                             os.path.join(root, name + suffix), "--format", "torch",
-                            "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", pp]) == 0
+                            "--tensor-model-parallel-size", tp, "--pipeline-model-parallel-size", pp]) == 0
     ranks = run_ranks(_load_in_megatron, 2, root, timeout=120)
-    return root, ranks[0]
+    return root, {**ranks[1], **ranks[0]}  # TP2 logits from rank 0, PP2 ones from the last stage (rank 1)
 
 
-@pytest.mark.parametrize("fmt", ["", "_legacy"])
+@pytest.mark.parametrize("fmt", ["", "_legacy", "_pp2", "_legacy_tp1pp2"])
 @pytest.mark.parametrize("name", NAMES)
-def test_megatron_core_loads_the_export_at_tp2_and_gives_megalite_logits(exported, name, fmt):
+def test_megatron_core_loads_the_export_and_gives_megalite_logits(exported, name, fmt):
+    """At TP2 (the torch_dist folder, the legacy cut for TP2) and at PP2 (the same torch_dist folder,
+    resharded on load; the legacy cut for TP1 x PP2), from a megalite checkpoint saved at TP2 x PP2."""
     root, got = exported
     want = _megalite_logits(os.path.join(root, name), ProcessGroups.unconnected(RankLayout(1, 1, 1), 0))
-    assert got[name + fmt].shape[-1] == 256  # Megatron's padding of 95 for TP2 (128 x 2)
+    assert got[name + fmt].shape[-1] == (128 if fmt == "_legacy_tp1pp2" else 256)  # Megatron's padding of 95
     torch.testing.assert_close(got[name + fmt][..., :VOCAB], want, rtol=0, atol=1e-5)
 
 
