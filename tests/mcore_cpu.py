@@ -83,14 +83,25 @@ class _CpuTorch:
 
 
 def optimizer_cpu_shim() -> None:
-    """megatron-core's non-distributed optimizer on the CPU: its modules' CUDA buffers on the CPU (its
-    fallback optimizer is torch's AdamW; gradient clipping asserts CUDA tensors, so the tests run with
-    ``clip_grad=0``)."""
+    """megatron-core's optimizers on the CPU: its modules' CUDA buffers on the CPU (its fallback optimizer
+    is torch's AdamW; gradient clipping asserts CUDA tensors, so the tests run with ``clip_grad=0``), and
+    ``Tensor.type()`` naming CPU tensors as their CUDA kinds, as the distributed optimizer accepts only
+    those for its parameters (``torch.cuda.FloatTensor``, ...)."""
+    import torch
     from megatron.core import utils
     from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer
 
     for module in (optimizer, distrib_optimizer, clip_grads, utils):
         module.torch = _CpuTorch()
+    plain = torch.Tensor.type
+
+    def cuda_named(self, *args, **kwargs):
+        name = plain(self, *args, **kwargs)
+        if args or kwargs or not isinstance(name, str) or name.startswith("torch.cuda."):
+            return name
+        return name.replace("torch.", "torch.cuda.", 1)
+
+    torch.Tensor.type = cuda_named
 
 
 # ---- tiny megatron-core models from Megatron-LM's argument names --------------------------------------

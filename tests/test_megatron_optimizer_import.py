@@ -28,33 +28,46 @@ NAMES = ("gpt2", "llama")
 STEPS = 2
 
 
+def _train(args, distributed: bool):
+    """megatron-core's model at TP2 with its optimizer (the distributed one with ``distributed``) after
+    STEPS steps of the same loss on the same tokens."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from tests.mcore_cpu import build_gpt
+
+    model = build_gpt(args, tp=2).train()
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(use_distributed_optimizer=distributed),
+                                  model)
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.1, clip_grad=0.0,
+                                                 bf16=False, fp16=False, use_distributed_optimizer=distributed), [ddp])
+    b, s = TOKENS.shape
+    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1).view(1, 1, s, s)
+    for _ in range(STEPS):
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        ddp(TOKENS, torch.arange(s).expand(b, s), mask).square().mean().backward()
+        ddp.finish_grad_sync()
+        assert opt.step()[0]
+    return model, opt
+
+
 def _train_and_save(rank: int, world: int, root: str) -> dict:
-    """Each case trained STEPS steps by megatron-core at TP2 and saved with its optimizer; this rank's
-    moments per parameter name, with how the parameter is cut."""
-    from tests.mcore_cpu import build_gpt, cpu_shim, optimizer_cpu_shim, save_megatron, save_megatron_legacy
+    """Each case trained by megatron-core at TP2 and saved with its optimizer: the plain optimizer in
+    torch_dist and in the legacy format, the distributed one in torch_dist as ``fully_reshardable`` (and
+    GPT-2's also as ``dp_reshardable``, Megatron-LM's default); this rank's moments of the plain optimizer
+    per parameter name, with how the parameter is cut."""
+    from tests.mcore_cpu import cpu_shim, optimizer_cpu_shim, save_megatron, save_megatron_legacy
 
     cpu_shim()
     optimizer_cpu_shim()
     from megatron.core import parallel_state as ps
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     ps.initialize_model_parallel(tensor_model_parallel_size=2)
     out = {}
     for name in NAMES:
         args = CASES[name]
-        model = build_gpt(args, tp=2).train()
-        ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
-        opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.1, clip_grad=0.0,
-                                                     bf16=False, fp16=False), [ddp])
-        b, s = TOKENS.shape
-        mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1).view(1, 1, s, s)
-        for _ in range(STEPS):
-            ddp.zero_grad_buffer()
-            opt.zero_grad()
-            ddp(TOKENS, torch.arange(s).expand(b, s), mask).square().mean().backward()
-            ddp.finish_grad_sync()
-            assert opt.step()[0]
+        model, opt = _train(args, distributed=False)
         save_megatron(model, args, os.path.join(root, name), STEPS,
                       optimizer=opt.sharded_state_dict(model.sharded_state_dict()))
         save_megatron_legacy(model, args, os.path.join(root, name + "_legacy"), STEPS, optimizer=opt.state_dict())
@@ -62,6 +75,11 @@ def _train_and_save(rank: int, world: int, root: str) -> dict:
         out[name] = {n: ({k: v.clone() for k, v in inner.state[p].items()},
                          getattr(p, "partition_dim", -1) if getattr(p, "tensor_model_parallel", False) else -1)
                      for n, p in model.named_parameters()}
+        model, opt = _train(args, distributed=True)
+        for sharding in ("fully_reshardable", "dp_reshardable")[:2 if name == "gpt2" else 1]:
+            state = opt.sharded_state_dict(model.sharded_state_dict(),
+                                           metadata={"distrib_optim_sharding_type": sharding})
+            save_megatron(model, args, os.path.join(root, f"{name}_{sharding}"), STEPS, optimizer=state)
     ps.destroy_model_parallel()
     return out
 
@@ -85,11 +103,12 @@ def _joined(per_rank: list[dict], name: str, field: str, swiglu: bool) -> torch.
     return torch.cat(shards, dim=dim)
 
 
-@pytest.mark.parametrize("fmt", ["", "_legacy"])
+@pytest.mark.parametrize("fmt", ["", "_legacy", "_fully_reshardable"])
 @pytest.mark.parametrize("name", NAMES)
 def test_from_megatron_carries_the_adam_state_over(saved, name, fmt, tmp_path, capsys):
-    """torch_dist (model-space keys) and the legacy format (torch's numbering, rebuilt from megatron-core's
-    default parameter groups, each TP rank's file joined as its weights are)."""
+    """torch_dist (model-space keys), the legacy format (torch's numbering, rebuilt from megatron-core's
+    default parameter groups, each TP rank's file joined as its weights are), and the distributed
+    optimizer's fully_reshardable torch_dist state (the same run's moments as the plain optimizer's)."""
     root, ranks = saved
     per_rank = [r[name] for r in ranks]
     out = str(tmp_path / "imported")
@@ -107,6 +126,16 @@ def test_from_megatron_carries_the_adam_state_over(saved, name, fmt, tmp_path, c
             torch.testing.assert_close(ckpt.optim(key, field), t, rtol=0, atol=0, msg=f"{key} {field}")
     for key in ckpt.keys():  # an fp32 run's main parameters are its weights
         torch.testing.assert_close(ckpt.optim(key, "main"), ckpt.param(key).float(), rtol=0, atol=0)
+
+
+def test_dp_reshardable_state_is_named_and_the_weights_import(saved, tmp_path, capsys):
+    root, _ = saved
+    out = str(tmp_path / "weights")
+    assert convert(["from-megatron", "--load", os.path.join(root, "gpt2_dp_reshardable"), "--save", out]) == 0
+    said = capsys.readouterr().out
+    assert "weights only; its optimizer state is the distributed optimizer's dp_reshardable" in said
+    assert "--dist-ckpt-optim-fully-reshardable" in said and "--no-load-optim" in said
+    assert not FullCheckpoint(out).has_optimizer()
 
 
 def test_no_load_optim_imports_the_weights_only(saved, tmp_path, capsys):

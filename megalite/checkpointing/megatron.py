@@ -22,9 +22,6 @@ import torch
 from megalite.checkpointing.errors import CheckpointError
 from megalite.checkpointing.megatron_args import config_from_args
 from megalite.checkpointing.megatron_names import (
-    OPTIMIZER_FIELDS as OPTIMIZER_STATE_FIELDS,
-)
-from megalite.checkpointing.megatron_names import (
     check_params,
     split_optimizer_keys,
     to_megalite,
@@ -138,15 +135,16 @@ def read_megatron(load_dir: str, iteration: int | None = None, vocab_size: int |
     out = MegatronCheckpoint(folder, fmt, config, params, it, _state(common, args, it), layout, tokenizer)
     out.optimizer_note = getattr(src, "optimizer_note", out.optimizer_note)
     if other and not optim_keys:
-        out.optimizer_note = (f"its optimizer state is in a layout not read ({other[0]}: the distributed "
-                              "optimizer's buffers); only the weights are imported")
+        out.optimizer_note = (f"its optimizer state is the distributed optimizer's dp_reshardable buffers "
+                              f"({other[0]}: Megatron-LM's default, laid out by its gradient buckets), which is "
+                              "not read; save with --dist-ckpt-optim-fully-reshardable to import it")
     elif optim_keys:
         out.optimizer, out.optimizer_step = _optimizer(optim_keys, get, common, config, where)
         out.optimizer_note = f"Adam state of step {out.optimizer_step:g} imported"
     return out
 
 
-def _optimizer(fields: dict[str, list[str]], get: Any, common: dict[str, Any], config: dict[str, Any],
+def _optimizer(fields: dict[str, dict[str, str]], get: Any, common: dict[str, Any], config: dict[str, Any],
                where: str) -> tuple[dict[str, dict[str, torch.Tensor]], float]:
     """The optimizer state of torch_dist's model-space keys as megalite's full tensors per field (each
     checked as a parameter is: every parameter, its full shape, the vocabulary padding dropped), and the
@@ -154,13 +152,23 @@ def _optimizer(fields: dict[str, list[str]], get: Any, common: dict[str, Any], c
     missing = [f for f in ("exp_avg", "exp_avg_sq") if f not in fields]
     if missing:
         raise CheckpointError(f"{where}: its optimizer state has no {missing[0]} (Adam's moments are read)")
-    prefix = {v: k for k, v in OPTIMIZER_STATE_FIELDS.items()}
     out = {}
     for name, keys in fields.items():
-        tensors = to_megalite(keys, lambda k, f=name: get(f"optimizer.state.{prefix[f]}.{k}"), where)
+        tensors = to_megalite(list(keys), lambda k, source=keys: get(source[k]), where)
         checked = check_params(tensors, config, f"{where} (optimizer {name})")
         out[name] = {k: t.float() for k, t in checked.items()}
-    step = ((common.get("optimizer") or {}).get("state") or {}).get("common_step")
-    if not isinstance(step, torch.Tensor | int | float) or not float(step) >= 0:
-        raise CheckpointError(f"{where}: common.pt's optimizer.state.common_step ({step!r}) is not a step count")
-    return out, float(step)
+    return out, _optimizer_step(common.get("optimizer") or {}, where)
+
+
+def _optimizer_step(saved: dict[str, Any], where: str) -> float:
+    """Adam's step count: the non-distributed optimizer's ``state.common_step``, or the distributed
+    optimizer's per-group ``step`` (fully_reshardable: under ``optimizer.optimizer``), which must agree."""
+    if "param_state_sharding_type" in saved and isinstance(saved.get("optimizer"), dict):
+        saved = saved["optimizer"]
+    step = (saved.get("state") or {}).get("common_step")
+    groups = [g.get("step") for g in saved.get("param_groups") or [] if isinstance(g, dict)]
+    steps = {float(s) for s in ([step] if step is not None else groups) if isinstance(s, torch.Tensor | int | float)}
+    if len(steps) != 1 or not min(steps) >= 0:
+        raise CheckpointError(f"{where}: common.pt's optimizer holds no single step count (common_step {step!r}, "
+                              f"the groups' steps {groups[:4]})")
+    return steps.pop()

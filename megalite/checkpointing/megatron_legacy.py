@@ -30,7 +30,7 @@ import torch
 
 from megalite.checkpointing.errors import CheckpointError
 from megalite.checkpointing.megatron_legacy_optim import legacy_moments
-from megalite.checkpointing.megatron_names import OPTIMIZER_FIELDS, OPTIMIZER_STATE
+from megalite.checkpointing.megatron_names import OPTIMIZER_STATE
 from megalite.checkpointing.safe_pickle import load_torch_file
 
 FILE = "model_optim_rng.pt"
@@ -41,7 +41,7 @@ ROW = re.compile(r"(linear_proj\.weight|linear_fc2\.weight|linear_fc2\.weight\d+
 LAYER = re.compile(r"^(decoder\.layers\.)(\d+)(\..+)$")
 LOCAL_EXPERT_KEY = re.compile(r"(\.mlp\.experts\.local_experts\.)(\d+)(\..+)$")
 SKIPPED = re.compile(r"(^|\.)_extra_state$")
-OPTIM_NAMES = {v: k for k, v in OPTIMIZER_FIELDS.items()}  # megalite's optimizer field -> torch_dist's name
+OPTIM_NAMES = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "main": "fp32_param"}  # -> torch_dist's names
 
 
 def _grid(folder: str) -> dict[tuple[int, int, int], str]:

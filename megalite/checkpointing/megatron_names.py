@@ -52,23 +52,24 @@ EXPERT_KEY = re.compile(r"mlp\.experts\.(?:local_experts\.(?P<j>\d+)\.linear_(?P
                         r"|linear_(?P<b>fc[12])\.weight(?P<k>\d+)"
                         r"|(?:local_experts\.|experts\.)?linear_(?P<c>fc[12])\.weight)$")
 SKIPPED = re.compile(r"(^|\.)_extra_state(/|$)")
-# torch_dist's optimizer state of the (non-distributed) optimizer, in model space: one key per parameter key
-OPTIMIZER_STATE = re.compile(r"^optimizer\.state\.(exp_avg|exp_avg_sq|fp32_param)\.(.+)$")
-OPTIMIZER_FIELDS = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "fp32_param": "main"}
+# torch_dist's optimizer state in model space, one key per parameter key: the non-distributed optimizer's
+# (fp32 copies as fp32_param) and the distributed optimizer's fully_reshardable sharding (fp32 copies as param)
+OPTIMIZER_STATE = re.compile(r"^optimizer\.state\.(exp_avg|exp_avg_sq|fp32_param|param)\.(.+)$")
+OPTIMIZER_FIELDS = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "fp32_param": "main", "param": "main"}
 LAYER_KEY = re.compile(r"^decoder\.layers\.(?:(\d+)\.)?(.+)$")
 
 
-def split_optimizer_keys(keys: Iterable[str]) -> tuple[list[str], dict[str, list[str]], list[str]]:
-    """(model keys, megalite optimizer field -> the model keys it holds state for, other optimizer keys):
+def split_optimizer_keys(keys: Iterable[str]) -> tuple[list[str], dict[str, dict[str, str]], list[str]]:
+    """(model keys, megalite optimizer field -> {model key: its source key}, other optimizer keys):
     ``optimizer.state.exp_avg.<model key>`` is Adam's first moment of that parameter; ``optimizer.*`` keys
     of another layout (the distributed optimizer's flat buffers) are returned apart, not read."""
     model: list[str] = []
-    fields: dict[str, list[str]] = {}
+    fields: dict[str, dict[str, str]] = {}
     other: list[str] = []
     for key in keys:
         m = OPTIMIZER_STATE.match(key)
         if m:
-            fields.setdefault(OPTIMIZER_FIELDS[m[1]], []).append(m[2])
+            fields.setdefault(OPTIMIZER_FIELDS[m[1]], {})[m[2]] = key
         elif key.startswith("optimizer."):
             other.append(key)
         else:
