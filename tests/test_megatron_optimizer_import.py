@@ -144,3 +144,28 @@ def test_no_load_optim_imports_the_weights_only(saved, tmp_path, capsys):
     assert convert(["from-megatron", "--load", os.path.join(root, "gpt2"), "--save", out, "--no-load-optim"]) == 0
     assert "weights only" in capsys.readouterr().out
     assert not FullCheckpoint(out).has_optimizer()
+
+
+def test_pretrain_continues_a_megatron_run_with_its_adam_state(saved, tmp_path):
+    """``pretrain_gpt.py --load`` of Megatron-LM's folder at TP2, its Adam state read in-process, follows the
+    losses of a one-process run loading the ``from-megatron`` import (state included); a fresh optimizer
+    (--no-load-optim) gives other losses, so the state is what carries the run. (Global batch 8: the mock
+    dataset, sized for 5 iterations, must hold the 14 samples Megatron-LM consumed before and 3 more steps.)"""
+    from megalite.checkpointing.megatron import read_megatron
+    from tests.asserts import assert_rel_close
+    from tests.cli_utils import launch_pretrain, losses
+    from tools.convert_checkpoint import model_flags
+
+    load = os.path.join(saved[0], "gpt2")
+    imported = str(tmp_path / "imported")
+    assert convert(["from-megatron", "--load", load, "--save", imported]) == 0
+    run = ["--mock-data", "--vocab-size", "95", *model_flags(read_megatron(load).config).split(), "--seq-length",
+           "16", "--micro-batch-size", "2", "--global-batch-size", "8", "--log-interval", "1", "--train-iters", "5",
+           "--lr", "1e-3", "--weight-decay", "0.1", "--hidden-dropout", "0", "--attention-dropout", "0"]
+    direct = launch_pretrain([*run, "--load", load, "--tensor-model-parallel-size", "2"], nproc=2, timeout=150)
+    assert "as a Megatron-LM checkpoint (with its Adam state)" in direct.stdout, direct.stdout[-2000:]
+    got, want = losses(direct), losses(launch_pretrain([*run, "--load", imported], timeout=150))
+    fresh = losses(launch_pretrain([*run, "--load", imported, "--no-load-optim"], timeout=150))
+    assert sorted(got) == sorted(want) == sorted(fresh) == [3, 4, 5]
+    assert_rel_close([got[i][0] for i in got], [want[i][0] for i in got], 1e-5, "in-process TP2 vs imported TP1")
+    assert abs(fresh[4][0] - want[4][0]) > 1e-4 * abs(want[4][0])  # the imported moments change the next steps

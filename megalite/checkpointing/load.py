@@ -8,6 +8,7 @@ differs from the checkpoint's is refused with every differing flag named.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -141,17 +142,22 @@ def _saved_as_is(reader: CheckpointReader, key: str, p: nn.Parameter, pg: Proces
 
 def _load_optimizer(reader: CheckpointReader, chunks: list[nn.Module], optimizer: Any, pg: ProcessGroups) -> None:
     """Each slice this rank's optimizer owns, cut from the saved tensors (read locally when TP is unchanged)."""
+    def shard(key: str, field: str, p: nn.Parameter) -> torch.Tensor:
+        local = _saved_as_is(reader, key, p, pg, lambda k, t, e: reader.local_optim(k, field, t, e))
+        if local is None or local.shape != p.shape:
+            local = local_shard(param_meta(p), reader.full_optim(key, field, param_meta(p).spec), pg)
+        _check_numel(reader, f"{key}/{field}", local, p.shape)
+        return local
+
+    load_optimizer_state(chunks, optimizer, shard, reader.optimizer_step())
+
+
+def load_optimizer_state(chunks: list[nn.Module], optimizer: Any,
+                         shard: Callable[[str, str, nn.Parameter], torch.Tensor], step: float) -> None:
+    """The optimizer's slices from ``shard(key, field, param)``, this rank's shard of a saved field (main,
+    exp_avg, exp_avg_sq) of a parameter, and Adam's ``step``: what any checkpoint source feeds the optimizer."""
     key_of = {id(p): key for _, key, p in named_params(chunks)}
     slices, _ = optimizer.state_tensors()
-    values = []
-    for s in slices:
-        key, meta = key_of[id(s.param)], param_meta(s.param)
-        v = {}
-        for f in OPTIM_FIELDS:
-            local = _saved_as_is(reader, key, s.param, pg, lambda k, t, e, f=f: reader.local_optim(k, f, t, e))
-            if local is None or local.shape != s.param.shape:
-                local = local_shard(meta, reader.full_optim(key, f, meta.spec), pg)
-            _check_numel(reader, f"{key}/{f}", local, s.param.shape)
-            v[f] = local.reshape(-1)[s.lo:s.hi]
-        values.append(v)
-    optimizer.load_state_tensors(values, reader.optimizer_step())
+    values = [{f: shard(key_of[id(s.param)], f, s.param).reshape(-1)[s.lo:s.hi] for f in OPTIM_FIELDS}
+              for s in slices]
+    optimizer.load_state_tensors(values, step)

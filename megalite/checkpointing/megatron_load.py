@@ -1,10 +1,11 @@
 """``--load`` of a Megatron-LM checkpoint folder: its weights straight into this run's model, any layout.
 
 Every rank reads the checkpoint as full tensors (megatron.py) and keeps its own shard of each
-(``local_shard``), as the offline import would write them. Megatron's optimizer state is not read here
-(``from-megatron`` imports it), so the run must say it starts a fresh optimizer (``--no-load-optim``
-keeps the iteration and consumed samples, ``--finetune`` starts from 0); the model flags must describe
-the checkpoint's model, each differing shape flag named.
+(``local_shard``), as the offline import would write them, and so does the Adam state megatron.py
+reads (torch_dist's model-space state, the legacy files' numbered one); where the checkpoint holds none
+it reads, the run must say it starts a fresh optimizer (``--no-load-optim`` keeps the iteration and
+consumed samples, ``--finetune`` starts from 0). The model flags must describe the checkpoint's model,
+each differing shape flag named.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 from torch import nn
 
 from megalite.checkpointing.errors import CheckpointError
-from megalite.checkpointing.load import LoadedState, check_config
+from megalite.checkpointing.load import LoadedState, check_config, load_optimizer_state
 from megalite.checkpointing.megatron import read_megatron
 from megalite.checkpointing.stored import named_params
 from megalite.parallel.groups import ProcessGroups
@@ -24,20 +25,35 @@ from megalite.tensor_parallel.param_meta import local_shard, param_meta
 
 @torch.no_grad()
 def load_megatron(load_dir: str, chunks: list[nn.Module], pg: ProcessGroups, model_config: dict[str, Any],
-                  *, weights_only: bool) -> LoadedState:
-    """Copy this rank's shards of the Megatron-LM checkpoint in ``load_dir`` into ``chunks``."""
-    if not weights_only:
-        raise CheckpointError(f"--load {load_dir} is a Megatron-LM checkpoint: its weights load here, its optimizer "
-                              "state does not; pass --no-load-optim (keeps its iteration) or --finetune, or import "
-                              "it with its Adam state: tools/convert_checkpoint.py from-megatron")
-    src = read_megatron(load_dir, vocab_size=int(model_config["vocab_size"]))
+                  *, weights_only: bool, optimizer: Any = None) -> LoadedState:
+    """Copy this rank's shards of the Megatron-LM checkpoint in ``load_dir`` into ``chunks`` and, unless
+    ``weights_only``, its Adam state into ``optimizer`` (refused, with the reason, when it holds none
+    megalite reads)."""
+    vocab = model_config.get("vocab_size")
+    src = read_megatron(load_dir, vocab_size=None if vocab is None else int(vocab))
+    if not weights_only and src.optimizer is None:
+        raise CheckpointError(f"--load {load_dir} is a Megatron-LM checkpoint whose optimizer state does not load "
+                              f"({src.optimizer_note}); pass --no-load-optim (keeps its iteration) or --finetune")
     check_config(src.config, model_config, f"--load {load_dir} (Megatron-LM, {src.format})")
     for _, key, p in named_params(chunks):
-        if key not in src.params:
-            raise CheckpointError(f"--load {load_dir}: the Megatron-LM checkpoint has no {key}")
-        local = local_shard(param_meta(p), src.params[key], pg)
-        if local.numel() != p.numel():
-            raise CheckpointError(f"--load {load_dir}: {key}: this rank's shard has {local.numel()} elements, "
-                                  f"the parameter {p.numel()}")
-        p.copy_(local.view(p.shape).to(p.dtype))
+        p.copy_(_local(load_dir, src.params, key, p, pg).to(p.dtype))
+    if not weights_only and optimizer is not None:
+        state = src.optimizer or {}
+
+        def shard(key: str, field: str, p: nn.Parameter) -> torch.Tensor:
+            full = state.get(field, {}).get(key)
+            return _local(load_dir, {key: src.params[key].float() if full is None else full}, key, p, pg)
+
+        load_optimizer_state(chunks, optimizer, shard, src.optimizer_step)
     return LoadedState(src.iteration, src.state, same_layout=False)
+
+
+def _local(load_dir: str, full: dict[str, torch.Tensor], key: str, p: nn.Parameter, pg: ProcessGroups) -> torch.Tensor:
+    """This rank's shard of ``full[key]`` for parameter ``p``, shaped as it."""
+    if key not in full:
+        raise CheckpointError(f"--load {load_dir}: the Megatron-LM checkpoint has no {key}")
+    local = local_shard(param_meta(p), full[key], pg)
+    if local.numel() != p.numel():
+        raise CheckpointError(f"--load {load_dir}: {key}: this rank's shard has {local.numel()} elements, "
+                              f"the parameter {p.numel()}")
+    return local.view(p.shape)
