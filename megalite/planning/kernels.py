@@ -118,11 +118,10 @@ def stage_compute_s(sh: RunShape, cl: ClusterConfig) -> float:
 
 def stage_paces(sh: RunShape, cl: ClusterConfig) -> list[float]:
     """Each pipeline rank's compute per micro-batch: its layers (all its chunks), and the output layer on
-    the rank holding the loss. An even split spreads the output layer over the stages (the time model's
-    convention, which its held-out rows were predicted with); an uneven split (parallel/placement.py) puts it
-    on the loss rank, which the first/last counts can lighten."""
-    if sh.split.even or sh.pp == 1:
-        return [layers_compute_s(sh, cl, 0) + logits_s(sh, cl) / sh.pp] * sh.pp
+    the rank holding the loss, even split or not (the first held-out protocol's predictions spread it over
+    the stages instead, docs/planning.md; the first/last counts of an uneven split can lighten that rank)."""
+    if sh.pp == 1:
+        return [layers_compute_s(sh, cl, 0) + logits_s(sh, cl)]
     loss_rank = sh.split.stages.holder(sh.split.stages.last)[0]
     return [layers_compute_s(sh, cl, r) + (logits_s(sh, cl) if r == loss_rank else 0.0) for r in range(sh.pp)]
 
