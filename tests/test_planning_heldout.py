@@ -1,8 +1,9 @@
-"""The planner's time model on held-out published runs (docs/planning.md, "Held-out validation: the
-protocol"): rows no constant was taken from, with the bounds committed before any prediction was
-computed. The rows that missed their bound are recorded as strict expected failures (a fix that makes
-one pass turns its test red until the record is updated); the bounds are not changed. Also: --search
-keeps its memory headroom, the headroom and imbalance flags, the cpu preset.
+"""The planner's time model on held-out published runs (docs/planning.md, "Held-out validation"): rows no
+constant was taken from, with the bounds committed before any prediction was computed. Round 1's rows were
+seen at its first run (and a model change followed), so they are planned and reported, not bound; round 2's
+rows are held to the same bounds, the misses of its first and only run recorded as strict expected failures
+(a change that makes one pass turns its test red until the record is updated); the bounds are not changed.
+Also: --search keeps its memory headroom, the headroom and imbalance flags, the cpu preset.
 """
 
 from __future__ import annotations
@@ -12,11 +13,14 @@ import statistics
 import pytest
 
 from megalite.planning.cli import plan_config
-from megalite.planning.heldout import HELD_OUT, REPORTED, plan_row
+from megalite.planning.heldout import HELD_OUT, HELD_OUT_V2, REPORTED, plan_row
 from tests.test_planning import _run
 
-ROW_BOUND, MEDIAN_BOUND = 0.25, 0.12  # the protocol's bounds (docs/planning.md)
-MISSED = {"MTNLG-280", "MTNLG-350", "MTNLG-420", "L3-16K"}  # recorded misses of the first held-out run
+ROW_BOUND, MEDIAN_BOUND = 0.25, 0.12  # the protocol's bounds, both rounds (docs/planning.md)
+# recorded misses of round 2's first run (docs/planning.md, "Held-out results, round 2")
+MISSED = {"DG-L31-8B-8", "DG-L31-8B-128", "DG-L31-70B-64", "DG-L31-70B-2048", "DG-L31-405B-576",
+          "DG-L31-405B-2304", "DG-N4-15B-16", "DG-N4-15B-2048", "DG-N4-340B-128", "DG-N4-340B-2048", "TT-L3-8B",
+          "TT-L3-70B", "TT-L2-13B", "TT-L2-70B"}
 
 
 def _error(run) -> float:
@@ -27,18 +31,24 @@ def _error(run) -> float:
 
 @pytest.mark.parametrize("run", [pytest.param(r, id=r.id, marks=pytest.mark.xfail(
     strict=True, reason="missed the protocol's bound (docs/planning.md)")) if r.id in MISSED else
-    pytest.param(r, id=r.id) for r in HELD_OUT])
+    pytest.param(r, id=r.id) for r in HELD_OUT_V2])
 def test_held_out_row_within_bound(run):
     assert abs(_error(run)) <= ROW_BOUND
 
 
-@pytest.mark.xfail(strict=True, reason="median |error| 17.5% > 12%: missed the protocol's bound")
+@pytest.mark.xfail(strict=True, reason="round 2's median |error| 25.8% > 12%: missed the protocol's bound")
 def test_held_out_median_error_within_bound():
-    assert statistics.median(abs(_error(r)) for r in HELD_OUT) <= MEDIAN_BOUND
+    assert statistics.median(abs(plan_row(r)[1] / r.tflops_per_gpu - 1) for r in HELD_OUT_V2) <= MEDIAN_BOUND
+
+
+@pytest.mark.parametrize("run", HELD_OUT, ids=[r.id for r in HELD_OUT])
+def test_round_one_rows_still_plan_and_fit(run):
+    """Seen rows: planned, fitting, predicted within a factor of 2 (a sanity check, not evidence)."""
+    assert 0.5 < _error(run) + 1 < 2.0
 
 
 def test_held_out_rows_are_enough_and_reported_rows_plan():
-    assert len([r for r in HELD_OUT if r.bound]) >= 8
+    assert len([r for r in HELD_OUT_V2 if r.bound]) >= 8
     for run in REPORTED:
         plan, predicted = plan_row(run)
         assert predicted > 0 and plan.shape.is_moe

@@ -131,7 +131,8 @@ def _dg(id: str, model: tuple[str, ...], layers: int, tp: int, pp: int, vp: int 
     """A DGX Cloud recipe row: NeMo's settings (the recipes' launcher configs: sequence parallel, the
     distributed optimizer with overlap, TP communication overlapped), 8 H100 per node."""
     virtual = ("--num-layers-per-virtual-pipeline-stage", str(layers // (pp * vp))) if vp else ()
-    layout = _layout(tp, pp, batch, *_NEMO, *virtual, "--context-parallel-size", str(cp), *extra, mbs=mbs)
+    nemo = _NEMO if tp > 1 else tuple(f for f in _NEMO if f != "--sequence-parallel")  # SP needs TP > 1
+    layout = _layout(tp, pp, batch, *nemo, *virtual, "--context-parallel-size", str(cp), *extra, mbs=mbs)
     return HeldOutRun(id, _DG, model, layout, _nodes(gpus, "h100-sxm", "--model-tp-comm-overlap"), layers, tflops,
                       False, step_s=step_s)
 
