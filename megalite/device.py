@@ -95,7 +95,7 @@ class HostSnapshot:
     stream, after the default stream's work so far; the default stream's later work (the next optimizer
     step) waits for them, so the host never stalls for the copy. Buffers are kept and reused by name
     (the next snapshot may only start once the previous one's reader is done). On the CPU: plain clones.
-    The CUDA path is not exercised by the CPU test suite."""
+    The CUDA path is not exercised by the CPU test suite; tests/test_gpu_paths.py checks it on a GPU."""
 
     def __init__(self) -> None:
         self.side = SideStream()

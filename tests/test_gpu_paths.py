@@ -271,6 +271,44 @@ def test_side_stream_copies(target):
         assert torch.equal((back + 0).cpu(), torch.arange(4096.0) * 6)
 
 
+@targets("device.HostSnapshot: --async-save's host copies on a side stream, unaffected by the next step's writes")
+def test_host_snapshot_keeps_the_values_of_its_moment(target):
+    with on(target) as dev:
+        snap = device.HostSnapshot()
+        for round_ in range(2):  # the second snapshot reuses the first one's pinned buffers
+            w = torch.arange(8192.0, device=dev) * (round_ + 1)
+            w.mul_(3)  # default-stream work the copy must wait for
+            host = snap.copy({"w": w})["w"]
+            w.add_(1000)  # the next optimizer step, writing the parameter while the copy may still run
+            snap.ready()
+            assert host.device.type == "cpu" and host.is_pinned() == (target == "cuda")
+            assert torch.equal(host, torch.arange(8192.0) * 3 * (round_ + 1))
+
+
+@targets("--async-save (checkpointing/async_save.py through device.HostSnapshot): the files equal a sync save's")
+def test_async_save_writes_the_bytes_of_a_sync_save(target, tmp_path):
+    import filecmp
+    import time
+
+    from megalite.checkpointing import async_save
+    from megalite.checkpointing.paths import iter_dirname
+    from tests.test_async_save import _files, _train
+
+    with on(target):
+        sync = _train(0, 1, save=str(tmp_path / "sync"), save_interval=2).losses
+        async_save.FAULT = lambda point: time.sleep(0.05)  # a writer that spans the next steps
+        try:
+            res = _train(0, 1, save=str(tmp_path / "async"), save_interval=2, async_save=True)
+        finally:
+            async_save.FAULT = None
+    assert res.losses == sync
+    for it in (2, 4, 6):
+        a, s = (str(tmp_path / kind / iter_dirname(it)) for kind in ("async", "sync"))
+        assert _files(a) == _files(s) and _files(s)
+        _, mismatch, errors = filecmp.cmpfiles(a, s, _files(s), shallow=False)
+        assert not mismatch and not errors, (it, mismatch, errors)
+
+
 # ---- grouped GEMM, MoE -------------------------------------------------------------------------------
 def _grouped_pass(target: str, dtype: torch.dtype, grouped: bool) -> tuple[dict[str, torch.Tensor], bool]:
     """grouped_linear forward and backward (4 experts, one without tokens); whether the grouped kernel ran."""
