@@ -163,9 +163,41 @@ def test_pretrain_continues_a_megatron_run_with_its_adam_state(saved, tmp_path):
            "16", "--micro-batch-size", "2", "--global-batch-size", "8", "--log-interval", "1", "--train-iters", "5",
            "--lr", "1e-3", "--weight-decay", "0.1", "--hidden-dropout", "0", "--attention-dropout", "0"]
     direct = launch_pretrain([*run, "--load", load, "--tensor-model-parallel-size", "2"], nproc=2, timeout=150)
-    assert "as a Megatron-LM checkpoint (with its Adam state)" in direct.stdout, direct.stdout[-2000:]
+    assert "as a Megatron-LM checkpoint (with its Adam state; no RNG state read" in direct.stdout, direct.stdout[-2000:]
+    legacy = launch_pretrain([*run, "--load", load + "_legacy", "--tensor-model-parallel-size", "2"], nproc=2,
+                             timeout=150)
+    assert "(with its Adam state; RNG states restored" in legacy.stdout, legacy.stdout[-2000:]
     got, want = losses(direct), losses(launch_pretrain([*run, "--load", imported], timeout=150))
     fresh = losses(launch_pretrain([*run, "--load", imported, "--no-load-optim"], timeout=150))
-    assert sorted(got) == sorted(want) == sorted(fresh) == [3, 4, 5]
+    assert sorted(got) == sorted(want) == sorted(fresh) == sorted(losses(legacy)) == [3, 4, 5]
     assert_rel_close([got[i][0] for i in got], [want[i][0] for i in got], 1e-5, "in-process TP2 vs imported TP1")
+    assert_rel_close([losses(legacy)[i][0] for i in got], [want[i][0] for i in got], 1e-5, "legacy TP2 vs imported")
     assert abs(fresh[4][0] - want[4][0]) > 1e-4 * abs(want[4][0])  # the imported moments change the next steps
+
+
+def test_the_legacy_rng_states_are_restored_at_their_layout_only(saved):
+    """Each TP rank's file's torch_rng_state becomes that rank's generator state (on the CPU the device
+    generator is the same one); at another layout, or from torch_dist, nothing is restored and the note says
+    why."""
+    from megalite.checkpointing.megatron import read_megatron
+    from megalite.checkpointing.megatron_load import megatron_rng
+    from megalite.checkpointing.safe_pickle import load_torch_file
+    from megalite.parallel.groups import ProcessGroups
+    from megalite.parallel.layout import RankLayout
+
+    root = saved[0]
+    src = read_megatron(os.path.join(root, "gpt2_legacy"))
+    now = {"cpu": torch.get_rng_state(), "device": torch.get_rng_state(), "tracker/model-parallel-rng":
+           torch.get_rng_state()}
+    for rank in range(2):
+        states, note = megatron_rng(src, ProcessGroups.unconnected(RankLayout(2, 2, 1), rank), now)
+        file = load_torch_file(os.path.join(root, "gpt2_legacy", "iter_0000002", f"mp_rank_{rank:02d}",
+                                            "model_optim_rng.pt"))
+        assert note.startswith("RNG states restored") and states is not None
+        assert torch.equal(states["cpu"], file["rng_state"][0]["torch_rng_state"])
+        assert torch.equal(states["device"], states["cpu"]) and not torch.equal(states["cpu"], now["cpu"])
+    states, note = megatron_rng(src, ProcessGroups.unconnected(RankLayout(1, 1, 1), 0), now)
+    assert states is None and "this run's layout differs" in note
+    states, note = megatron_rng(read_megatron(os.path.join(root, "gpt2")), ProcessGroups.unconnected(
+        RankLayout(2, 2, 1), 0), now)
+    assert states is None and "no RNG state read" in note

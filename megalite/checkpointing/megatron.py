@@ -86,6 +86,7 @@ class MegatronCheckpoint:
     optimizer: dict[str, dict[str, torch.Tensor]] | None = None  # field (exp_avg, exp_avg_sq, main) -> key -> full
     optimizer_step: float = 0.0  # Adam's step count (its bias correction)
     optimizer_note: str = "the checkpoint holds no optimizer state"  # why ``optimizer`` is None
+    rng: dict[tuple[int, int], Any] = field(default_factory=dict)  # legacy: each (TP, PP) rank's rng_state
 
 
 def _vocab(args: Any, rows: int, vocab_size: int | None, where: str) -> int:
@@ -134,6 +135,7 @@ def read_megatron(load_dir: str, iteration: int | None = None, vocab_size: int |
     tokenizer = {k: getattr(args, k, None) for k in TOKENIZER_ARGS} if getattr(args, "tokenizer_type", None) else None
     out = MegatronCheckpoint(folder, fmt, config, params, it, _state(common, args, it), layout, tokenizer)
     out.optimizer_note = getattr(src, "optimizer_note", out.optimizer_note)
+    out.rng = getattr(src, "rng", {})
     if other and not optim_keys:
         out.optimizer_note = (f"its optimizer state is the distributed optimizer's dp_reshardable buffers "
                               f"({other[0]}: Megatron-LM's default, laid out by its gradient buckets), which is "

@@ -109,6 +109,7 @@ class LegacyCheckpoint:
             files, states = ({(t, 0, x): v for (t, x, _), v in d.items()} for d in (files, states))
         self.tp, self.pp, self.ep = (max(k[i] for k in files) + 1 for i in range(3))
         self.common = {k: v for k, v in first.items() if k in ("args", "iteration", "checkpoint_version")}
+        self.rng = {(t, p): s.get("rng_state") for (t, p, e), s in states.items() if e == 0}  # per (TP, PP) rank
         self.swiglu = bool(getattr(first.get("args"), "swiglu", False))
         chunks = {k: _chunks(s, files[k]) for k, s in states.items()}
         self._shards = self._globalise(chunks, files)

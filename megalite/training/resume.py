@@ -57,10 +57,12 @@ def maybe_load(cfg: MegaliteConfig, chunks: list[nn.Module], optimizer: Megalite
         return TrainState()
     weights_only = ck.finetune or ck.no_load_optim
     if is_megatron_checkpoint(ck.load):  # Megatron-LM's own folder: its weights, read in-process
-        loaded, rng = load_megatron(ck.load, chunks, pg, config_dict(cfg.model, vocab_size),
-                                    weights_only=weights_only, optimizer=optimizer), None
+        load_rng = not (ck.no_load_rng or ck.finetune)
+        loaded, rng, rng_note = load_megatron(ck.load, chunks, pg, config_dict(cfg.model, vocab_size),
+                                              weights_only=weights_only, optimizer=optimizer,
+                                              rng_now=rng_states(tracker) if load_rng else None)
         what = "weights only" if weights_only else "with its Adam state"
-        say(f" reading {ck.load} as a Megatron-LM checkpoint ({what})")
+        say(f" reading {ck.load} as a Megatron-LM checkpoint ({what}; {rng_note})")
     else:
         loaded, rng = load_checkpoint(ck.load, chunks, optimizer, pg, config_dict(cfg.model, vocab_size),
                                       load_optim=not weights_only, load_rng=not (ck.no_load_rng or ck.finetune))
