@@ -217,7 +217,8 @@ def test_no_load_optim_imports_the_weights_only(saved, tmp_path, capsys):
 def test_pretrain_continues_a_megatron_run_with_its_adam_state(saved, tmp_path):
     """``pretrain_gpt.py --load`` of Megatron-LM's folder at TP2, its Adam state read in-process, follows the
     losses of a one-process run loading the ``from-megatron`` import (state included); a fresh optimizer
-    (--no-load-optim) gives other losses, so the state is what carries the run. (Global batch 8: the mock
+    (--no-load-optim) gives other losses, so the state is what carries the run; the distributed optimizer's
+    dp_reshardable save of the same run, loaded in-process, follows them too. (Global batch 8: the mock
     dataset, sized for 5 iterations, must hold the 14 samples Megatron-LM consumed before and 3 more steps.)"""
     from megalite.checkpointing.megatron import read_megatron
     from tests.asserts import assert_rel_close
@@ -236,4 +237,8 @@ def test_pretrain_continues_a_megatron_run_with_its_adam_state(saved, tmp_path):
     fresh = losses(launch_pretrain([*run, "--load", imported, "--no-load-optim"], timeout=150))
     assert sorted(got) == sorted(want) == sorted(fresh) == [3, 4, 5]
     assert_rel_close([got[i][0] for i in got], [want[i][0] for i in got], 1e-5, "in-process TP2 vs imported TP1")
+    buckets = launch_pretrain([*run, "--load", load + "_dp_reshardable", "--tensor-model-parallel-size", "2"], nproc=2,
+                              timeout=150)
+    assert "as a Megatron-LM checkpoint (with its Adam state)" in buckets.stdout, buckets.stdout[-2000:]
+    assert_rel_close([losses(buckets)[i][0] for i in got], [want[i][0] for i in got], 1e-5, "dp_reshardable --load")
     assert abs(fresh[4][0] - want[4][0]) > 1e-4 * abs(want[4][0])  # the imported moments change the next steps
