@@ -28,17 +28,17 @@ NAMES = ("gpt2", "llama")
 STEPS = 2
 
 
-def _train(args, distributed: bool):
+def _train(args, distributed: bool, **ddp_options):
     """megatron-core's model at TP2 with its optimizer (the distributed one with ``distributed``) after
-    STEPS steps of the same loss on the same tokens."""
+    STEPS steps of the same loss on the same tokens (``ddp_options``: more of its DistributedDataParallelConfig)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from tests.mcore_cpu import build_gpt
 
     model = build_gpt(args, tp=2).train()
-    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(use_distributed_optimizer=distributed),
-                                  model)
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=distributed, **ddp_options)
+    ddp = DistributedDataParallel(model.config, ddp_config, model)
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.1, clip_grad=0.0,
                                                  bf16=False, fp16=False, use_distributed_optimizer=distributed), [ddp])
     b, s = TOKENS.shape
@@ -54,9 +54,9 @@ def _train(args, distributed: bool):
 
 def _train_and_save(rank: int, world: int, root: str) -> dict:
     """Each case trained by megatron-core at TP2 and saved with its optimizer: the plain optimizer in
-    torch_dist and in the legacy format, the distributed one in torch_dist as ``fully_reshardable`` (and
-    GPT-2's also as ``dp_reshardable``, Megatron-LM's default); this rank's moments of the plain optimizer
-    per parameter name, with how the parameter is cut."""
+    torch_dist and in the legacy format, the distributed one in torch_dist as ``fully_reshardable`` and as
+    ``dp_reshardable`` (Megatron-LM's default); this rank's moments of the plain optimizer per parameter
+    name, with how the parameter is cut."""
     from tests.mcore_cpu import cpu_shim, optimizer_cpu_shim, save_megatron, save_megatron_legacy
 
     cpu_shim()
@@ -76,10 +76,38 @@ def _train_and_save(rank: int, world: int, root: str) -> dict:
                          getattr(p, "partition_dim", -1) if getattr(p, "tensor_model_parallel", False) else -1)
                      for n, p in model.named_parameters()}
         model, opt = _train(args, distributed=True)
-        for sharding in ("fully_reshardable", "dp_reshardable")[:2 if name == "gpt2" else 1]:
+        for sharding in ("fully_reshardable", "dp_reshardable"):
             state = opt.sharded_state_dict(model.sharded_state_dict(),
                                            metadata={"distrib_optim_sharding_type": sharding})
             save_megatron(model, args, os.path.join(root, f"{name}_{sharding}"), STEPS, optimizer=state)
+    ps.destroy_model_parallel()
+    return out
+
+
+def _train_and_save_dp2(rank: int, world: int, root: str) -> dict:
+    """At TP2 x DP2 (the same tokens on both DP ranks): the plain optimizer's moments, and the distributed
+    optimizer saved as ``dp_reshardable``, each bucket split over the two DP ranks; GPT-2's buffer cut into
+    several buckets (overlapped gradient reduction with a small bucket size), Llama's in one."""
+    from tests.mcore_cpu import cpu_shim, optimizer_cpu_shim, save_megatron
+
+    cpu_shim()
+    optimizer_cpu_shim()
+    from megatron.core import parallel_state as ps
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=2)
+    out = {}
+    for name in NAMES:
+        args = CASES[name]
+        model, opt = _train(args, distributed=False)
+        inner = opt.chained_optimizers[0].optimizer if hasattr(opt, "chained_optimizers") else opt.optimizer
+        out[name] = {n: ({k: v.clone() for k, v in inner.state[p].items()},
+                         getattr(p, "partition_dim", -1) if getattr(p, "tensor_model_parallel", False) else -1)
+                     for n, p in model.named_parameters()}
+        options = {"overlap_grad_reduce": True, "bucket_size": 3000} if name == "gpt2" else {}
+        model, opt = _train(args, distributed=True, **options)
+        state = opt.sharded_state_dict(model.sharded_state_dict(), metadata={"distrib_optim_sharding_type":
+                                                                              "dp_reshardable"})
+        save_megatron(model, args, os.path.join(root, f"{name}_dp2"), STEPS, optimizer=state)
     ps.destroy_model_parallel()
     return out
 
@@ -88,6 +116,12 @@ def _train_and_save(rank: int, world: int, root: str) -> dict:
 def saved(tmp_path_factory) -> tuple[str, list[dict]]:
     root = str(tmp_path_factory.mktemp("megatron_optim"))
     return root, run_ranks(_train_and_save, 2, root, timeout=180)
+
+
+@pytest.fixture(scope="module")
+def saved_dp2(tmp_path_factory) -> tuple[str, list[dict]]:
+    root = str(tmp_path_factory.mktemp("megatron_optim_dp2"))
+    return root, run_ranks(_train_and_save_dp2, 4, root, timeout=240)[:2]  # DP rank 0's TP ranks
 
 
 def _joined(per_rank: list[dict], name: str, field: str, swiglu: bool) -> torch.Tensor:
@@ -103,17 +137,9 @@ def _joined(per_rank: list[dict], name: str, field: str, swiglu: bool) -> torch.
     return torch.cat(shards, dim=dim)
 
 
-@pytest.mark.parametrize("fmt", ["", "_legacy", "_fully_reshardable"])
-@pytest.mark.parametrize("name", NAMES)
-def test_from_megatron_carries_the_adam_state_over(saved, name, fmt, tmp_path, capsys):
-    """torch_dist (model-space keys), the legacy format (torch's numbering, rebuilt from megatron-core's
-    default parameter groups, each TP rank's file joined as its weights are), and the distributed
-    optimizer's fully_reshardable torch_dist state (the same run's moments as the plain optimizer's)."""
-    root, ranks = saved
-    per_rank = [r[name] for r in ranks]
-    out = str(tmp_path / "imported")
-    assert convert(["from-megatron", "--load", os.path.join(root, name + fmt), "--save", out,
-                    "--tensor-model-parallel-size", "2"]) == 0
+def _check_import(load: str, per_rank: list[dict], name: str, out: str, capsys) -> None:
+    """``from-megatron`` of ``load`` carries the reference moments over exactly, and the step count."""
+    assert convert(["from-megatron", "--load", load, "--save", out, "--tensor-model-parallel-size", "2"]) == 0
     assert f"Adam state of step {STEPS} imported" in capsys.readouterr().out
     ckpt = FullCheckpoint(out)
     assert ckpt.has_optimizer() and ckpt.optimizer_step() == STEPS
@@ -128,14 +154,56 @@ def test_from_megatron_carries_the_adam_state_over(saved, name, fmt, tmp_path, c
         torch.testing.assert_close(ckpt.optim(key, "main"), ckpt.param(key).float(), rtol=0, atol=0)
 
 
-def test_dp_reshardable_state_is_named_and_the_weights_import(saved, tmp_path, capsys):
-    root, _ = saved
+@pytest.mark.parametrize("fmt", ["", "_legacy", "_fully_reshardable", "_dp_reshardable"])
+@pytest.mark.parametrize("name", NAMES)
+def test_from_megatron_carries_the_adam_state_over(saved, name, fmt, tmp_path, capsys):
+    """torch_dist (model-space keys), the legacy format (torch's numbering, rebuilt from megatron-core's
+    default parameter groups, each TP rank's file joined as its weights are), and the distributed
+    optimizer's fully_reshardable and dp_reshardable torch_dist states (the same run's moments as the
+    plain optimizer's)."""
+    root, ranks = saved
+    _check_import(os.path.join(root, name + fmt), [r[name] for r in ranks], name, str(tmp_path / "imported"), capsys)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_dp_reshardable_state_split_over_dp_ranks_imports(saved_dp2, name, tmp_path, capsys):
+    """The dp_reshardable state of a TP2 x DP2 run (each bucket's flat range cut between the DP ranks;
+    GPT-2's in four buckets) is the plain optimizer's moments of the same run."""
+    root, ranks = saved_dp2
+    _check_import(os.path.join(root, name + "_dp2"), [r[name] for r in ranks], name, str(tmp_path / "out"), capsys)
+
+
+def test_dp_reshardable_state_of_an_unread_layout_is_named_and_the_weights_import(saved, tmp_path, capsys):
+    """A dp_reshardable state whose buffer layout is not rebuilt (the args name Transformer Engine's spec,
+    whose parameter order differs) imports the weights only, saying why."""
+    import shutil
+
+    folder = str(tmp_path / "te")
+    shutil.copytree(os.path.join(saved[0], "gpt2_dp_reshardable"), folder)
+    common = os.path.join(folder, f"iter_{STEPS:07d}", "common.pt")
+    state = torch.load(common, weights_only=False)  # this test's own file
+    state["args"].transformer_impl = "transformer_engine"
+    torch.save(state, common)
     out = str(tmp_path / "weights")
-    assert convert(["from-megatron", "--load", os.path.join(root, "gpt2_dp_reshardable"), "--save", out]) == 0
+    assert convert(["from-megatron", "--load", folder, "--save", out]) == 0
     said = capsys.readouterr().out
     assert "weights only; its optimizer state is the distributed optimizer's dp_reshardable" in said
+    assert "transformer_impl transformer_engine" in said
     assert "--dist-ckpt-optim-fully-reshardable" in said and "--no-load-optim" in said
     assert not FullCheckpoint(out).has_optimizer()
+
+
+def test_dp_reshardable_layout_must_fill_every_bucket_exactly():
+    """The rebuilt layout (reverse order, starts rounded up to 64 elements, the TP cut) is checked against the
+    saved bucket sizes: one element more or less, or a bucket too many, is refused with the reason."""
+    from megalite.checkpointing.megatron_dp_optim import _place
+
+    params = [("a", (4, 3), 0), ("b", (4,), -1), ("c", (100,), -1)]
+    assert _place(params, 2, [198]) == {"c": (0, 0, (100,)), "b": (0, 128, (4,)), "a": (0, 192, (2, 3))}
+    assert _place(params, 2, [100, 4, 6]) == {"c": (0, 0, (100,)), "b": (1, 0, (4,)), "a": (2, 0, (2, 3))}
+    for sizes in ([197], [199], [100, 98], [198, 10]):
+        assert isinstance(_place(params, 2, sizes), str), sizes
+    assert isinstance(_place([("d", (3, 4), 0)], 2, [6]), str)  # 3 rows do not split over TP 2
 
 
 def test_no_load_optim_imports_the_weights_only(saved, tmp_path, capsys):
@@ -149,7 +217,8 @@ def test_no_load_optim_imports_the_weights_only(saved, tmp_path, capsys):
 def test_pretrain_continues_a_megatron_run_with_its_adam_state(saved, tmp_path):
     """``pretrain_gpt.py --load`` of Megatron-LM's folder at TP2, its Adam state read in-process, follows the
     losses of a one-process run loading the ``from-megatron`` import (state included); a fresh optimizer
-    (--no-load-optim) gives other losses, so the state is what carries the run. (Global batch 8: the mock
+    (--no-load-optim) gives other losses, so the state is what carries the run; the distributed optimizer's
+    dp_reshardable save of the same run, loaded in-process, follows them too. (Global batch 8: the mock
     dataset, sized for 5 iterations, must hold the 14 samples Megatron-LM consumed before and 3 more steps.)"""
     from megalite.checkpointing.megatron import read_megatron
     from tests.asserts import assert_rel_close
@@ -172,6 +241,10 @@ def test_pretrain_continues_a_megatron_run_with_its_adam_state(saved, tmp_path):
     assert sorted(got) == sorted(want) == sorted(fresh) == sorted(losses(legacy)) == [3, 4, 5]
     assert_rel_close([got[i][0] for i in got], [want[i][0] for i in got], 1e-5, "in-process TP2 vs imported TP1")
     assert_rel_close([losses(legacy)[i][0] for i in got], [want[i][0] for i in got], 1e-5, "legacy TP2 vs imported")
+    buckets = launch_pretrain([*run, "--load", load + "_dp_reshardable", "--tensor-model-parallel-size", "2"], nproc=2,
+                              timeout=150)
+    assert "as a Megatron-LM checkpoint (with its Adam state;" in buckets.stdout, buckets.stdout[-2000:]
+    assert_rel_close([losses(buckets)[i][0] for i in got], [want[i][0] for i in got], 1e-5, "dp_reshardable --load")
     assert abs(fresh[4][0] - want[4][0]) > 1e-4 * abs(want[4][0])  # the imported moments change the next steps
 
 

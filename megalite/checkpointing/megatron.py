@@ -137,13 +137,31 @@ def read_megatron(load_dir: str, iteration: int | None = None, vocab_size: int |
     out.optimizer_note = getattr(src, "optimizer_note", out.optimizer_note)
     out.rng = getattr(src, "rng", {})
     if other and not optim_keys:
-        out.optimizer_note = (f"its optimizer state is the distributed optimizer's dp_reshardable buffers "
-                              f"({other[0]}: Megatron-LM's default, laid out by its gradient buckets), which is "
-                              "not read; save with --dist-ckpt-optim-fully-reshardable to import it")
+        _dp_reshardable(out, src, keys, other, args, where)
     elif optim_keys:
         out.optimizer, out.optimizer_step = _optimizer(optim_keys, get, common, config, where)
         out.optimizer_note = f"Adam state of step {out.optimizer_step:g} imported"
     return out
+
+
+def _dp_reshardable(out: MegatronCheckpoint, src: Any, keys: list[str], other: list[str], args: Any,
+                    where: str) -> None:
+    """The distributed optimizer's default bucket-flat state (megatron_dp_optim.py) into ``out``, or the note
+    why it is not read (the weights are imported either way)."""
+    from megalite.checkpointing.megatron_dp_optim import dp_reshardable_state
+
+    got = dp_reshardable_state(src, keys, args) if hasattr(src, "object") else "not a torch_dist folder"
+    if isinstance(got, str):
+        out.optimizer_note = (f"its optimizer state is the distributed optimizer's dp_reshardable buffers "
+                              f"({other[0]}: Megatron-LM's default, laid out by its gradient buckets), which is "
+                              f"not read ({got}); save with --dist-ckpt-optim-fully-reshardable to import it")
+        return
+    fields, out.optimizer_step = got
+    out.optimizer = {}
+    for name, tensors in fields.items():
+        full = to_megalite(list(tensors), tensors.__getitem__, where)
+        out.optimizer[name] = check_params(full, out.config, f"{where} (optimizer {name})")
+    out.optimizer_note = f"Adam state of step {out.optimizer_step:g} imported (dp_reshardable)"
 
 
 def _optimizer(fields: dict[str, dict[str, str]], get: Any, common: dict[str, Any], config: dict[str, Any],

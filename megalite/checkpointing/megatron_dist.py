@@ -5,7 +5,8 @@ non-tensor state: ``args``, ``iteration``, ...), ``.metadata`` (a pickled
 torch.distributed.checkpoint ``Metadata``: for every key its full size and chunks, and where each chunk
 lies) and the ``__R_N.distcp`` files. torch's FileSystemWriter writes each tensor chunk as one
 ``torch.save`` blob at (file, byte offset, length) and each byte item (``_extra_state``, RNG, optimizer
-objects) as raw bytes; byte items are not read. Every pickle goes through safe_pickle.py, and every
+objects) as raw bytes; a byte item is read only when asked for (``object``, the distributed optimizer's
+bucket sizes and step). Every pickle goes through safe_pickle.py, and every
 chunk is checked against its index entry (inside its tensor, its size, the tensor covered exactly once).
 """
 
@@ -44,10 +45,13 @@ class DistCheckpoint:
         self._tensors = {k: v for k, v in meta.state_dict_metadata.items()
                          if _name(v) == "TensorStorageMetadata"}
         self._where: dict[tuple[str, tuple[int, ...]], Any] = {}
+        self._bytes: dict[str, Any] = {}
         for index, info in (getattr(meta, "storage_data", None) or {}).items():
             offset = getattr(index, "offset", None)
             if offset is not None:
                 self._where[str(index.fqn), tuple(offset)] = info
+            else:
+                self._bytes[str(index.fqn)] = info
 
     def _check_backend(self) -> None:
         path = os.path.join(self.folder, "metadata.json")
@@ -76,6 +80,16 @@ class DistCheckpoint:
 
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self._tensors[key].size)
+
+    def object(self, key: str) -> Any:
+        """The byte item ``key`` (a ShardedObject: stored as ``key/shard_..``) unpickled safely, or None."""
+        names = sorted(n for n in self._bytes if n == key or n.startswith(key + "/"))
+        if not names:
+            return None
+        info = self._bytes[names[0]]
+        path = os.path.join(self.folder, os.path.basename(str(info.relative_path)))
+        blob = self._read(path, int(info.offset), int(info.length), key)
+        return load_torch_file(blob, f"{path} ({key} at byte {info.offset})")
 
     def tensor(self, key: str) -> torch.Tensor:
         """The full tensor of ``key``, assembled from its chunks."""
