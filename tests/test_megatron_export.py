@@ -118,11 +118,14 @@ def test_the_export_imports_back_with_the_same_logits(exported, name, fmt, tmp_p
     """from-megatron of the export (torch_dist; legacy cut for TP2 x PP2): the same model (the args saved
     with it describe it), the same logits."""
     root, _ = exported
-    back = str(tmp_path / "back")
-    assert convert(["from-megatron", "--load", os.path.join(root, name + fmt), "--save", back]) == 0
+    assert_imports_back(os.path.join(root, name + fmt), os.path.join(root, name), str(tmp_path / "back"))
+
+
+def assert_imports_back(megatron_dir: str, megalite_dir: str, back: str) -> None:
+    """``from-megatron`` of an export gives the exported checkpoint's logits exactly (at TP1)."""
+    assert convert(["from-megatron", "--load", megatron_dir, "--save", back]) == 0
     pg = ProcessGroups.unconnected(RankLayout(1, 1, 1), 0)
-    torch.testing.assert_close(_megalite_logits(back, pg), _megalite_logits(os.path.join(root, name), pg),
-                               rtol=0, atol=0)
+    torch.testing.assert_close(_megalite_logits(back, pg), _megalite_logits(megalite_dir, pg), rtol=0, atol=0)
 
 
 def test_bad_layouts_are_refused_by_name(exported, tmp_path, capsys):

@@ -23,6 +23,7 @@ from megalite.checkpointing.writer import write_checkpoint
 from megalite.parallel.groups import ProcessGroups
 from megalite.parallel.layout import RankLayout
 from tests.harness import run_ranks
+from tests.test_megatron_export import assert_imports_back
 from tests.test_megatron_import import CASES, TOKENS, _megalite_logits, megatron_args
 from tools.convert_checkpoint import main as convert
 
@@ -112,11 +113,7 @@ def test_megatron_core_loads_the_moe_export_and_gives_megalite_logits(exported, 
 def test_the_moe_export_imports_back_with_the_same_logits(exported, name, fmt, tmp_path):
     """from-megatron of each export (the EP2 cut's ``mp_rank_00_00E`` names read as EP ranks, PP being 1)."""
     root, _ = exported
-    back = str(tmp_path / "back")
-    assert convert(["from-megatron", "--load", os.path.join(root, name + fmt), "--save", back]) == 0
-    pg = ProcessGroups.unconnected(RankLayout(1, 1, 1), 0)
-    torch.testing.assert_close(_megalite_logits(back, pg), _megalite_logits(os.path.join(root, name), pg),
-                               rtol=0, atol=0)
+    assert_imports_back(os.path.join(root, name + fmt), os.path.join(root, name), str(tmp_path / "back"))
 
 
 def test_mixed_dense_and_moe_layers_export_in_the_legacy_format_only(tmp_path, capsys):

@@ -52,18 +52,35 @@ def _train(args, distributed: bool, **ddp_options):
     return model, opt
 
 
-def _train_and_save(rank: int, world: int, root: str) -> dict:
-    """Each case trained by megatron-core at TP2 and saved with its optimizer: the plain optimizer in
-    torch_dist and in the legacy format, the distributed one in torch_dist as ``fully_reshardable`` and as
-    ``dp_reshardable`` (Megatron-LM's default); this rank's moments of the plain optimizer per parameter
-    name, with how the parameter is cut."""
-    from tests.mcore_cpu import cpu_shim, optimizer_cpu_shim, save_megatron, save_megatron_legacy
+def _megatron_at_tp2():
+    """megatron-core's model and optimizers on the CPU (the shims), its parallel state at TP2."""
+    from tests.mcore_cpu import cpu_shim, optimizer_cpu_shim
 
     cpu_shim()
     optimizer_cpu_shim()
     from megatron.core import parallel_state as ps
 
     ps.initialize_model_parallel(tensor_model_parallel_size=2)
+    return ps
+
+
+def _moments(model, opt) -> dict:
+    """This rank's Adam state per megatron-core parameter name, with the dim the parameter is cut on (-1:
+    replicated), from the plain optimizer."""
+    inner = opt.chained_optimizers[0].optimizer if hasattr(opt, "chained_optimizers") else opt.optimizer
+    return {n: ({k: v.clone() for k, v in inner.state[p].items()},
+                getattr(p, "partition_dim", -1) if getattr(p, "tensor_model_parallel", False) else -1)
+            for n, p in model.named_parameters()}
+
+
+def _train_and_save(rank: int, world: int, root: str) -> dict:
+    """Each case trained by megatron-core at TP2 and saved with its optimizer: the plain optimizer in
+    torch_dist and in the legacy format, the distributed one in torch_dist as ``fully_reshardable`` and as
+    ``dp_reshardable`` (Megatron-LM's default); this rank's moments of the plain optimizer per parameter
+    name, with how the parameter is cut."""
+    from tests.mcore_cpu import save_megatron, save_megatron_legacy
+
+    ps = _megatron_at_tp2()
     out = {}
     for name in NAMES:
         args = CASES[name]
@@ -71,10 +88,7 @@ def _train_and_save(rank: int, world: int, root: str) -> dict:
         save_megatron(model, args, os.path.join(root, name), STEPS,
                       optimizer=opt.sharded_state_dict(model.sharded_state_dict()))
         save_megatron_legacy(model, args, os.path.join(root, name + "_legacy"), STEPS, optimizer=opt.state_dict())
-        inner = opt.chained_optimizers[0].optimizer if hasattr(opt, "chained_optimizers") else opt.optimizer
-        out[name] = {n: ({k: v.clone() for k, v in inner.state[p].items()},
-                         getattr(p, "partition_dim", -1) if getattr(p, "tensor_model_parallel", False) else -1)
-                     for n, p in model.named_parameters()}
+        out[name] = _moments(model, opt)
         model, opt = _train(args, distributed=True)
         for sharding in ("fully_reshardable", "dp_reshardable"):
             state = opt.sharded_state_dict(model.sharded_state_dict(),
@@ -88,21 +102,14 @@ def _train_and_save_dp2(rank: int, world: int, root: str) -> dict:
     """At TP2 x DP2 (the same tokens on both DP ranks): the plain optimizer's moments, and the distributed
     optimizer saved as ``dp_reshardable``, each bucket split over the two DP ranks; GPT-2's buffer cut into
     several buckets (overlapped gradient reduction with a small bucket size), Llama's in one."""
-    from tests.mcore_cpu import cpu_shim, optimizer_cpu_shim, save_megatron
+    from tests.mcore_cpu import save_megatron
 
-    cpu_shim()
-    optimizer_cpu_shim()
-    from megatron.core import parallel_state as ps
-
-    ps.initialize_model_parallel(tensor_model_parallel_size=2)
+    ps = _megatron_at_tp2()
     out = {}
     for name in NAMES:
         args = CASES[name]
         model, opt = _train(args, distributed=False)
-        inner = opt.chained_optimizers[0].optimizer if hasattr(opt, "chained_optimizers") else opt.optimizer
-        out[name] = {n: ({k: v.clone() for k, v in inner.state[p].items()},
-                         getattr(p, "partition_dim", -1) if getattr(p, "tensor_model_parallel", False) else -1)
-                     for n, p in model.named_parameters()}
+        out[name] = _moments(model, opt)
         options = {"overlap_grad_reduce": True, "bucket_size": 3000} if name == "gpt2" else {}
         model, opt = _train(args, distributed=True, **options)
         state = opt.sharded_state_dict(model.sharded_state_dict(), metadata={"distrib_optim_sharding_type":
