@@ -269,8 +269,12 @@ def dtype_named(name: str) -> torch.dtype:
 # ---- restricted loading -------------------------------------------------------------------------
 def load_weights_only(stream, extra_globals: list) -> object:
     """``torch.load(stream, weights_only=True)`` on the CPU with ``extra_globals`` allowed for this call only
-    (``torch.serialization.safe_globals``, torch 2.5; the Megatron reader, checkpointing/safe_pickle.py)."""
-    with torch.serialization.safe_globals(extra_globals):
+    (``torch.serialization.safe_globals``, torch 2.5; the Megatron reader, checkpointing/safe_pickle.py). Only
+    the globals not yet registered are added: the context's exit removes what it was given, which would
+    unregister a global the host process had allowed itself (megatron-core registers ``argparse.Namespace``
+    at import, and its own loads then fail)."""
+    registered = torch.serialization.get_safe_globals()
+    with torch.serialization.safe_globals([g for g in extra_globals if g not in registered]):
         return torch.load(stream, map_location="cpu", weights_only=True)
 
 

@@ -18,6 +18,7 @@ import torch
 
 from megalite.checkpointing.megatron_args import config_from_args
 from megalite.checkpointing.megatron_names import _full_shapes
+from megalite.checkpointing.safe_pickle import load_torch_file
 from megalite.checkpointing.writer import write_checkpoint
 from megalite.parallel.groups import ProcessGroups
 from megalite.parallel.layout import RankLayout
@@ -52,7 +53,7 @@ def _load_in_megatron(rank: int, world: int, root: str) -> dict:
     out = {}
     for name in NAMES:
         it_dir = os.path.join(root, name + "_mcore", "iter_0000005")
-        args = torch.load(os.path.join(it_dir, "common.pt"), weights_only=False)["args"]
+        args = load_torch_file(os.path.join(it_dir, "common.pt"))["args"]
         model = build_gpt(args, tp=2)
         state = dist_checkpointing.load({"model": model.sharded_state_dict()}, it_dir)  # as Megatron-LM loads
         assert state["iteration"] == 5 and state["args"].padded_vocab_size == 256
@@ -61,7 +62,7 @@ def _load_in_megatron(rank: int, world: int, root: str) -> dict:
         out[name] = got if rank == 0 else None
         # the legacy export, cut for TP2: this rank's file loaded strictly, as Megatron-LM's --load does
         legacy = os.path.join(root, name + "_legacy", "iter_0000005", f"mp_rank_{rank:02d}", "model_optim_rng.pt")
-        saved = torch.load(legacy, weights_only=False)
+        saved = load_torch_file(legacy)
         assert saved["iteration"] == 5 and saved["args"].tensor_model_parallel_size == 2
         model = build_gpt(saved["args"], tp=2)
         model.load_state_dict(saved["model"], strict=True)
@@ -71,13 +72,13 @@ def _load_in_megatron(rank: int, world: int, root: str) -> dict:
     ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=2)
     for name in NAMES:  # at PP2: the torch_dist folder resharded by megatron-core, the legacy cut for TP1 x PP2
         it_dir = os.path.join(root, name + "_mcore", "iter_0000005")
-        args = torch.load(os.path.join(it_dir, "common.pt"), weights_only=False)["args"]
+        args = load_torch_file(os.path.join(it_dir, "common.pt"))["args"]
         model = build_gpt(args, tp=1, pp=2)
         model.load_state_dict(dist_checkpointing.load({"model": model.sharded_state_dict()}, it_dir)["model"])
         out[name + "_pp2"] = logits(model, TOKENS, args.hidden_size)
         legacy = os.path.join(root, name + "_legacy_tp1pp2", "iter_0000005", f"mp_rank_00_{rank:03d}",
                               "model_optim_rng.pt")
-        saved = torch.load(legacy, weights_only=False)
+        saved = load_torch_file(legacy)
         assert saved["args"].pipeline_model_parallel_size == 2
         model = build_gpt(saved["args"], tp=1, pp=2)
         model.load_state_dict(saved["model"], strict=True)

@@ -19,6 +19,7 @@ import torch
 
 from megalite.checkpointing.megatron_args import config_from_args
 from megalite.checkpointing.megatron_names import _full_shapes
+from megalite.checkpointing.safe_pickle import load_torch_file
 from megalite.checkpointing.writer import write_checkpoint
 from megalite.parallel.groups import ProcessGroups
 from megalite.parallel.layout import RankLayout
@@ -49,7 +50,7 @@ def _checkpoint(folder: str, args, name: str, **override) -> None:
 
 
 def _load(model, path: str) -> dict:
-    saved = torch.load(path, weights_only=False)  # written by this test's export
+    saved = load_torch_file(path)
     model.load_state_dict(saved["model"], strict=True)
     return saved
 
@@ -66,12 +67,12 @@ def _load_in_megatron(rank: int, world: int, root: str) -> dict:
     ps.initialize_model_parallel(tensor_model_parallel_size=2)
     for name in MOE:
         it_dir = os.path.join(root, name + "_mcore", "iter_0000005")
-        args = torch.load(os.path.join(it_dir, "common.pt"), weights_only=False)["args"]
+        args = load_torch_file(os.path.join(it_dir, "common.pt"))["args"]
         model = build_gpt(args, tp=2)
         model.load_state_dict(dist_checkpointing.load({"model": model.sharded_state_dict()}, it_dir)["model"])
         out[name + "_mcore"] = logits(model, TOKENS, args.hidden_size)
         path = os.path.join(root, name + "_legacy", "iter_0000005", f"mp_rank_{rank:02d}", "model_optim_rng.pt")
-        saved = torch.load(path, weights_only=False)
+        saved = load_torch_file(path)
         model = build_gpt(saved["args"], tp=2)
         _load(model, path)
         out[name + "_legacy"] = logits(model, TOKENS, args.hidden_size)
@@ -79,7 +80,7 @@ def _load_in_megatron(rank: int, world: int, root: str) -> dict:
     ps.initialize_model_parallel(tensor_model_parallel_size=1, expert_model_parallel_size=2)
     for name in MOE:
         path = os.path.join(root, name + "_legacy_ep2", "iter_0000005", f"mp_rank_00_{rank:03d}", "model_optim_rng.pt")
-        saved = torch.load(path, weights_only=False)
+        saved = load_torch_file(path)
         assert saved["args"].expert_model_parallel_size == 2
         model = build_gpt(saved["args"], tp=1)
         _load(model, path)

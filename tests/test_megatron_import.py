@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from megalite.checkpointing.load import load_checkpoint
 from megalite.checkpointing.metadata import model_config
+from megalite.checkpointing.safe_pickle import load_torch_file
 from megalite.model.gpt import GPTModel
 from megalite.parallel.groups import ProcessGroups
 from megalite.parallel.layout import RankLayout
@@ -200,7 +201,7 @@ def test_a_missing_legacy_rank_file_is_named(saved, tmp_path):
 def test_unknown_keys_wrong_shapes_and_unsupported_args_are_named(saved, tmp_path):
     load = _copy(saved, "gpt2_legacy", tmp_path)
     paths = [os.path.join(load, "iter_0000007", f"mp_rank_0{t}_000", "model_optim_rng.pt") for t in (0, 1)]
-    states = [torch.load(p, weights_only=False) for p in paths]  # files this test wrote
+    states = [load_torch_file(p) for p in paths]  # files this test wrote
     good = [dict(s["model"]) for s in states]
 
     def write(edit) -> None:
@@ -228,7 +229,7 @@ def test_the_runs_tokenizer_is_recorded(saved, tmp_path):
            "tokenizer_model": None}
     for rank_dir in os.listdir(os.path.join(load, "iter_0000007")):
         path = os.path.join(load, "iter_0000007", rank_dir, "model_optim_rng.pt")
-        state = torch.load(path, weights_only=False)  # a file this test wrote
+        state = load_torch_file(path)  # a file this test wrote
         torch.save({**state, "args": argparse.Namespace(**{**vars(state["args"]), **tok})}, path)
     out = str(tmp_path / "imported")
     assert convert(["from-megatron", "--load", load, "--save", out]) == 0
@@ -257,7 +258,7 @@ def test_legacy_expert_parallel_files_are_renumbered(saved, tmp_path):
     load = tmp_path / "ep2"
     it = load / "iter_0000007"
     for rank_dir in os.listdir(src):
-        state = torch.load(os.path.join(src, rank_dir, "model_optim_rng.pt"), weights_only=False)
+        state = load_torch_file(os.path.join(src, rank_dir, "model_optim_rng.pt"))
         for e in (0, 1):
             model = {}
             for k, v in state["model"].items():
@@ -288,7 +289,7 @@ def test_legacy_transformer_engine_names_and_extra_state(saved, tmp_path):
     it = os.path.join(load, "iter_0000007")
     for rank_dir in os.listdir(it):
         path = os.path.join(it, rank_dir, "model_optim_rng.pt")
-        state = torch.load(path, weights_only=False)  # a file this test wrote
+        state = load_torch_file(path)  # a file this test wrote
         model = {}
         for k, v in state["model"].items():
             for old, new in renames.items():

@@ -18,6 +18,7 @@ import torch
 
 from megalite.checkpointing.full_reader import FullCheckpoint
 from megalite.checkpointing.megatron_names import to_megalite
+from megalite.checkpointing.safe_pickle import load_torch_file
 from tests.harness import run_ranks
 from tests.test_megatron_import import CASES, TOKENS
 from tools.convert_checkpoint import main as convert
@@ -188,7 +189,7 @@ def test_dp_reshardable_state_of_an_unread_layout_is_named_and_the_weights_impor
     folder = str(tmp_path / "te")
     shutil.copytree(os.path.join(saved[0], "gpt2_dp_reshardable"), folder)
     common = os.path.join(folder, f"iter_{STEPS:07d}", "common.pt")
-    state = torch.load(common, weights_only=False)  # this test's own file
+    state = load_torch_file(common)  # this test's own file
     state["args"].transformer_impl = "transformer_engine"
     torch.save(state, common)
     out = str(tmp_path / "weights")

@@ -72,3 +72,26 @@ def test_a_truncated_file_is_named(tmp_path):
         load_torch_file(str(path))
     with pytest.raises(Exception, match="missing"):
         load_torch_file(str(tmp_path / "absent.pt"))
+
+
+def test_a_load_leaves_the_process_safe_globals_as_it_found_them(tmp_path):
+    """The allow-list is added for one call only and never takes away what the host process registered
+    (megatron-core registers argparse.Namespace at import; a load that unregistered it broke megatron-core's
+    own loads of common.pt afterwards)."""
+    import argparse
+
+    import torch
+
+    from megalite.checkpointing.safe_pickle import load_torch_file
+
+    path = str(tmp_path / "common.pt")
+    torch.save({"args": argparse.Namespace(a=1)}, path)
+    before = list(torch.serialization.get_safe_globals())
+    torch.serialization.add_safe_globals([argparse.Namespace])
+    try:
+        assert load_torch_file(path)["args"].a == 1
+        assert argparse.Namespace in torch.serialization.get_safe_globals()
+        assert torch.load(path, weights_only=True)["args"].a == 1  # the host's own load still works
+    finally:
+        torch.serialization.clear_safe_globals()
+        torch.serialization.add_safe_globals(before)
