@@ -157,27 +157,28 @@ def _dp_reshardable(out: MegatronCheckpoint, src: Any, keys: list[str], other: l
                               f"not read ({got}); save with --dist-ckpt-optim-fully-reshardable to import it")
         return
     fields, out.optimizer_step = got
-    out.optimizer = {}
-    for name, tensors in fields.items():
-        full = to_megalite(list(tensors), tensors.__getitem__, where)
-        out.optimizer[name] = check_params(full, out.config, f"{where} (optimizer {name})")
+    out.optimizer = {name: _state_field(name, list(tensors), tensors.__getitem__, out.config, where)
+                     for name, tensors in fields.items()}
     out.optimizer_note = f"Adam state of step {out.optimizer_step:g} imported (dp_reshardable)"
 
 
 def _optimizer(fields: dict[str, dict[str, str]], get: Any, common: dict[str, Any], config: dict[str, Any],
                where: str) -> tuple[dict[str, dict[str, torch.Tensor]], float]:
-    """The optimizer state of torch_dist's model-space keys as megalite's full tensors per field (each
-    checked as a parameter is: every parameter, its full shape, the vocabulary padding dropped), and the
+    """The optimizer state of torch_dist's model-space keys as megalite's full tensors per field, and the
     step count from common.pt."""
     missing = [f for f in ("exp_avg", "exp_avg_sq") if f not in fields]
     if missing:
         raise CheckpointError(f"{where}: its optimizer state has no {missing[0]} (Adam's moments are read)")
-    out = {}
-    for name, keys in fields.items():
-        tensors = to_megalite(list(keys), lambda k, source=keys: get(source[k]), where)
-        checked = check_params(tensors, config, f"{where} (optimizer {name})")
-        out[name] = {k: t.float() for k, t in checked.items()}
+    out = {name: _state_field(name, list(keys), lambda k, source=keys: get(source[k]), config, where)
+           for name, keys in fields.items()}
     return out, _optimizer_step(common.get("optimizer") or {}, where)
+
+
+def _state_field(name: str, keys: list[str], get: Any, config: dict[str, Any], where: str) -> dict[str, torch.Tensor]:
+    """One optimizer field's full fp32 tensors under megalite's keys, from megatron-core's ``keys``
+    (``get(key)``), each checked as a parameter is: every parameter, its full shape, the padding dropped."""
+    checked = check_params(to_megalite(keys, get, where), config, f"{where} (optimizer {name})")
+    return {k: t.float() for k, t in checked.items()}
 
 
 def _optimizer_step(saved: dict[str, Any], where: str) -> float:

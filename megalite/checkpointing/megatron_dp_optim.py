@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from megalite.checkpointing.errors import CheckpointError
+from megalite.checkpointing.megatron_legacy import join_tp, tp_dim
 from megalite.checkpointing.megatron_names import SKIPPED
 
 BUCKET = re.compile(r"^optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.+)\.bucket_idx_(\d+)"
@@ -38,10 +40,6 @@ LAYER = (("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight
          ("mlp.linear_fc1.weight",), ("mlp.linear_fc1.bias",), ("mlp.linear_fc2.weight",), ("mlp.linear_fc2.bias",))
 LAST = (("decoder.final_layernorm.weight", "decoder.final_norm.weight"),
         ("decoder.final_layernorm.bias", "decoder.final_norm.bias"), ("output_layer.weight",))
-# the dimension tensor parallelism cuts (megatron-core's partition_dim); others are replicated
-ROWS = re.compile(r"(word_embeddings\.weight|output_layer\.weight|linear_qkv\.(weight|bias)"
-                  r"|linear_fc1\.(weight|bias))$")
-COLUMNS = re.compile(r"(linear_proj|linear_fc2)\.weight$")
 
 Param = tuple[str, tuple[int, ...], int]  # per-layer name, full shape, cut dim (-1: replicated)
 
@@ -60,7 +58,7 @@ def _ordered(src: Any, model_keys: Iterable[str]) -> list[Param] | str:
         suffix = key[len("decoder.layers."):] if stacked else key
         if suffix not in slots:
             return f"{key} has no known place in megatron-core's parameter order"
-        dim = 0 if ROWS.search(key) else 1 if COLUMNS.search(key) else -1
+        dim = tp_dim(key)
         part, slot = slots[suffix]
         if not stacked:
             found.append(((part, 0, slot), (key, shape, dim)))
@@ -111,16 +109,6 @@ def _unwrap(obj: Any) -> Any:
     return obj
 
 
-def _join(shards: list[torch.Tensor], dim: int, name: str, swiglu: bool) -> torch.Tensor:
-    """The full tensor from the TP shards (SwiGLU's fc1 shards each [gate_r; up_r])."""
-    if dim < 0:
-        return shards[0]
-    if swiglu and "linear_fc1" in name:
-        halves = [t.chunk(2) for t in shards]
-        return torch.cat([torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])])
-    return torch.cat(shards, dim=dim)
-
-
 def _rank_sizes(src: Any, group: int, fields: dict[str, dict[int, str]]) -> list[int] | str:
     """The saved bucket sizes of one model-parallel rank, checked against its per_bucket_numel_unpadded."""
     keys = fields.get("exp_avg", {})
@@ -164,10 +152,8 @@ def dp_reshardable_state(src: Any, model_keys: list[str], args: Any
     if len(steps) != 1 or min(steps) < 0:
         return f"its optimizer objects hold no single step count ({sorted(steps)[:4]})"
     swiglu = bool(getattr(args, "swiglu", False))
-    dims = {name: dim for name, _, dim in params}
-    for field, per in shards.items():
-        differ = [n for n, ts in per.items() if dims[n] < 0 and any(not torch.equal(t, ts[0]) for t in ts)]
-        if differ:
-            return f"the TP ranks' {field} of the replicated {differ[0]} differ (the layout is not megatron-core's)"
-    out = {f: {n: _join(ts, dims[n], n, swiglu) for n, ts in per.items()} for f, per in shards.items()}
+    try:  # a replicated parameter whose state differs between TP ranks: the layout is not megatron-core's
+        out = {f: {n: join_tp(n, ts, swiglu, f"optimizer {f}") for n, ts in per.items()} for f, per in shards.items()}
+    except CheckpointError as e:
+        return str(e)
     return out, steps.pop()

@@ -176,27 +176,38 @@ class LegacyCheckpoint:
     def tensor(self, key: str) -> torch.Tensor:
         m = OPTIMIZER_STATE.match(key)
         parts = self._optim[m[1]][m[2]] if m else self._shards[key]
-        key = m[2] if m else key
-        if len(parts) == 1:
-            return parts[0]
-        if ROW.search(key):
-            return self._cat(key, parts, 1)
-        if COLUMN.search(key):
-            if self.swiglu and "linear_fc1" in key:
-                halves = [p.chunk(2, dim=0) for p in parts]
-                return torch.cat([self._cat(key, [h[0] for h in halves], 0), self._cat(key, [h[1] for h in halves], 0)])
-            return self._cat(key, parts, 0)
-        for t, p in enumerate(parts[1:], 1):
-            if p.shape != parts[0].shape or not torch.equal(p, parts[0]):
-                raise CheckpointError(f"{self.folder}: {key} is replicated over TP but TP rank {t} holds other values")
-        return parts[0]
+        return join_tp(m[2] if m else key, parts, self.swiglu, self.folder)
 
-    def _cat(self, key: str, parts: list[torch.Tensor], dim: int) -> torch.Tensor:
-        if len({p.dim() for p in parts}) != 1 or parts[0].dim() <= dim:
-            raise CheckpointError(f"{self.folder}: {key}: its TP shards cannot be joined on dim {dim} "
-                                  f"(shapes {[tuple(p.shape) for p in parts]})")
-        other = {tuple(s for i, s in enumerate(p.shape) if i != dim) for p in parts}
-        if len(other) != 1:
-            raise CheckpointError(f"{self.folder}: {key}: its TP shards' shapes {[tuple(p.shape) for p in parts]} "
-                                  f"differ off dim {dim}")
-        return torch.cat(parts, dim=dim)
+
+def tp_dim(key: str) -> int:
+    """The dimension tensor parallelism cuts the megatron-core tensor ``key`` on (-1: replicated)."""
+    return 1 if ROW.search(key) else 0 if COLUMN.search(key) else -1
+
+
+def join_tp(key: str, parts: list[torch.Tensor], swiglu: bool, where: str) -> torch.Tensor:
+    """The full tensor from its TP shards (rank order): column-parallel ones joined on dim 0 (SwiGLU's fc1
+    shards each [gate_r; up_r], joined as [gates; ups]), row-parallel ones on dim 1; a replicated tensor
+    must be equal on every rank."""
+    if len(parts) == 1:
+        return parts[0]
+    dim = tp_dim(key)
+    if dim == 0 and swiglu and "linear_fc1" in key:
+        halves = [p.chunk(2, dim=0) for p in parts]
+        return torch.cat([_cat(key, [h[0] for h in halves], 0, where), _cat(key, [h[1] for h in halves], 0, where)])
+    if dim >= 0:
+        return _cat(key, parts, dim, where)
+    for t, p in enumerate(parts[1:], 1):
+        if p.shape != parts[0].shape or not torch.equal(p, parts[0]):
+            raise CheckpointError(f"{where}: {key} is replicated over TP but TP rank {t} holds other values")
+    return parts[0]
+
+
+def _cat(key: str, parts: list[torch.Tensor], dim: int, where: str) -> torch.Tensor:
+    if len({p.dim() for p in parts}) != 1 or parts[0].dim() <= dim:
+        raise CheckpointError(f"{where}: {key}: its TP shards cannot be joined on dim {dim} "
+                              f"(shapes {[tuple(p.shape) for p in parts]})")
+    other = {tuple(s for i, s in enumerate(p.shape) if i != dim) for p in parts}
+    if len(other) != 1:
+        raise CheckpointError(f"{where}: {key}: its TP shards' shapes {[tuple(p.shape) for p in parts]} "
+                              f"differ off dim {dim}")
+    return torch.cat(parts, dim=dim)

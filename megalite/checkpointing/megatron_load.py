@@ -74,9 +74,9 @@ def megatron_rng(src: MegatronCheckpoint, pg: ProcessGroups, current: dict[str, 
     out = {"cpu": cpu, "device": dev if _same_kind(dev, current["device"]) else current["device"]}
     trackers = state.get("rng_tracker_states") or {}
     for key, now in current.items():
-        name = key.removeprefix("tracker/")
         if key.startswith("tracker/"):
-            out[key] = trackers[name] if _same_kind(trackers.get(name), now) else now
+            saved_state = trackers.get(key.removeprefix("tracker/"))
+            out[key] = saved_state if _same_kind(saved_state, now) else now
     kept = [k for k in out if k != "cpu" and out[k] is current[k]]
     return out, "RNG states restored" + (f" (this run's {', '.join(kept)} kept: another generator kind)"
                                          if kept else "")

@@ -36,8 +36,8 @@ def step_flops(sh: RunShape, with_recompute: bool) -> float:
 
 
 def compute_s(sh: RunShape, cl: ClusterConfig) -> float:
-    """One rank's GEMMs and attention for the step's m micro-batches (recomputation included); under an
-    uneven split the busiest rank's (kernels.stage_compute_s)."""
+    """One rank's GEMMs and attention for the step's m micro-batches (recomputation included): the busiest
+    pipeline rank's, the output layer on the loss rank (kernels.stage_compute_s)."""
     return sh.m * stage_compute_s(sh, cl)
 
 
