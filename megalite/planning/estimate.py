@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from megalite.config.arguments import MegaliteConfig
@@ -59,7 +60,7 @@ class Plan:
 
 def estimate(cfg: MegaliteConfig, cluster: ClusterConfig, vocab: int) -> Plan:
     """The plan of ``cfg``'s layout on ``cluster`` (cfg must be valid for the cluster's world size)."""
-    sh = RunShape.of(cfg, cluster.world_size, vocab)
+    sh = dataclasses.replace(RunShape.of(cfg, cluster.world_size, vocab), te_layers=cluster.model_te_layers)
     mem = peak_memory(sh)
     mem.terms.update(overhead_terms(sh, cluster, mem.terms))
     return Plan(Layout.from_config(cfg), sh, cluster, mem, step_time(sh, cluster))

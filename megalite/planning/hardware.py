@@ -29,6 +29,7 @@ class GPUSpec:
     flash_share: float = 0.5  # flash attention forward + backward, share of the dense spec peak
     context_gb: float = 0.0  # the CUDA context and loaded kernels per process (planning/headroom.py)
     memory_share: float = 0.90  # achievable share of hbm_gbps (copy / triad kernels)
+    sustained_share: float = 1.0  # of the GEMM and attention figures, sustained over training steps (calibrated)
 
 
 FP32_SHARE = 0.80  # achievable share of the fp32 (non-tensor-core) spec peak: an assumption, docs/planning.md
@@ -36,9 +37,10 @@ CONTEXT_GB = 0.5  # CUDA context + cuBLAS/cuDNN/NCCL kernels per process on A100
 
 
 def _gpu(name: str, mem: float, bf16: float, fp32: float, nvlink: float, net: float, hbm: float, mamf: float,
-         sms: int, flash: float) -> GPUSpec:
+         sms: int, flash: float, sustained: float) -> GPUSpec:
     return GPUSpec(name, mem, {"bf16": bf16, "fp16": bf16, "fp32": fp32}, nvlink, net, hbm,
-                   {"bf16": mamf, "fp16": mamf, "fp32": FP32_SHARE * fp32}, sms, flash, CONTEXT_GB)
+                   {"bf16": mamf, "fp16": mamf, "fp32": FP32_SHARE * fp32}, sms, flash, CONTEXT_GB,
+                   sustained_share=sustained)
 
 
 # Sources: the vendor's data sheets (SXM parts, dense = without structured sparsity; HBM bandwidth as
@@ -48,12 +50,16 @@ def _gpu(name: str, mem: float, bf16: float, fp32: float, nvlink: float, net: fl
 # "Machine Learning Engineering" open book (A100 SXM 267.9, H100 SXM 792.1 -- H200 has the same chip --,
 # B200 1745.0). Flash attention shares: FlashAttention-2 (arXiv 2307.08691) on A100, FlashAttention-3
 # (arXiv 2407.08608) on H100. The cpu preset: this machine, measured by bench/measure_cpu.py
-# (bench/README.md, "The planner on this machine"). docs/planning.md lists them all.
+# (bench/README.md, "The planner on this machine"). The sustained shares are calibrated on the seen published
+# runs by planning/calibration.py (A100 on its A100 rows, H100 on its H100 rows; H200 and B200 take H100's:
+# the same chip, and no B200 rows), the one constant taken from throughput rows; 1.0 on the cpu preset,
+# which has no such rows. docs/planning.md lists them all.
+SUSTAINED = {"a100-80g": 0.89, "h100-sxm": 0.865}
 GPUS: dict[str, GPUSpec] = {
-    "a100-80g": _gpu("a100-80g", 80.0, 312.0, 19.5, 300.0, 25.0, 2039.0, 267.9, 108, 0.60),
-    "h100-sxm": _gpu("h100-sxm", 80.0, 989.0, 67.0, 450.0, 50.0, 3350.0, 792.1, 132, 0.50),
-    "h200": _gpu("h200", 141.0, 989.0, 67.0, 450.0, 50.0, 4800.0, 792.1, 132, 0.50),
-    "b200": _gpu("b200", 180.0, 2250.0, 75.0, 900.0, 50.0, 8000.0, 1745.0, 148, 0.50),
+    "a100-80g": _gpu("a100-80g", 80.0, 312.0, 19.5, 300.0, 25.0, 2039.0, 267.9, 108, 0.60, SUSTAINED["a100-80g"]),
+    "h100-sxm": _gpu("h100-sxm", 80.0, 989.0, 67.0, 450.0, 50.0, 3350.0, 792.1, 132, 0.50, SUSTAINED["h100-sxm"]),
+    "h200": _gpu("h200", 141.0, 989.0, 67.0, 450.0, 50.0, 4800.0, 792.1, 132, 0.50, SUSTAINED["h100-sxm"]),
+    "b200": _gpu("b200", 180.0, 2250.0, 75.0, 900.0, 50.0, 8000.0, 1745.0, 148, 0.50, SUSTAINED["h100-sxm"]),
     "cpu": GPUSpec("cpu", CPU_MEMORY_GB, {"bf16": CPU_BF16_TFLOPS, "fp16": CPU_BF16_TFLOPS, "fp32": CPU_FP32_TFLOPS},
                    CPU_GLOO_GBPS, CPU_GLOO_GBPS, CPU_MEMORY_GBPS,
                    {"bf16": CPU_BF16_TFLOPS, "fp16": CPU_BF16_TFLOPS, "fp32": CPU_FP32_TFLOPS}, None, 0.0, 0.0, 1.0),
@@ -81,6 +87,10 @@ class ClusterConfig:
         domain=positive(MAX_FIGURE))
     hbm_gbps: float | None = option(None, help="Device-memory bandwidth in GB/s (overrides the preset).",
                                     domain=positive(MAX_FIGURE))
+    sustained_share: float | None = option(
+        None, help="Share of the achievable GEMM and flash-attention figures a training step sustains (clocks "
+        "under load, gaps between kernels, SMs taken by overlapped communication); overrides the preset's "
+        "value, calibrated on named published runs (docs/planning.md).", domain=fraction(lo_open=True))
     gemm_tflops: float | None = option(
         None, help="Achievable TFLOP/s of a large GEMM in the run's dtype (overrides the preset's measured "
         "best-shape figure; each GEMM's own shape then sets its share of it, docs/planning.md).",
@@ -88,6 +98,10 @@ class ClusterConfig:
     model_tp_comm_overlap: bool = option(
         False, help="Plan TP communication as hidden behind the layer's GEMMs (the excess exposed), as "
         "Megatron's --tp-comm-overlap runs it; megalite overlaps none, so leave off for its own runs.")
+    model_te_layers: bool = option(
+        False, help="Plan activation memory as Megatron-Core's Transformer Engine layers keep it (the norm "
+        "fused into the next GEMM, the attention output shared with the projection's input, a fused SwiGLU), "
+        "for runs made with them; megalite's eager layer keeps more, so leave off for its own runs.")
     memory_headroom_gb: float = option(
         4.0, help="GB per device --search keeps free beyond the estimate (CUDA context, NCCL buffers and "
         "fragmentation included in the estimate): layouts within it are marked and not ranked.",
@@ -116,9 +130,14 @@ class ClusterConfig:
         """The achievable peak of a large, well-shaped GEMM (the preset's measured figure, scaled with an
         overridden --peak-tflops)."""
         if self.gemm_tflops is not None:
-            return self.gemm_tflops * 1e12
+            return self.gemm_tflops * 1e12 * self.sustained()
         s = self.spec()
-        return s.gemm_tflops[dtype] / s.peak_tflops[dtype] * self.peak_flops(dtype)
+        return s.gemm_tflops[dtype] / s.peak_tflops[dtype] * self.peak_flops(dtype) * self.sustained()
+
+    def sustained(self) -> float:
+        """The share of the GEMM and attention figures a training step sustains (--sustained-share or the
+        preset's calibrated value)."""
+        return self.sustained_share if self.sustained_share is not None else self.spec().sustained_share
 
     def hbm_bytes_per_s(self) -> float:
         """Achievable device-memory bandwidth: the figure times the share copy kernels reach."""

@@ -88,7 +88,7 @@ def attention_s(sh: RunShape, cl: ClusterConfig) -> float:
         return (train_gemm_s(q, sh.s, d, *args, batch=batch, forwards=1 + again)
                 + train_gemm_s(q, d, sh.s, *args, batch=batch, forwards=1 + again))
     fwd = 2 * 2 * sh.b * heads * q * sh.s * d / 2  # the causal half of QK^T and PV
-    return fwd * (1 + again + FLASH_BACKWARD) / (cl.peak_flops(sh.dtype) * cl.spec().flash_share)
+    return fwd * (1 + again + FLASH_BACKWARD) / (cl.peak_flops(sh.dtype) * cl.spec().flash_share * cl.sustained())
 
 
 def moe_mlp_s(sh: RunShape, cl: ClusterConfig) -> float:
@@ -122,8 +122,7 @@ def stage_paces(sh: RunShape, cl: ClusterConfig) -> list[float]:
     the stages instead, docs/planning.md; the first/last counts of an uneven split can lighten that rank)."""
     if sh.pp == 1:
         return [layers_compute_s(sh, cl, 0) + logits_s(sh, cl)]
-    loss_rank = sh.split.stages.holder(sh.split.stages.last)[0]
-    return [layers_compute_s(sh, cl, r) + (logits_s(sh, cl) if r == loss_rank else 0.0) for r in range(sh.pp)]
+    return [layers_compute_s(sh, cl, r) + (logits_s(sh, cl) if r == sh.loss_rank else 0.0) for r in range(sh.pp)]
 
 
 def layers_compute_s(sh: RunShape, cl: ClusterConfig, stage: int) -> float:

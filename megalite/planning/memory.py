@@ -210,9 +210,13 @@ def layer_outside_core_bytes(sh: RunShape, moe: bool = False) -> float:
     a, g, d, f = m.num_attention_heads, m.num_query_groups, m.kv_channels, m.ffn_hidden_size
     rope = m.position_embedding_type == "rope"
     qkv = (a + 2 * g) * d + (a * d if rope or a != g else 0) + (g * d if rope else 0)
-    sharded = (qkv + a * d + (0 if moe else 4 * f if m.swiglu else 2 * f)) * e
+    # Transformer Engine (--model-te-layers): the projection reads flash attention's saved output, the
+    # fused SwiGLU keeps fc1's output and its own (3f), the fused RMSNorm no decomposition
+    te = sh.te_layers
+    proj = 0 if te and m.attention_backend not in UNFUSED_BACKENDS else a * d
+    sharded = (qkv + proj + (0 if moe else (3 if te else 4) * f if m.swiglu else 2 * f)) * e
     replicated = (4 + (2 if m.hidden_dropout > 0 else 0)) * h * e + 4 * e
-    if m.normalization == "RMSNorm":
+    if m.normalization == "RMSNorm" and not te:
         replicated += 12 * h
     per_token = (replicated + sharded) / t if sh.sp else replicated + sharded / t
     tables = 4 * (sh.s // sh.cp) * int(d * m.rotary_percent) * e if rope else 0
@@ -369,7 +373,7 @@ def deferred_w_term(sh: RunShape, stage: int) -> float:
     name = sh.cfg.parallel.pipeline_schedule
     n = pending_w(name, sh.pp, sh.m, stage)
     chunks = 2 if name == "zbv" else 1
-    loss_rank = sh.split.stages.holder(sh.split.stages.last)[0]  # ZB-V: rank 0, its chunk 1
+    loss_rank = sh.loss_rank  # ZB-V: rank 0, its chunk 1
     one = deferred_w_bytes(sh.cfg.model, -(-sh.layers_in(stage) // chunks), sh.local_tokens, sh.padded_vocab, sh.tp,
                            sh.sp, output=stage == loss_rank, element=sh.act_bytes)
     return float(n * one)

@@ -36,6 +36,7 @@ class RunShape:
     ep: int = 1  # expert parallel: a stage's ranks cut as expert-TP x EP x expert-DP
     etp: int = 1  # expert tensor parallel
     moe: tuple[bool, ...] = ()  # whether each of the model's layers is an MoE layer (empty: dense)
+    te_layers: bool = False  # activations as Megatron-Core's Transformer Engine layers keep them (memory.py)
 
     @classmethod
     def of(cls, cfg: MegaliteConfig, world: int, vocab: int) -> "RunShape":
@@ -100,6 +101,11 @@ class RunShape:
     def busiest_stage(self) -> int:
         """The pipeline rank with the most layers (the first of them): the one that paces an uneven pipeline."""
         return max(range(self.pp), key=lambda r: (self.layers_in(r), -r))
+
+    @property
+    def loss_rank(self) -> int:
+        """The pipeline rank holding the output layer and the loss (ZB-V: rank 0, its second chunk)."""
+        return self.split.stages.holder(self.split.stages.last)[0] if self.pp > 1 else 0
 
     @cached_property
     def _moe_per_chunk(self) -> dict[tuple[int, int], int]:

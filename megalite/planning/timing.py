@@ -43,12 +43,12 @@ def compute_s(sh: RunShape, cl: ClusterConfig) -> float:
 
 def memory_bound_s(sh: RunShape, cl: ClusterConfig) -> float:
     """Work bound by device-memory bandwidth rather than FLOPs (norms, dropouts, activations, residuals,
-    the loss): every activation a layer keeps is written in forward and read in backward, and its
-    gradient written and read (4x the layer's activation bytes); the cross-entropy makes 5 passes (read
-    and write) over the fp32 logits, on the last stage (spread over the stages here)."""
-    per_mb = 4 * stage_layer_bytes(sh, sh.busiest_stage)
-    ce = 10 * sh.local_tokens * sh.padded_vocab / sh.tp * 4 / sh.pp
-    return sh.m * (per_mb + ce) / cl.hbm_bytes_per_s()
+    the loss), on the pipeline rank with the most of it: every activation a layer keeps is written in
+    forward and read in backward, and its gradient written and read (4x the layer's activation bytes);
+    the cross-entropy makes 5 passes (read and write) over the fp32 logits, on the rank holding the loss."""
+    ce = 10 * sh.local_tokens * sh.padded_vocab / sh.tp * 4
+    per_mb = max(4 * stage_layer_bytes(sh, r) + (ce if r == sh.loss_rank else 0.0) for r in range(sh.pp))
+    return sh.m * per_mb / cl.hbm_bytes_per_s()
 
 
 OPTIMIZER_BYTES = 34  # Adam, per parameter (optimizer_s)
@@ -195,7 +195,8 @@ def pp_comm_s(sh: RunShape, cl: ClusterConfig) -> float:
 
 def _grad_sync_s(sh: RunShape, cl: ClusterConfig, n: int, d: int, inter: bool, k: int, shards_params: bool
                  ) -> float:
-    """One gradient buffer of ``n`` elements synchronised over ``d`` ranks (see dp_comm_s)."""
+    """One gradient buffer of ``n`` elements synchronised over ``d`` ranks (see dp_comm_s), exposed: what is
+    not overlapped, and what is overlapped beyond the work it runs behind (_overlap_windows_s)."""
     dd = sh.cfg.ddp
     bw = cl.link_bytes_per_s(inter)
     frac = (d - 1) / d
@@ -210,12 +211,30 @@ def _grad_sync_s(sh: RunShape, cl: ClusterConfig, n: int, d: int, inter: bool, k
         reduce, gather = 2 * frac * n * sh.grad_bytes, 0.0
     if inter and k > 1:
         reduce, gather = reduce / k, gather / k
-    if dd.overlap_grad_reduce:
-        bucket = dd.ddp_bucket_size or max(40_000_000, 1_000_000 * d)
-        reduce *= min(1.0, bucket / max(n, 1))
-    if dd.overlap_param_gather:
-        gather = 0.0
-    return (reduce + gather) / bw
+    reduce, gather = reduce / bw, gather / bw
+    bucket = min(1.0, (dd.ddp_bucket_size or max(40_000_000, 1_000_000 * d)) / max(n, 1))
+    hidden_r = reduce * (1 - bucket) if dd.overlap_grad_reduce else 0.0  # the last bucket is never hidden
+    hidden_g = gather * (1 - bucket) if dd.overlap_param_gather else 0.0  # nor the first gather
+    window_r, window_g = _overlap_windows_s(sh, cl)
+    if shards_params or dd.shards_grads:  # both run during the micro-batches' work, on one link
+        late = max(0.0, hidden_r + hidden_g - window_r - window_g)
+    else:
+        late = max(0.0, hidden_r - window_r) + max(0.0, hidden_g - window_g)
+    return reduce - hidden_r + gather - hidden_g + late
+
+
+def _overlap_windows_s(sh: RunShape, cl: ClusterConfig) -> tuple[float, float]:
+    """The work the overlapped gradient reduction and weight gathers can run behind (a rank's compute and
+    memory-bound work; backward two thirds of it). Plain DP and the distributed optimizer reduce during the
+    last micro-batch's backward and gather during the next step's first forward; ZeRO-2 reduces during
+    every backward; ZeRO-3 also gathers during every forward and backward."""
+    work = compute_s(sh, cl) + memory_bound_s(sh, cl)
+    dd = sh.cfg.ddp
+    if dd.shards_params:
+        return 2 * work / 3, work / 3
+    if dd.shards_grads:
+        return 2 * work / 3, work / (3 * sh.m)
+    return 2 * work / (3 * sh.m), work / (3 * sh.m)
 
 
 def dp_comm_s(sh: RunShape, cl: ClusterConfig) -> float:
