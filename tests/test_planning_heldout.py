@@ -14,7 +14,7 @@ import pytest
 from megalite.planning.calibration import calibrated_share, calibration_rows, row_error
 from megalite.planning.cli import plan_config
 from megalite.planning.hardware import GPUS, SUSTAINED
-from megalite.planning.heldout import HELD_OUT, HELD_OUT_V2, REPORTED, plan_row
+from megalite.planning.heldout import HELD_OUT, HELD_OUT_V2, HELD_OUT_V3, REPORTED, plan_row
 from tests.test_planning import _run
 
 ROW_BOUND = 0.25  # rounds 1 and 2 held each row to it (docs/planning.md), both missed
@@ -50,7 +50,45 @@ def test_calibration_rows_after_calibration(gpu, median_bound):
     assert sum(e <= ROW_BOUND for e in errors) >= 0.85 * len(errors)
 
 
+# round 3's bounds, committed before its rows reached the planner (docs/planning.md)
+COVERAGE, ROUND3_MEDIAN, MEMORY_COVERAGE, MEMORY_CAP = 0.75, 0.15, 0.75, 1.5
+
+
+@pytest.fixture(scope="module")
+def round_three() -> list[tuple[float, float]]:
+    """(error, estimated memory / device memory) of each round 3 row."""
+    out = []
+    for run in HELD_OUT_V3:
+        plan, predicted = plan_row(run)
+        out.append((predicted / run.tflops_per_gpu - 1, plan.memory.total / plan.cluster.memory_bytes()))
+    return out
+
+
+@pytest.mark.xfail(strict=True, reason="round 3: 11 of 16 within 25% (69% < 75%), docs/planning.md")
+def test_round_three_rows_within_25_percent(round_three):
+    assert sum(abs(e) <= ROW_BOUND for e, _ in round_three) >= COVERAGE * len(round_three)
+
+
+@pytest.mark.xfail(strict=True, reason="round 3: median |error| 17.9% > 15%, docs/planning.md")
+def test_round_three_median_error(round_three):
+    assert statistics.median(abs(e) for e, _ in round_three) <= ROUND3_MEDIAN
+
+
+def test_round_three_memory(round_three):
+    assert sum(m <= 1.0 for _, m in round_three) >= MEMORY_COVERAGE * len(round_three)
+    assert max(m for _, m in round_three) <= MEMORY_CAP
+
+
+def test_round_three_result_as_recorded(round_three):
+    """The recorded figures of round 3's first run (docs/planning.md): a model change that moves them
+    fails here until the record and the tests follow."""
+    errors = [e for e, _ in round_three]
+    assert len(errors) == 16 and sum(abs(e) <= ROW_BOUND for e in errors) == 11
+    assert statistics.median(abs(e) for e in errors) == pytest.approx(0.1785, abs=0.0005)
+
+
 def test_held_out_rows_are_enough_and_reported_rows_plan():
+    assert len(HELD_OUT_V3) >= 8
     for run in REPORTED:
         plan, predicted = plan_row(run)
         assert predicted > 0 and plan.shape.is_moe

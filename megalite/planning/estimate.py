@@ -17,9 +17,9 @@ GB = 1e9
 
 
 # what the held-out rows showed (docs/planning.md, round 2), printed with every estimate
-ACCURACY = ("accuracy: on 16 held-out published runs the step time was off by 13-38% (median 26%; fast on H100, "
-            "slow on A100 with ZeRO-3) and 7 of them were estimated above their GPUs' memory: a ranking aid, not a "
-            "promise (docs/planning.md)")
+ACCURACY = ("accuracy: on 16 held-out published runs (round 3) 11 were within 25% of the published step time (median "
+            "error 18%; short FSDP steps on H100 run slower than estimated, MoE runs were estimated above their "
+            "memory) and 14 were estimated to fit: a ranking aid, not a promise (docs/planning.md)")
 
 
 def fmt_bytes(x: float) -> str:
