@@ -122,6 +122,8 @@ def _config(args, tp: int, pp: int):
                      "moe_router_enable_expert_bias", "moe_router_pre_softmax", "moe_router_topk_scaling_factor"):
             if getattr(args, name, None) is not None:  # the router and shared expert the export's args describe
                 moe[name] = getattr(args, name)
+        if getattr(args, "moe_layer_freq", None) is not None:  # as Megatron-LM copies it: an int or a 0/1 list
+            moe["moe_layer_freq"] = args.moe_layer_freq
     return TransformerConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
         num_attention_heads=args.num_attention_heads,
@@ -149,15 +151,23 @@ def _global_seed(name: str, layer_offset: int, tied: bool) -> int:
 
 def build_gpt(args, tp: int, pp: int = 1, seed: int = 1):
     """megatron-core's GPTModel (local spec) for ``args`` on this rank, every parameter perturbed so that
-    norms and biases matter: replicated tensors alike on every TP rank, sharded ones per rank."""
+    norms and biases matter: replicated tensors alike on every TP rank, sharded ones per rank. A model
+    whose ``moe_layer_freq`` is a list or above 1 (dense and MoE layers) takes the per-layer block spec of
+    this stage (local modules), which Megatron-LM's GPT builder takes for every MoE model; megatron-core
+    then keys its layers one by one in torch_dist (non-homogeneous layers)."""
     import torch
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 
     cfg = _config(args, tp, pp)
     torch.manual_seed(seed)
-    spec = get_gpt_layer_local_spec(num_experts=getattr(args, "num_experts", None), normalization=args.normalization)
+    if isinstance(cfg.moe_layer_freq, list) or cfg.moe_layer_freq > 1:
+        spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization=args.normalization,
+                                          pp_rank=ps.get_pipeline_model_parallel_rank())
+    else:
+        spec = get_gpt_layer_local_spec(num_experts=getattr(args, "num_experts", None),
+                                        normalization=args.normalization)
     model = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
                      max_sequence_length=args.max_position_embeddings, parallel_output=False,
                      pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
