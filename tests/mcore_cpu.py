@@ -122,6 +122,8 @@ def _config(args, tp: int, pp: int):
                      "moe_router_enable_expert_bias", "moe_router_pre_softmax", "moe_router_topk_scaling_factor"):
             if getattr(args, name, None) is not None:  # the router and shared expert the export's args describe
                 moe[name] = getattr(args, name)
+        if getattr(args, "moe_layer_freq", None) is not None:  # as Megatron-LM copies it: an int or a 0/1 list
+            moe["moe_layer_freq"] = args.moe_layer_freq
     return TransformerConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
         num_attention_heads=args.num_attention_heads,
@@ -149,15 +151,23 @@ def _global_seed(name: str, layer_offset: int, tied: bool) -> int:
 
 def build_gpt(args, tp: int, pp: int = 1, seed: int = 1):
     """megatron-core's GPTModel (local spec) for ``args`` on this rank, every parameter perturbed so that
-    norms and biases matter: replicated tensors alike on every TP rank, sharded ones per rank."""
+    norms and biases matter: replicated tensors alike on every TP rank, sharded ones per rank. A model
+    whose ``moe_layer_freq`` is a list or above 1 (dense and MoE layers) takes the per-layer block spec of
+    this stage (local modules), which Megatron-LM's GPT builder takes for every MoE model; megatron-core
+    then keys its layers one by one in torch_dist (non-homogeneous layers)."""
     import torch
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 
     cfg = _config(args, tp, pp)
     torch.manual_seed(seed)
-    spec = get_gpt_layer_local_spec(num_experts=getattr(args, "num_experts", None), normalization=args.normalization)
+    if isinstance(cfg.moe_layer_freq, list) or cfg.moe_layer_freq > 1:
+        spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization=args.normalization,
+                                          pp_rank=ps.get_pipeline_model_parallel_rank())
+    else:
+        spec = get_gpt_layer_local_spec(num_experts=getattr(args, "num_experts", None),
+                                        normalization=args.normalization)
     model = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
                      max_sequence_length=args.max_position_embeddings, parallel_output=False,
                      pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
@@ -195,10 +205,48 @@ def logits(model, tokens, hidden_size: int):
         return out
 
 
-def save_megatron(model, args, folder: str, iteration: int, optimizer=None) -> None:
+def megatron_rng_state(seed: int = 1234) -> dict:
+    """The dict Megatron-LM's ``get_rng_state`` (megatron/training/checkpointing.py, not in the pip package,
+    so this follows its layout as written there) collects on a rank: Python's, numpy's and torch's states,
+    the CUDA generator's and the model-parallel tracker's (``model-parallel-rng``, seeded seed + 2718 + TP
+    rank). There is no CUDA here, so those two are states of CUDA's kind made by hand: 16 bytes, the seed
+    and the offset as int64, as ``torch.cuda.get_rng_state()`` returns them."""
+    import random
+
+    import numpy as np
+    import torch
+    from megatron.core import parallel_state as ps
+
+    def cuda_kind(s: int):
+        return torch.tensor([s, 0], dtype=torch.int64).view(torch.uint8)
+
+    return {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+            "torch_rng_state": torch.get_rng_state(), "cuda_rng_state": cuda_kind(seed),
+            "rng_tracker_states": {"model-parallel-rng": cuda_kind(seed + 2718 + ps.get_tensor_model_parallel_rank())}}
+
+
+def rng_sharded_object(states: list, per_dp: bool = False):
+    """``states`` (the rank's list: its one state, or every DP rank's with --data-parallel-random-init) as
+    Megatron-LM's ``get_rng_state`` wraps it for torch_dist: ShardedObject ``rng_state`` of global shape
+    (PP, TP) at (pp_rank, tp_rank), replica_id the DP x CP rank (only DP rank 0's is written); ``per_dp``
+    (Megatron-LM 0.16 with expert parallelism): of shape (PP, TP, DP x CP), every rank's own, replica_id 0."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    at = (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank())
+    shape = (ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size())
+    dp = ps.get_data_parallel_rank(with_context_parallel=True)
+    if per_dp:
+        dp_size = ps.get_data_parallel_world_size(with_context_parallel=True)
+        return ShardedObject("rng_state", states, (*shape, dp_size), (*at, dp), replica_id=0)
+    return ShardedObject("rng_state", states, shape, at, replica_id=dp)
+
+
+def save_megatron(model, args, folder: str, iteration: int, optimizer=None, rng=None) -> None:
     """What Megatron-LM's training loop writes for a torch_dist checkpoint (the model's sharded state, the
-    args, the iteration; ``optimizer``: the optimizer's sharded state, saved as Megatron-LM saves it) and
-    its tracker, written by megatron-core's own dist_checkpointing.save."""
+    args, the iteration; ``optimizer``: the optimizer's sharded state, saved as Megatron-LM saves it;
+    ``rng``: its ``rng_state`` ShardedObject, rng_sharded_object) and its tracker, written by megatron-core's
+    own dist_checkpointing.save."""
     import os
 
     import torch.distributed as dist
@@ -211,16 +259,19 @@ def save_megatron(model, args, folder: str, iteration: int, optimizer=None) -> N
     state = {"model": model.sharded_state_dict(), "args": args, "iteration": iteration, "checkpoint_version": 3.0}
     if optimizer is not None:
         state["optimizer"] = optimizer
+    if rng is not None:
+        state["rng_state"] = rng
     dist_checkpointing.save(state, it_dir)
     _tracker(folder, iteration)
 
 
 
-def save_megatron_legacy(model, args, folder: str, iteration: int, optimizer=None) -> None:
+def save_megatron_legacy(model, args, folder: str, iteration: int, optimizer=None, rng=None) -> None:
     """The legacy ``torch`` format as Megatron-LM's training loop writes it: per (TP, PP) rank
     ``mp_rank_TT[_PPP]/model_optim_rng.pt`` holding the rank's plain state dict (layer numbers local to
-    its stage) under 'model', the args, the iteration, the checkpoint version and the RNG states
-    (Python's, numpy's, torch's), written with torch.save; no Megatron-LM code is involved."""
+    its stage) under 'model', the args, the iteration, the checkpoint version and the RNG states (``rng``:
+    the rank's list of megatron_rng_state dicts; else Python's, numpy's, torch's), written with torch.save;
+    no Megatron-LM code is involved."""
     import os
     import random
 
@@ -232,10 +283,11 @@ def save_megatron_legacy(model, args, folder: str, iteration: int, optimizer=Non
     rank_dir = f"mp_rank_{tp:02d}" + (f"_{pp:03d}" if ps.get_pipeline_model_parallel_world_size() > 1 else "")
     path = os.path.join(folder, f"iter_{iteration:07d}", rank_dir, "model_optim_rng.pt")
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    rng = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
-           "torch_rng_state": torch.get_rng_state()}
+    if rng is None:
+        rng = [{"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+                "torch_rng_state": torch.get_rng_state()}]
     torch.save({"model": model.state_dict(), "args": args, "iteration": iteration, "checkpoint_version": 3.0,
-                "rng_state": [rng], **({} if optimizer is None else {"optimizer": optimizer})}, path)
+                "rng_state": rng, **({} if optimizer is None else {"optimizer": optimizer})}, path)
     _tracker(folder, iteration)
 
 

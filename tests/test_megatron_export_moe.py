@@ -2,9 +2,10 @@
 both formats, and megatron-core's own GPTModel (local spec, SequentialMLP experts) loads them and computes
 megalite's logits.
 
-The reference is megatron-core on the CPU over gloo (tests/mcore_cpu.py). Two megalite MoE checkpoints are
-written at TP2 x PP2 with random weights: Mixtral-style (4 experts, top-2, GQA, SwiGLU, RoPE) and one with
-a shared expert and a sigmoid router with expert bias. Each is exported as torch_dist (loaded at TP2 by
+The reference is megatron-core on the CPU over gloo (tests/mcore_cpu.py). Three megalite MoE checkpoints are
+written at TP2 x PP2 with random weights: Mixtral-style (4 experts, top-2, GQA, SwiGLU, RoPE), one with
+a shared expert and a sigmoid router with expert bias, and one mixing an MoE and a dense layer
+(--moe-layer-freq [1,0], keyed per layer in torch_dist). Each is exported as torch_dist (loaded at TP2 by
 ``dist_checkpointing.load``), as the legacy format cut for TP2 (each rank's file loaded strictly at TP2) and
 for EP2 (``mp_rank_00_00E``, each EP rank's file loaded strictly at EP2); megatron-core's logits must equal
 megalite's at TP1 (fp32, 1e-5), and every export imports back with ``from-megatron`` to the same logits.
@@ -33,7 +34,8 @@ pytest.importorskip("megatron.core")
 VOCAB = 95
 MOE = {"mixtral": CASES["mixtral"],
        "shared": megatron_args(**{**vars(CASES["mixtral"]), "moe_shared_expert_intermediate_size": 24,
-                                  "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True})}
+                                  "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True}),
+       "mixed": megatron_args(**{**vars(CASES["mixtral"]), "moe_layer_freq": [1, 0]})}  # an MoE, a dense layer
 EXPORTS = {"_mcore": ["--tensor-model-parallel-size", "2"],
            "_legacy": ["--format", "torch", "--tensor-model-parallel-size", "2"],
            "_legacy_ep2": ["--format", "torch", "--expert-model-parallel-size", "2"]}
@@ -117,19 +119,24 @@ def test_the_moe_export_imports_back_with_the_same_logits(exported, name, fmt, t
     assert_imports_back(os.path.join(root, name + fmt), os.path.join(root, name), str(tmp_path / "back"))
 
 
-def test_mixed_dense_and_moe_layers_export_in_the_legacy_format_only(tmp_path, capsys):
-    """--moe-layer-freq [1,0]: torch_dist (keys stacked over all layers) is refused naming the flag; the
-    legacy format, per layer, writes it and imports back to the same logits."""
-    src, legacy, back = (str(tmp_path / n) for n in ("src", "legacy", "back"))
-    _checkpoint(src, megatron_args(**{**vars(CASES["mixtral"]), "moe_layer_freq": [1, 0]}), "mixed")
-    assert convert(["to-megatron", "--load", src, "--save", str(tmp_path / "o")]) == 2
-    assert "--moe-layer-freq mixes dense and MoE layers" in capsys.readouterr().err.replace("(", "").replace(")", "")
-    assert not os.path.exists(tmp_path / "o")
-    assert convert(["to-megatron", "--load", src, "--save", legacy, "--format", "torch",
+def test_mixed_dense_and_moe_layers_export_per_layer_in_torch_dist(exported):
+    """--moe-layer-freq [1,0]: torch_dist keys each layer apart under its global number (as megatron-core
+    keys non-homogeneous layers; megatron-core loaded it above), the dense layer with no expert keys; the
+    legacy TP2 x PP2 cut imports back to the same logits."""
+    from megalite.checkpointing.megatron_dist import DistCheckpoint
+
+    root, _ = exported
+    keys = DistCheckpoint(os.path.join(root, "mixed_mcore", "iter_0000005")).keys()
+    assert "decoder.layers.0.mlp.experts.experts.linear_fc1.weight" in keys
+    assert "decoder.layers.1.mlp.linear_fc1.weight" in keys and not any("layers.1.mlp.experts" in k for k in keys)
+    assert not any(k.startswith("decoder.layers.") and not k.split(".")[2].isdigit() for k in keys)
+    cut, back = (os.path.join(root, n) for n in ("mixed_tp2pp2", "mixed_back"))
+    assert convert(["to-megatron", "--load", os.path.join(root, "mixed"), "--save", cut, "--format", "torch",
                     "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]) == 0
-    assert convert(["from-megatron", "--load", legacy, "--save", back]) == 0
+    assert convert(["from-megatron", "--load", cut, "--save", back]) == 0
     pg = ProcessGroups.unconnected(RankLayout(1, 1, 1), 0)
-    torch.testing.assert_close(_megalite_logits(back, pg), _megalite_logits(src, pg), rtol=0, atol=0)
+    torch.testing.assert_close(_megalite_logits(back, pg), _megalite_logits(os.path.join(root, "mixed"), pg),
+                               rtol=0, atol=0)
 
 
 def test_bad_expert_layouts_are_refused_by_name(exported, tmp_path, capsys):

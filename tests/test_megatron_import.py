@@ -2,7 +2,8 @@
 local layer spec) imports into megalite at any layout and computes megatron-core's logits.
 
 The reference is megatron-core itself (pip package, tests only), run on the CPU over gloo with the shim of
-tests/mcore_cpu.py: a GPT-2-style and a Llama-style model (GQA, SwiGLU, RoPE, untied) are built at TP2,
+tests/mcore_cpu.py: a GPT-2-style and a Llama-style model (GQA, SwiGLU, RoPE, untied), a Mixtral-style MoE
+and one mixing MoE and dense layers (--moe-layer-freq, keyed per layer in torch_dist) are built at TP2 x PP2,
 every parameter perturbed, saved with ``dist_checkpointing.save`` as Megatron-LM's training loop does
 (model state, ``args``, iteration, tracker), and their logits recorded. ``convert_checkpoint.py
 from-megatron`` imports each folder; megalite's model loads the result at TP1 (one process) and TP2 and
@@ -54,6 +55,8 @@ CASES = {  # saved by megatron-core at TP2 x PP2
 }
 CASES["mixtral"] = megatron_args(**{**vars(CASES["llama"]), "num_experts": 4, "moe_ffn_hidden_size": 16,
                                     "moe_router_topk": 2})
+# --moe-layer-freq [1,0,0,1]: each stage of PP2 holds an MoE and a dense layer, saved per layer in torch_dist
+CASES["mixed"] = megatron_args(**{**vars(CASES["mixtral"]), "num_layers": 4, "moe_layer_freq": [1, 0, 0, 1]})
 
 
 def _save_and_load(rank: int, world: int, root: str) -> dict:
@@ -318,7 +321,7 @@ def test_a_release_folder_is_read(saved, tmp_path):
     _refused(load, tmp_path, "latest_checkpointed_iteration.txt", "'seven'")
 
 
-@pytest.mark.parametrize("name", ["gpt2", "mixtral_legacy"])
+@pytest.mark.parametrize("name", ["gpt2", "mixtral_legacy", "mixed"])
 def test_import_at_tp2_pp2_holds_the_same_full_tensors(saved, name, tmp_path):
     """The output layout is any layout: written at TP2 x PP2 (tied embedding across stages; experts cut
     over expert-TP), read back whole, every tensor equals the TP1 import's."""

@@ -78,17 +78,20 @@ def _train_and_save(rank: int, world: int, root: str) -> dict:
     """Each case trained by megatron-core at TP2 and saved with its optimizer: the plain optimizer in
     torch_dist and in the legacy format, the distributed one in torch_dist as ``fully_reshardable`` and as
     ``dp_reshardable`` (Megatron-LM's default); this rank's moments of the plain optimizer per parameter
-    name, with how the parameter is cut."""
-    from tests.mcore_cpu import save_megatron, save_megatron_legacy
+    name, with how the parameter is cut. The plain saves hold this rank's RNG states as Megatron-LM writes
+    them (``<name>_rng``: the dict saved), torch_dist's as its ``rng_state`` ShardedObject."""
+    from tests.mcore_cpu import megatron_rng_state, rng_sharded_object, save_megatron, save_megatron_legacy
 
     ps = _megatron_at_tp2()
     out = {}
     for name in NAMES:
         args = CASES[name]
         model, opt = _train(args, distributed=False)
+        out[name + "_rng"] = rng = megatron_rng_state()
         save_megatron(model, args, os.path.join(root, name), STEPS,
-                      optimizer=opt.sharded_state_dict(model.sharded_state_dict()))
-        save_megatron_legacy(model, args, os.path.join(root, name + "_legacy"), STEPS, optimizer=opt.state_dict())
+                      optimizer=opt.sharded_state_dict(model.sharded_state_dict()), rng=rng_sharded_object([rng]))
+        save_megatron_legacy(model, args, os.path.join(root, name + "_legacy"), STEPS, optimizer=opt.state_dict(),
+                             rng=[rng])
         out[name] = _moments(model, opt)
         model, opt = _train(args, distributed=True)
         for sharding in ("fully_reshardable", "dp_reshardable"):
@@ -102,8 +105,13 @@ def _train_and_save(rank: int, world: int, root: str) -> dict:
 def _train_and_save_dp2(rank: int, world: int, root: str) -> dict:
     """At TP2 x DP2 (the same tokens on both DP ranks): the plain optimizer's moments, and the distributed
     optimizer saved as ``dp_reshardable``, each bucket split over the two DP ranks; GPT-2's buffer cut into
-    several buckets (overlapped gradient reduction with a small bucket size), Llama's in one."""
-    from tests.mcore_cpu import save_megatron
+    several buckets (overlapped gradient reduction with a small bucket size), Llama's in one. The RNG
+    states differ per DP rank (seeded apart, as --data-parallel-random-init does) and are saved as
+    Megatron-LM 0.16 writes them: GPT-2's per DP rank (its layout with expert parallelism, shape (PP, TP,
+    DP)), Llama's as DP rank 0's list of every DP rank's state (shape (PP, TP))."""
+    import torch.distributed as dist
+
+    from tests.mcore_cpu import megatron_rng_state, rng_sharded_object, save_megatron
 
     ps = _megatron_at_tp2()
     out = {}
@@ -115,7 +123,12 @@ def _train_and_save_dp2(rank: int, world: int, root: str) -> dict:
         model, opt = _train(args, distributed=True, **options)
         state = opt.sharded_state_dict(model.sharded_state_dict(), metadata={"distrib_optim_sharding_type":
                                                                               "dp_reshardable"})
-        save_megatron(model, args, os.path.join(root, f"{name}_dp2"), STEPS, optimizer=state)
+        torch.manual_seed(100 + ps.get_data_parallel_rank())
+        out[name + "_rng"] = rng = megatron_rng_state()
+        gathered = [None] * ps.get_data_parallel_world_size()
+        dist.all_gather_object(gathered, rng, group=ps.get_data_parallel_group())
+        rng_state = rng_sharded_object([rng], per_dp=True) if name == "gpt2" else rng_sharded_object(gathered)
+        save_megatron(model, args, os.path.join(root, f"{name}_dp2"), STEPS, optimizer=state, rng=rng_state)
     ps.destroy_model_parallel()
     return out
 
@@ -129,7 +142,7 @@ def saved(tmp_path_factory) -> tuple[str, list[dict]]:
 @pytest.fixture(scope="module")
 def saved_dp2(tmp_path_factory) -> tuple[str, list[dict]]:
     root = str(tmp_path_factory.mktemp("megatron_optim_dp2"))
-    return root, run_ranks(_train_and_save_dp2, 4, root, timeout=240)[:2]  # DP rank 0's TP ranks
+    return root, run_ranks(_train_and_save_dp2, 4, root, timeout=240)
 
 
 def _joined(per_rank: list[dict], name: str, field: str, swiglu: bool) -> torch.Tensor:
@@ -178,7 +191,8 @@ def test_dp_reshardable_state_split_over_dp_ranks_imports(saved_dp2, name, tmp_p
     """The dp_reshardable state of a TP2 x DP2 run (each bucket's flat range cut between the DP ranks;
     GPT-2's in four buckets) is the plain optimizer's moments of the same run."""
     root, ranks = saved_dp2
-    _check_import(os.path.join(root, name + "_dp2"), [r[name] for r in ranks], name, str(tmp_path / "out"), capsys)
+    _check_import(os.path.join(root, name + "_dp2"), [r[name] for r in ranks[:2]], name, str(tmp_path / "out"),
+                  capsys)  # DP rank 0's TP ranks
 
 
 def test_dp_reshardable_state_of_an_unread_layout_is_named_and_the_weights_import(saved, tmp_path, capsys):
@@ -228,6 +242,8 @@ def test_pretrain_continues_a_megatron_run_with_its_adam_state(saved, tmp_path):
     (--no-load-optim) gives other losses, so the state is what carries the run; the distributed optimizer's
     dp_reshardable save of the same run, loaded in-process, follows them too. (Global batch 8: the mock
     dataset, sized for 5 iterations, must hold the 14 samples Megatron-LM consumed before and 3 more steps.)"""
+    from safetensors.torch import load_file
+
     from megalite.checkpointing.megatron import read_megatron
     from tests.asserts import assert_rel_close
     from tests.cli_utils import launch_pretrain, losses
@@ -239,8 +255,14 @@ def test_pretrain_continues_a_megatron_run_with_its_adam_state(saved, tmp_path):
     run = ["--mock-data", "--vocab-size", "95", *model_flags(read_megatron(load).config).split(), "--seq-length",
            "16", "--micro-batch-size", "2", "--global-batch-size", "8", "--log-interval", "1", "--train-iters", "5",
            "--lr", "1e-3", "--weight-decay", "0.1", "--hidden-dropout", "0", "--attention-dropout", "0"]
-    direct = launch_pretrain([*run, "--load", load, "--tensor-model-parallel-size", "2"], nproc=2, timeout=150)
-    assert "as a Megatron-LM checkpoint (with its Adam state; no RNG state read" in direct.stdout, direct.stdout[-2000:]
+    after = str(tmp_path / "after")
+    direct = launch_pretrain([*run, "--load", load, "--tensor-model-parallel-size", "2", "--save", after], nproc=2,
+                             timeout=150)
+    assert ("as a Megatron-LM checkpoint (with its Adam state; RNG states restored (this run's "
+            "tracker/model-parallel-rng kept: another generator kind))") in direct.stdout, direct.stdout[-2000:]
+    for rank in range(2):  # no draws with dropout off: what the run saves at its end is what it restored
+        saved_rng = load_file(os.path.join(after, "iter_0000005", "rng", f"rank_{rank:05d}.safetensors"))
+        assert torch.equal(saved_rng["cpu"], saved[1][rank]["gpt2_rng"]["torch_rng_state"])
     legacy = launch_pretrain([*run, "--load", load + "_legacy", "--tensor-model-parallel-size", "2"], nproc=2,
                              timeout=150)
     assert "(with its Adam state; RNG states restored" in legacy.stdout, legacy.stdout[-2000:]
@@ -256,29 +278,64 @@ def test_pretrain_continues_a_megatron_run_with_its_adam_state(saved, tmp_path):
     assert abs(fresh[4][0] - want[4][0]) > 1e-4 * abs(want[4][0])  # the imported moments change the next steps
 
 
-def test_the_legacy_rng_states_are_restored_at_their_layout_only(saved):
-    """Each TP rank's file's torch_rng_state becomes that rank's generator state (on the CPU the device
-    generator is the same one); at another layout, or from torch_dist, nothing is restored and the note says
-    why."""
+def _cuda_kind() -> torch.Tensor:
+    return torch.zeros(16, dtype=torch.uint8)  # a CUDA generator's state: seed and offset
+
+
+def _restored(folder: str, layout, rank: int, tracker: torch.Tensor | None = None) -> tuple[dict | None, str]:
+    """What ``pretrain_gpt.py --load`` of ``folder`` restores on ``rank`` of ``layout`` (a CPU run: its
+    device generator is the CPU one; ``tracker``: the tracker's state of another kind, a GPU run's)."""
     from megalite.checkpointing.megatron import read_megatron
-    from megalite.checkpointing.megatron_load import megatron_rng
-    from megalite.checkpointing.safe_pickle import load_torch_file
+    from megalite.checkpointing.megatron_rng import rng_to_restore
     from megalite.parallel.groups import ProcessGroups
+
+    src = read_megatron(folder)
+    now = {"cpu": torch.get_rng_state(), "device": torch.get_rng_state(),
+           "tracker/model-parallel-rng": torch.get_rng_state() if tracker is None else tracker}
+    states, note = rng_to_restore(src.rng, src.rng_note, ProcessGroups.unconnected(layout, rank), now)
+    if states is not None:
+        assert torch.equal(states["device"], states["cpu"])  # on the CPU the device generator is the CPU one
+    return states, note
+
+
+@pytest.mark.parametrize("fmt", ["", "_legacy"])
+def test_the_rng_states_are_restored_at_their_layout_only(saved, fmt):
+    """Each TP rank's saved RNG states (torch_dist: its ``rng_state`` ShardedObject, unpickled through the
+    allow-list; legacy: its file's ``rng_state``) become that rank's: torch's state on a CPU run, the
+    CUDA-kind tracker state kept (another generator kind), taken where the run's tracker is of its kind
+    (a GPU run's); at another layout nothing is restored and the note says why."""
     from megalite.parallel.layout import RankLayout
 
-    root = saved[0]
-    src = read_megatron(os.path.join(root, "gpt2_legacy"))
-    now = {"cpu": torch.get_rng_state(), "device": torch.get_rng_state(), "tracker/model-parallel-rng":
-           torch.get_rng_state()}
+    root, ranks = saved
+    folder = os.path.join(root, "gpt2" + fmt)
     for rank in range(2):
-        states, note = megatron_rng(src, ProcessGroups.unconnected(RankLayout(2, 2, 1), rank), now)
-        file = load_torch_file(os.path.join(root, "gpt2_legacy", "iter_0000002", f"mp_rank_{rank:02d}",
-                                            "model_optim_rng.pt"))
-        assert note.startswith("RNG states restored") and states is not None
-        assert torch.equal(states["cpu"], file["rng_state"][0]["torch_rng_state"])
-        assert torch.equal(states["device"], states["cpu"]) and not torch.equal(states["cpu"], now["cpu"])
-    states, note = megatron_rng(src, ProcessGroups.unconnected(RankLayout(1, 1, 1), 0), now)
-    assert states is None and "this run's layout differs" in note
-    states, note = megatron_rng(read_megatron(os.path.join(root, "gpt2")), ProcessGroups.unconnected(
-        RankLayout(2, 2, 1), 0), now)
-    assert states is None and "no RNG state read" in note
+        want = ranks[rank]["gpt2_rng"]
+        states, note = _restored(folder, RankLayout(2, 2, 1), rank)
+        assert note == "RNG states restored (this run's tracker/model-parallel-rng kept: another generator kind)"
+        assert torch.equal(states["cpu"], want["torch_rng_state"]) and not torch.equal(states["cpu"],
+                                                                                        torch.get_rng_state())
+        states, note = _restored(folder, RankLayout(2, 2, 1), rank, tracker=_cuda_kind())
+        assert note == "RNG states restored", note
+        assert torch.equal(states["tracker/model-parallel-rng"], want["rng_tracker_states"]["model-parallel-rng"])
+    assert not torch.equal(*(r["gpt2_rng"]["rng_tracker_states"]["model-parallel-rng"] for r in ranks))
+    states, note = _restored(folder, RankLayout(1, 1, 1), 0)
+    assert states is None and note == "RNG states not restored (saved at TP 2 x PP 1, this run's layout differs)"
+
+
+def test_torch_dist_rng_states_per_dp_rank(saved_dp2):
+    """At TP2 x DP2 each rank restores its own DP rank's state, whether saved per DP rank (shape (PP, TP,
+    DP), Megatron-LM 0.16 with expert parallelism) or as DP rank 0's list of all of them (shape (PP, TP));
+    at DP1 the per-DP layout is another layout, and the list's first entry is taken (as Megatron-LM does)."""
+    from megalite.parallel.layout import RankLayout
+
+    root, ranks = saved_dp2
+    for name in NAMES:
+        for rank in range(4):
+            states, note = _restored(os.path.join(root, name + "_dp2"), RankLayout(4, 2, 1), rank)
+            assert note.startswith("RNG states restored"), note
+            assert torch.equal(states["cpu"], ranks[rank][name + "_rng"]["torch_rng_state"]), (name, rank)
+        assert not torch.equal(ranks[0][name + "_rng"]["torch_rng_state"], ranks[2][name + "_rng"]["torch_rng_state"])
+    states, note = _restored(os.path.join(root, "gpt2_dp2"), RankLayout(2, 2, 1), 1)
+    assert states is None and note == "RNG states not restored (saved at TP 2 x PP 1 x DP 2, this run's layout differs)"
+    states, _ = _restored(os.path.join(root, "llama_dp2"), RankLayout(2, 2, 1), 1)
+    assert torch.equal(states["cpu"], ranks[1]["llama_rng"]["torch_rng_state"])

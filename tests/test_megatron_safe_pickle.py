@@ -95,3 +95,46 @@ def test_a_load_leaves_the_process_safe_globals_as_it_found_them(tmp_path):
     finally:
         torch.serialization.clear_safe_globals()
         torch.serialization.add_safe_globals(before)
+
+
+def _rng_folder(folder, value) -> str:
+    """A torch_dist iteration folder whose one byte item is ``rng_state`` of a TP1 x PP1 run holding
+    ``value``, written by torch.distributed.checkpoint as megatron-core's planner writes a ShardedObject:
+    ``torch.save`` of the value, no flattening (and no storage metadata, as megatron-core records none)."""
+    import json
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    class Writer(dcp.FileSystemWriter):
+        def storage_meta(self) -> None:
+            return None
+
+    dcp.save({"rng_state/shard_0.0_1.1": value}, storage_writer=Writer(str(folder)), no_dist=True,
+             planner=DefaultSavePlanner(flatten_state_dict=False))
+    torch.save({"iteration": 1}, folder / "common.pt")
+    (folder / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
+    return str(folder)
+
+
+def test_an_rng_byte_item_naming_os_system_is_refused_and_never_run(tmp_path):
+    """torch_dist's RNG states are unpickled through the allow-list when a run restores them: a pickle naming
+    os.system (or a graph-safe tracker's torch.Generator, which is no plain state either) is refused naming it
+    and the flag that loads without them; the folder itself opens, since only the item's name is read with it."""
+    from megalite.checkpointing.megatron_dist import DistCheckpoint
+    from megalite.checkpointing.megatron_rng import dist_rng
+
+    marker = tmp_path / "ran"
+    for folder, name, value in ((tmp_path / "system", "(posix|os)\\.system", _Evil(str(marker))),
+                                (tmp_path / "generator", "torch\\._C\\.Generator", torch.Generator())):
+        folder.mkdir()
+        saved = dist_rng(DistCheckpoint(_rng_folder(folder, [[{"torch_rng_state": value}]])))
+        with pytest.raises(UnsafePickleError, match=rf"__0_0\.distcp \(rng_state/shard_0\.0_1\.1 at byte 0\): "
+                                                    rf"refused to unpickle {name}: .*--no-load-rng"):
+            saved.read((0, 0))
+    assert not marker.exists()
+    state = {"torch_rng_state": torch.get_rng_state(), "np_rng_state": np.random.get_state(),
+             "random_rng_state": random.getstate()}
+    (tmp_path / "good").mkdir()
+    got = dist_rng(DistCheckpoint(_rng_folder(tmp_path / "good", [[state]]))).read((0, 0))
+    assert torch.equal(got[0]["torch_rng_state"], state["torch_rng_state"])

@@ -26,6 +26,7 @@ from megalite.checkpointing.megatron_names import (
     split_optimizer_keys,
     to_megalite,
 )
+from megalite.checkpointing.megatron_rng import SavedRng, dist_rng, legacy_rng
 
 TRACKER = "latest_checkpointed_iteration.txt"
 TOKENIZER_ARGS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model")
@@ -86,7 +87,8 @@ class MegatronCheckpoint:
     optimizer: dict[str, dict[str, torch.Tensor]] | None = None  # field (exp_avg, exp_avg_sq, main) -> key -> full
     optimizer_step: float = 0.0  # Adam's step count (its bias correction)
     optimizer_note: str = "the checkpoint holds no optimizer state"  # why ``optimizer`` is None
-    rng: dict[tuple[int, int], Any] = field(default_factory=dict)  # legacy: each (TP, PP) rank's rng_state
+    rng: SavedRng | None = None  # each saved rank's rng_state (megatron_rng.py), read when a run restores it
+    rng_note: str = "the checkpoint holds no RNG state"  # why ``rng`` is None
 
 
 def _vocab(args: Any, rows: int, vocab_size: int | None, where: str) -> int:
@@ -135,13 +137,22 @@ def read_megatron(load_dir: str, iteration: int | None = None, vocab_size: int |
     tokenizer = {k: getattr(args, k, None) for k in TOKENIZER_ARGS} if getattr(args, "tokenizer_type", None) else None
     out = MegatronCheckpoint(folder, fmt, config, params, it, _state(common, args, it), layout, tokenizer)
     out.optimizer_note = getattr(src, "optimizer_note", out.optimizer_note)
-    out.rng = getattr(src, "rng", {})
+    _rng(out, src)
     if other and not optim_keys:
         _dp_reshardable(out, src, keys, other, args, where)
     elif optim_keys:
         out.optimizer, out.optimizer_step = _optimizer(optim_keys, get, common, config, where)
         out.optimizer_note = f"Adam state of step {out.optimizer_step:g} imported"
     return out
+
+
+def _rng(out: MegatronCheckpoint, src: Any) -> None:
+    """Where the saved RNG states lie: the legacy files' (read with them) or torch_dist's byte items."""
+    if out.format == "torch_dist":
+        got = dist_rng(src)
+        out.rng, out.rng_note = (None, got) if isinstance(got, str) else (got, out.rng_note)
+    else:
+        out.rng = legacy_rng(src.rng)
 
 
 def _dp_reshardable(out: MegatronCheckpoint, src: Any, keys: list[str], other: list[str], args: Any,

@@ -5,8 +5,8 @@ non-tensor state: ``args``, ``iteration``, ...), ``.metadata`` (a pickled
 torch.distributed.checkpoint ``Metadata``: for every key its full size and chunks, and where each chunk
 lies) and the ``__R_N.distcp`` files. torch's FileSystemWriter writes each tensor chunk as one
 ``torch.save`` blob at (file, byte offset, length) and each byte item (``_extra_state``, RNG, optimizer
-objects) as raw bytes; a byte item is read only when asked for (``object``, the distributed optimizer's
-bucket sizes and step). Every pickle goes through safe_pickle.py, and every
+objects) as raw bytes; a byte item is read only when asked for (``object``: the distributed optimizer's
+bucket sizes and step, a rank's RNG states). Every pickle goes through safe_pickle.py, and every
 chunk is checked against its index entry (inside its tensor, its size, the tensor covered exactly once).
 """
 
@@ -81,9 +81,13 @@ class DistCheckpoint:
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self._tensors[key].size)
 
+    def object_names(self, key: str) -> list[str]:
+        """The byte items of ``key``: itself, or a ShardedObject's ``key/shard_<offset>_<shape>`` items."""
+        return sorted(n for n in self._bytes if n == key or n.startswith(key + "/"))
+
     def object(self, key: str) -> Any:
         """The byte item ``key`` (a ShardedObject: stored as ``key/shard_..``) unpickled safely, or None."""
-        names = sorted(n for n in self._bytes if n == key or n.startswith(key + "/"))
+        names = self.object_names(key)
         if not names:
             return None
         info = self._bytes[names[0]]

@@ -7,13 +7,16 @@ checkpoint for every TP/PP layout. So the export writes full tensors, no cutting
 megatron-core 0.16's ``GPTModel.sharded_state_dict()`` gives the local layer spec (checked by
 tests/test_megatron_export.py against that call):
 
-- layers stacked on a leading layer axis: ``decoder.layers.<suffix>`` of shape [L, ...];
+- layers stacked on a leading layer axis: ``decoder.layers.<suffix>`` of shape [L, ...]; a model mixing
+  dense and MoE layers (--moe-layer-freq) keyed per layer, ``decoder.layers.<i>.<suffix>`` (global layer
+  numbers), as megatron-core keys non-homogeneous layers;
 - the norms under Transformer Engine's fused names (``self_attention.linear_qkv.layer_norm_weight``,
   ``mlp.linear_fc1.layer_norm_weight``), which the local spec saves its norms under too;
 - SwiGLU's fc1 whole as [gate; up] (megatron-core's factory reads its TP pieces out of that order);
 - a tied model has no ``output_layer.weight`` key; the vocabulary padded to Megatron's padded size;
-- every linear's ``_extra_state`` a sharded object per layer (``<key>/shard_<i>_<L>`` holding
-  the list ``[None]``), since the loader asks for it and fails on a missing key.
+- every linear's ``_extra_state`` a sharded object per layer (``<key>/shard_<i>_<L>``, or
+  ``shard_0_1`` under a per-layer key, holding the list ``[None]``), since the loader asks for it and fails
+  on a missing key.
 
 Next to the tensors: ``metadata.json`` (the backend megatron-core's loader dispatches on) and
 ``common.pt`` (``args`` as Megatron-LM's training loop saves them, iteration, checkpoint version), so
@@ -76,7 +79,9 @@ MOE_ARG_FIELDS = ("num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_
 def megatron_args(config: dict[str, Any], padded_vocab: int) -> Namespace:
     """The ``args`` Namespace Megatron-LM would have saved for this model (its own argument names; the
     inverse of megatron_args.config_from_args), so the folder describes its model without megalite. An MoE
-    model's experts are written as SequentialMLP's (per-expert keys), so ``moe_grouped_gemm`` is False."""
+    model's experts are written as SequentialMLP's (per-expert keys), so ``moe_grouped_gemm`` is False;
+    ``moe_layer_freq`` is 1 when every layer is MoE (stacked keys) and the 0/1 list only for a mixed model,
+    since megatron-core keys the layers one by one whenever it is a list."""
     cfg, _ = model_config(config)
     fields = {k: config[k] for k in ARG_FIELDS if config.get(k) is not None}
     heads = int(config["num_attention_heads"])
@@ -87,8 +92,8 @@ def megatron_args(config: dict[str, Any], padded_vocab: int) -> Namespace:
                   tensor_model_parallel_size=1, pipeline_model_parallel_size=1, ckpt_format="torch_dist")
     if cfg.num_experts:
         fields.update({k: config[k] for k in MOE_ARG_FIELDS if config.get(k) is not None})
-        fields.update(moe_layer_freq=[int(m) for m in cfg.moe_layers()], moe_grouped_gemm=False,
-                      expert_model_parallel_size=1)
+        moe = [int(m) for m in cfg.moe_layers()]  # a list makes megatron-core key the layers one by one
+        fields.update(moe_layer_freq=1 if all(moe) else moe, moe_grouped_gemm=False, expert_model_parallel_size=1)
     return Namespace(**fields)
 
 
@@ -124,15 +129,18 @@ def megatron_layers(config: dict[str, Any], get: Callable[[str], torch.Tensor], 
     return top, layers
 
 
-def megatron_tensors(config: dict[str, Any], get: Callable[[str], torch.Tensor], padded_vocab: int,
-                     dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """megatron-core's sharded keys -> full tensors, the layers stacked on a leading axis. A model whose
-    layers differ (MoE only every k-th layer) is refused: torch_dist stacks such keys over some layers
-    only, which this writer does not lay out (the legacy format, per layer, takes it)."""
-    top, layers = megatron_layers(config, get, padded_vocab, dtype)
-    if any(set(layer) != set(layers[0]) for layer in layers):
-        raise CheckpointError("to-megatron --format torch_dist: the layers are not alike (--moe-layer-freq "
-                              "mixes dense and MoE layers); export it with --format torch")
+def _alike(layers: list[dict[str, torch.Tensor]]) -> bool:
+    """Whether every layer holds the same keys (else --moe-layer-freq mixes dense and MoE layers)."""
+    return all(set(layer) == set(layers[0]) for layer in layers)
+
+
+def megatron_tensors(top: dict[str, torch.Tensor], layers: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """megatron-core's sharded keys -> full tensors (megatron_layers' output): the layers stacked on a leading
+    axis, or, for a model whose layers differ (dense and MoE layers), one key per layer under its global
+    number (``decoder.layers.<i>.<suffix>``), as megatron-core's TransformerBlock keys non-homogeneous layers."""
+    if not _alike(layers):
+        return {**top, **{f"decoder.layers.{i}.{suffix}": t for i, layer in enumerate(layers)
+                          for suffix, t in layer.items()}}
     stacked = {f"decoder.layers.{suffix}": torch.stack([layer[suffix] for layer in layers]).contiguous()
                for suffix in layers[0]}
     return {**top, **stacked}
@@ -157,19 +165,28 @@ def export_vocab(config: dict[str, Any], padded_vocab: int | None, tp: int) -> i
     return padded
 
 
-def _extra_states(tensors: dict[str, torch.Tensor], num_layers: int) -> dict[str, list[None]]:
+def _shard(axes: list[tuple[int, int]]) -> str:
+    """A sharded object's unique-key suffix from its (offset, size) per axis (one axis (0, 1) if none)."""
+    axes = axes or [(0, 1)]
+    return f"shard_{'.'.join(str(o) for o, _ in axes)}_{'.'.join(str(n) for _, n in axes)}"
+
+
+def _extra_states(layers: list[dict[str, torch.Tensor]]) -> dict[str, list[None]]:
     """One empty ``_extra_state`` object per linear and layer (per layer and expert for routed experts)
-    under megatron-core's unique keys, ``<key>/shard_<offset>_<shape>``, read off the stacked tensors. The
-    value is the list megatron-core's loader unpickles (torch's planner pickles a non-tensor value itself;
-    a BytesIO would be pickled as a BytesIO)."""
-    out = {f"decoder.layers.{module}._extra_state/shard_{i}_{num_layers}": [None]
-           for module in layer_linears({k.removeprefix("decoder.layers."): t for k, t in tensors.items()})
-           for i in range(num_layers)}
-    fc1 = tensors.get("decoder.layers." + EXPERTS["mlp.experts.fc1_weight"])
-    experts = 0 if fc1 is None else fc1.shape[1]
-    for fc in ("linear_fc1", "linear_fc2"):
-        out.update({f"decoder.layers.mlp.experts.experts.{fc}._extra_state/shard_{i}.{j}_{num_layers}.{experts}":
-                    [None] for i in range(num_layers) for j in range(experts)})
+    under megatron-core's unique keys, ``<key>/shard_<offset>_<shape>``: on the layer axis of stacked keys
+    (``decoder.layers.<module>._extra_state/shard_<i>_<L>``), or under each layer's own key when the layers
+    differ (``decoder.layers.<i>.<module>._extra_state/shard_0_1``), an expert's on the expert axis too.
+    The value is the list megatron-core's loader unpickles (torch's planner pickles a non-tensor value
+    itself; a BytesIO would be pickled as a BytesIO)."""
+    stacked = _alike(layers)
+    out: dict[str, list[None]] = {}
+    for i, layer in enumerate(layers):
+        prefix, axes = ("decoder.layers.", [(i, len(layers))]) if stacked else (f"decoder.layers.{i}.", [])
+        out.update({f"{prefix}{module}._extra_state/{_shard(axes)}": [None] for module in layer_linears(layer)})
+        fc1 = layer.get(EXPERTS["mlp.experts.fc1_weight"])
+        experts = 0 if fc1 is None else fc1.shape[0]
+        out.update({f"{prefix}mlp.experts.experts.{fc}._extra_state/{_shard([*axes, (j, experts)])}": [None]
+                    for fc in ("linear_fc1", "linear_fc2") for j in range(experts)})
     return out
 
 
@@ -179,10 +196,9 @@ def save_torch_dist(folder: str, config: dict[str, Any], get: Callable[[str], to
     """Write ``folder``/latest_checkpointed_iteration.txt and ``folder``/iter_XXXXXXX/ in torch_dist format;
     returns the iteration folder. ``tp_hint``: the TP Megatron-LM will load at, for its vocabulary padding
     (``padded_vocab`` overrides it; it must equal what the loading run computes)."""
-    cfg, _ = model_config(config)
     padded = export_vocab(config, padded_vocab, tp_hint)
-    tensors = megatron_tensors(config, get, padded, dtype)
-    state: dict[str, Any] = {**tensors, **_extra_states(tensors, cfg.num_layers)}
+    top, layers = megatron_layers(config, get, padded, dtype)
+    state: dict[str, Any] = {**megatron_tensors(top, layers), **_extra_states(layers)}
     it_dir = os.path.join(folder, iter_dirname(iteration))
     os.makedirs(it_dir, exist_ok=True)
     compat.save_distributed_checkpoint(state, it_dir)
