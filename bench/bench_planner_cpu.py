@@ -69,12 +69,15 @@ def _worker(rank: int, world: int) -> dict:
             if w == world}
 
 
-def predicted(size: tuple, world: int, extra: dict) -> tuple[float, float]:
-    """(step seconds, tensor bytes per rank) the planner predicts with the cpu preset."""
+def predicted(size: tuple, world: int, extra: dict, terms: bool = False):
+    """(step seconds, tensor bytes per rank) the planner predicts with the cpu preset (terms: its step
+    time's terms instead)."""
     f = flat(size, world, extra, 1)
     argv = [arg for k, v in f.items() if k not in ("mock_data", "train_iters", "eval_iters", "log_interval")
             for arg in ([f"--{k.replace('_', '-')}"] + ([] if v is True else [str(v)]))]
     plan, _ = plan_config(argv, ["--num-nodes", "1", "--gpus-per-node", str(world), "--gpu", "cpu"])
+    if terms:
+        return plan.time.terms
     return plan.time.step_s, plan.memory.total - plan.memory.terms["allocator fragmentation"]
 
 
