@@ -266,12 +266,16 @@ def save_megatron(model, args, folder: str, iteration: int, optimizer=None, rng=
 
 
 
-def save_megatron_legacy(model, args, folder: str, iteration: int, optimizer=None, rng=None) -> None:
+def save_megatron_legacy(model, args, folder: str, iteration: int, optimizer=None, rng=None,
+                         distributed=False) -> None:
     """The legacy ``torch`` format as Megatron-LM's training loop writes it: per (TP, PP) rank
     ``mp_rank_TT[_PPP]/model_optim_rng.pt`` holding the rank's plain state dict (layer numbers local to
     its stage) under 'model', the args, the iteration, the checkpoint version and the RNG states (``rng``:
-    the rank's list of megatron_rng_state dicts; else Python's, numpy's, torch's), written with torch.save;
-    no Megatron-LM code is involved."""
+    the rank's list of megatron_rng_state dicts; else Python's, numpy's, torch's), written with torch.save
+    by DP rank 0; no Megatron-LM code is involved. With ``distributed``, ``optimizer`` is megatron-core's
+    distributed optimizer: its ``state_dict()`` goes under 'optimizer' and its parameter state to
+    ``distrib_optim.pt`` next to the file, by its own ``save_parameter_state`` on every rank (gathered over
+    DP, written by DP rank 0), as Megatron-LM's save_checkpoint calls it."""
     import os
     import random
 
@@ -283,11 +287,15 @@ def save_megatron_legacy(model, args, folder: str, iteration: int, optimizer=Non
     rank_dir = f"mp_rank_{tp:02d}" + (f"_{pp:03d}" if ps.get_pipeline_model_parallel_world_size() > 1 else "")
     path = os.path.join(folder, f"iter_{iteration:07d}", rank_dir, "model_optim_rng.pt")
     os.makedirs(os.path.dirname(path), exist_ok=True)
+    if distributed:
+        optimizer.save_parameter_state(os.path.join(os.path.dirname(path), "distrib_optim.pt"))
+        optimizer = optimizer.state_dict()
     if rng is None:
         rng = [{"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
                 "torch_rng_state": torch.get_rng_state()}]
-    torch.save({"model": model.state_dict(), "args": args, "iteration": iteration, "checkpoint_version": 3.0,
-                "rng_state": rng, **({} if optimizer is None else {"optimizer": optimizer})}, path)
+    if ps.get_data_parallel_rank() == 0:
+        torch.save({"model": model.state_dict(), "args": args, "iteration": iteration, "checkpoint_version": 3.0,
+                    "rng_state": rng, **({} if optimizer is None else {"optimizer": optimizer})}, path)
     _tracker(folder, iteration)
 
 

@@ -4,12 +4,13 @@ That sharding saves each gradient bucket's state flat, as megatron-core's buffer
 ``optimizer.distributed.dp_group_idx_G.gbuf_idx_B.dtype_(..).bucket_idx_K.{param,exp_avg,exp_avg_sq}``:
 one tensor per bucket of its unpadded size, in bucket coordinates (each DP rank's contiguous slice is a
 chunk of it, so the DP split needs no undoing). ``G`` is the rank in the tensor x pipeline group, one
-set of buffers per model-parallel rank. The layout is rebuilt from the checkpoint alone: the rank's
-parameters (the model keys, the TP cut of each) walked in reverse of megatron-core's parameter order,
-each start rounded up to 64 elements, a bucket ending exactly where its saved size ends. Every bucket
-must be filled exactly and agree with the saved ``per_bucket_numel_unpadded``, and a replicated parameter's
-state must be the same on every TP rank; a state that does not fit (the Transformer Engine spec, pipeline
-stages: a group per stage, experts, more buffers) is not read, and why is returned.
+set of buffers per model-parallel rank. The layout is rebuilt from the checkpoint alone (megatron_buffer.py,
+shared with the legacy ``distrib_optim.pt``): the rank's parameters (the model keys, the TP cut of each)
+walked in reverse of megatron-core's parameter order, each start rounded up to 64 elements, a bucket
+ending exactly where its saved size ends. Every bucket must be filled exactly and agree with the saved
+``per_bucket_numel_unpadded``, and a replicated parameter's state must be the same on every TP rank; a
+state that does not fit (the Transformer Engine spec, pipeline stages: a group per stage, experts, more
+buffers) is not read, and why is returned.
 """
 
 from __future__ import annotations
@@ -21,13 +22,13 @@ from typing import Any
 import torch
 
 from megalite.checkpointing.errors import CheckpointError
+from megalite.checkpointing.megatron_buffer import group_steps, place_buffer
 from megalite.checkpointing.megatron_legacy import join_tp, tp_dim
 from megalite.checkpointing.megatron_names import SKIPPED
 
 BUCKET = re.compile(r"^optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.+)\.bucket_idx_(\d+)"
                     r"\.(param|exp_avg|exp_avg_sq)$")
 FIELDS = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "param": "main"}
-ALIGN = 64  # megatron-core pads each parameter's start in a distributed-optimizer buffer to 64 elements
 # megatron-core's parameter registration order (GPTModel, local spec): the buffer holds it reversed. The
 # local spec saves its norms under the fused names as well, so both names share a slot.
 FIRST = ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight")
@@ -71,23 +72,17 @@ def _ordered(src: Any, model_keys: Iterable[str]) -> list[Param] | str:
 
 
 def _place(params: list[Param], tp: int, sizes: list[int]) -> dict[str, tuple[int, int, tuple[int, ...]]] | str:
-    """Per parameter (bucket, start in it, this rank's shape): the buffer walked in reverse order."""
-    out, bucket, cursor = {}, 0, 0
+    """Per parameter (bucket, start in it, this rank's shape): each full shape cut over TP, the buffer walked
+    in reverse order."""
+    shapes = []
     for name, shape, dim in reversed(params):
         local = list(shape)
         if dim >= 0:
             if shape[dim] % tp:
                 return f"{name}'s {shape} does not split over TP {tp}"
             local[dim] //= tp
-        start = -(-cursor // ALIGN) * ALIGN
-        end = start + int(torch.Size(local).numel())
-        if bucket >= len(sizes) or end > sizes[bucket]:
-            return f"{name} does not fit in bucket {bucket} of sizes {sizes} (megatron-core's layout not matched)"
-        out[name] = (bucket, start, tuple(local))
-        bucket, cursor = (bucket + 1, 0) if end == sizes[bucket] else (bucket, end)
-    if bucket != len(sizes):
-        return f"the parameters fill {bucket} of its {len(sizes)} buckets {sizes}, not all"
-    return out
+        shapes.append((name, tuple(local)))
+    return place_buffer(shapes, sizes)
 
 
 def _buckets(keys: Iterable[str]) -> dict[int, dict[str, dict[int, str]]] | str:
@@ -146,9 +141,7 @@ def dp_reshardable_state(src: Any, model_keys: list[str], args: Any
             for name, (b, start, shape) in placed.items():
                 n = int(torch.Size(shape).numel())
                 shards.setdefault(field, {}).setdefault(name, []).append(flat[b][start:start + n].view(shape).float())
-        saved = _unwrap(src.object(f"optimizer.distributed.dp_group_idx_{g}.optimizer"))
-        groups_saved = saved.get("param_groups") if isinstance(saved, dict) else None
-        steps |= {float(p.get("step", -1)) for p in groups_saved or [] if isinstance(p, dict)}
+        steps |= group_steps(_unwrap(src.object(f"optimizer.distributed.dp_group_idx_{g}.optimizer")))
     if len(steps) != 1 or min(steps) < 0:
         return f"its optimizer objects hold no single step count ({sorted(steps)[:4]})"
     swiglu = bool(getattr(args, "swiglu", False))

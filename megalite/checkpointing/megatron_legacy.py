@@ -14,7 +14,8 @@ numbers are local to each chunk and expert numbers local to each EP rank. Mergin
 - expert parallel: EP rank e's local expert j is expert e·E/EP + j.
 
 The optimizer state each file holds (torch's numbering of the rank's parameters) is read by
-megatron_legacy_optim.py, joined like the weights and offered under torch_dist's optimizer keys.
+megatron_legacy_optim.py, the distributed optimizer's (each rank's ``distrib_optim.pt``) by
+megatron_distrib_optim.py; either is joined like the weights and offered under torch_dist's optimizer keys.
 
 Each file is read through safe_pickle.py; missing files, unknown or inconsistent keys are named.
 """
@@ -29,6 +30,7 @@ from typing import Any
 import torch
 
 from megalite.checkpointing.errors import CheckpointError
+from megalite.checkpointing.megatron_distrib_optim import distrib_file, distrib_moments, is_distributed
 from megalite.checkpointing.megatron_legacy_optim import legacy_moments
 from megalite.checkpointing.megatron_names import OPTIMIZER_STATE
 from megalite.checkpointing.safe_pickle import load_torch_file
@@ -119,10 +121,16 @@ class LegacyCheckpoint:
             self._read_optimizer(states, chunks, files)
 
     def _read_optimizer(self, states: dict, chunks: dict, files: dict) -> None:
-        """Each rank's Adam state by parameter name (megatron_legacy_optim.py), globalised and joined as the
-        weights are; the step into ``common`` as torch_dist keeps it. Not read: the reason in the note."""
-        per_file = {k: legacy_moments(s["optimizer"], chunks[k]) for k, s in states.items()}
-        reasons = [f"{files[k]}: {r}" for k, r in per_file.items() if isinstance(r, str)]
+        """Each rank's Adam state by parameter name (megatron_legacy_optim.py; the distributed optimizer's
+        distrib_optim.pt: megatron_distrib_optim.py), globalised and joined as the weights are; the step into
+        ``common`` as torch_dist keeps it. Not read: the reason in the note."""
+        args = states[0, 0, 0].get("args")
+        if is_distributed(list(files.values()), args):  # its parameter state in each rank's distrib_optim.pt
+            per_file = {k: distrib_moments(distrib_file(files[k]), s["optimizer"], chunks[k], args, (k[1], self.pp))
+                        for k, s in states.items()}
+        else:
+            per_file = {k: _named(files[k], legacy_moments(s["optimizer"], chunks[k])) for k, s in states.items()}
+        reasons = [r for r in per_file.values() if isinstance(r, str)]
         steps = {r[1] for r in per_file.values() if not isinstance(r, str)}
         if reasons or len(steps) != 1:
             self.optimizer_note = reasons[0] if reasons else f"its files' optimizer steps differ ({sorted(steps)})"
@@ -177,6 +185,11 @@ class LegacyCheckpoint:
         m = OPTIMIZER_STATE.match(key)
         parts = self._optim[m[1]][m[2]] if m else self._shards[key]
         return join_tp(m[2] if m else key, parts, self.swiglu, self.folder)
+
+
+def _named(path: str, got: Any) -> Any:
+    """A reason a rank's state is not read, prefixed with its file."""
+    return f"{path}: {got}" if isinstance(got, str) else got
 
 
 def tp_dim(key: str) -> int:

@@ -7,8 +7,9 @@ Adam's ``step``, ``exp_avg`` and ``exp_avg_sq``; a bf16/fp16 run wraps it as ``{
 rank's parameters in ``named_parameters()`` order (the saved model state dict's order, buffers left out),
 put into groups by weight decay (none for biases and 1-D tensors) in the order each group first appears.
 That grouping is rebuilt here and checked against the saved groups' sizes and every tensor's shape; a
-state that does not fit it (another grouping, the distributed optimizer's ``distrib_optim.pt``, the
-chained dense and expert optimizers of an MoE run) is not read, and the reason is returned.
+state that does not fit it (another grouping, the chained dense and expert optimizers of an MoE run) is not
+read, and the reason is returned. The distributed optimizer's state (``distrib_optim.pt``) is
+megatron_distrib_optim.py's.
 """
 
 from __future__ import annotations

@@ -1,0 +1,74 @@
+"""Where megatron-core's distributed optimizer keeps each parameter's state: its gradient buffer's layout.
+
+megatron-core's DistributedDataParallel lays a model chunk's parameters into one flat buffer in reverse of
+their registration order (roughly the order of backprop), each start rounded up to 64 elements, and cuts
+the buffer into buckets: a bucket is closed once it holds ``bucket_size`` elements or more, and a
+pipeline stage's shared (tied) embedding gets a bucket of its own. The distributed optimizer saves its
+state bucket by bucket in that layout, each bucket at its unpadded size (the padding that evens the
+buckets out over the DP ranks dropped). Both of its layouts megalite reads rebuild it here: the
+torch_dist ``dp_reshardable`` buckets (megatron_dp_optim.py, whose sizes are saved) and the legacy
+``distrib_optim.pt`` (megatron_distrib_optim.py, where only their total is and the sizes follow the rule).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+ALIGN = 64  # megatron-core pads each parameter's start in a distributed-optimizer buffer to 64 elements
+Placed = dict[str, tuple[int, int, tuple[int, ...]]]  # name -> (bucket, start in it, shape)
+
+
+def align(n: int) -> int:
+    """A parameter's start in its bucket: the next multiple of ALIGN elements."""
+    return -(-n // ALIGN) * ALIGN
+
+
+def place_buffer(shapes: list[tuple[str, tuple[int, ...]]], sizes: list[int]) -> Placed | str:
+    """Per parameter (bucket, start in it, shape), ``shapes`` in buffer order (the reverse of megatron-core's
+    parameter order), each start rounded up to ALIGN, a bucket ending where its size ends (or at the next
+    aligned start: megatron-core closes a bucket there before a pipeline stage's shared embedding); every
+    bucket must be filled exactly, or why not is returned."""
+    out, bucket, cursor = {}, 0, 0
+    for name, shape in shapes:
+        if cursor and bucket < len(sizes) and align(cursor) == sizes[bucket]:
+            bucket, cursor = bucket + 1, 0
+        start = align(cursor)
+        end = start + int(torch.Size(shape).numel())
+        if bucket >= len(sizes) or end > sizes[bucket]:
+            return f"{name} does not fit in bucket {bucket} of sizes {sizes} (megatron-core's layout not matched)"
+        out[name] = (bucket, start, shape)
+        bucket, cursor = (bucket + 1, 0) if end == sizes[bucket] else (bucket, end)
+    if bucket != len(sizes):
+        return f"the parameters fill {bucket} of its {len(sizes)} buckets {sizes}, not all"
+    return out
+
+
+def bucket_sizes(numels: list[tuple[str, int]], bucket_size: int | None, alone: set[str]) -> list[int]:
+    """The unpadded bucket sizes megatron-core gives parameters of ``numels`` (name, elements; buffer
+    order): a bucket closes once it reaches ``bucket_size`` (None: one bucket), and each parameter of
+    ``alone`` (a pipeline stage's shared embedding) closes the bucket before it, at its aligned start, and
+    its own."""
+    sizes, cursor, held = [], 0, 0
+    for name, n in numels:
+        start = align(cursor)
+        if name in alone and held:
+            sizes.append(start)
+            start, held = 0, 0
+        end, held = start + n, held + 1
+        if (bucket_size is not None and end >= bucket_size) or name in alone:
+            sizes.append(end)
+            cursor, held = 0, 0
+        else:
+            cursor = end
+    if held:
+        sizes.append(cursor)
+    return sizes
+
+
+def group_steps(saved: Any) -> set[float]:
+    """The step counts of a distributed optimizer's saved ``param_groups`` (its ``state_dict()`` without the
+    parameter state; -1 for a group without one)."""
+    groups = saved.get("param_groups") if isinstance(saved, dict) else None
+    return {float(p.get("step", -1)) for p in groups or [] if isinstance(p, dict)}
