@@ -107,8 +107,9 @@ def optimizer_cpu_shim() -> None:
 # ---- tiny megatron-core models from Megatron-LM's argument names --------------------------------------
 
 
-def _config(args, tp: int, pp: int):
-    """megatron-core's TransformerConfig of a Megatron-LM ``args`` Namespace (the subset the cases use)."""
+def _config(args, tp: int, pp: int, ep: int = 1, vp: int | None = None):
+    """megatron-core's TransformerConfig of a Megatron-LM ``args`` Namespace (the subset the cases use) at
+    TP ``tp``, PP ``pp`` (``vp`` model chunks per stage) and EP ``ep``."""
     import torch
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -133,34 +134,39 @@ def _config(args, tp: int, pp: int):
         add_bias_linear=args.add_bias_linear, hidden_dropout=0.0, attention_dropout=0.0,
         use_cpu_initialization=True, params_dtype=torch.float32, tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32, bias_activation_fusion=False,
+        virtual_pipeline_model_parallel_size=vp, expert_model_parallel_size=ep,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False, **moe)
 
 
-def _global_seed(name: str, layer_offset: int, tied: bool) -> int:
-    """A seed per parameter of the whole model: layer numbers made global, a tied output layer (the last
-    stage's copy of the embedding) seeded as the embedding, so the copies stay equal."""
+def _global_seed(name: str, layer_offset: int, tied: bool, expert_offset: int = 0) -> int:
+    """A seed per parameter of the whole model: layer (and local expert) numbers made global, a tied output
+    layer (the last stage's copy of the embedding) seeded as the embedding, so the copies stay equal."""
     import re
     import zlib
 
     if tied and name == "output_layer.weight":
         name = "embedding.word_embeddings.weight"
     name = re.sub(r"decoder\.layers\.(\d+)", lambda m: f"decoder.layers.{int(m[1]) + layer_offset}", name)
+    name = re.sub(r"local_experts\.(\d+)", lambda m: f"local_experts.{int(m[1]) + expert_offset}", name)
     return zlib.crc32(name.encode()) % 100_000
 
 
-def build_gpt(args, tp: int, pp: int = 1, seed: int = 1):
-    """megatron-core's GPTModel (local spec) for ``args`` on this rank, every parameter perturbed so that
-    norms and biases matter: replicated tensors alike on every TP rank, sharded ones per rank. A model
-    whose ``moe_layer_freq`` is a list or above 1 (dense and MoE layers) takes the per-layer block spec of
-    this stage (local modules), which Megatron-LM's GPT builder takes for every MoE model; megatron-core
-    then keys its layers one by one in torch_dist (non-homogeneous layers)."""
+def build_gpt(args, tp: int, pp: int = 1, seed: int = 1, ep: int = 1, vp_stage: int | None = None,
+              vp: int | None = None):
+    """megatron-core's GPTModel (local spec) for ``args`` on this rank (model chunk ``vp_stage`` of ``vp``
+    with interleaving), every parameter perturbed so that norms and biases matter: replicated tensors alike
+    on every TP rank, sharded ones per rank, each expert by its global number. A model whose
+    ``moe_layer_freq`` is a list or above 1 (dense and MoE layers) takes the per-layer block spec of this
+    stage (local modules), which Megatron-LM's GPT builder takes for every MoE model; megatron-core then
+    keys its layers one by one in torch_dist (non-homogeneous layers)."""
     import torch
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    cfg = _config(args, tp, pp)
+    cfg = _config(args, tp, pp, ep, vp)
     torch.manual_seed(seed)
     if isinstance(cfg.moe_layer_freq, list) or cfg.moe_layer_freq > 1:
         spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization=args.normalization,
@@ -170,15 +176,20 @@ def build_gpt(args, tp: int, pp: int = 1, seed: int = 1):
                                         normalization=args.normalization)
     model = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
                      max_sequence_length=args.max_position_embeddings, parallel_output=False,
-                     pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
+                     pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+                     post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
                      share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-                     position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base)
+                     position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,
+                     vp_stage=vp_stage)
     tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
     tied = not args.untie_embeddings_and_output_weights
+    offset = get_transformer_layer_offset(cfg, vp_stage, pp_rank)
+    experts = (ps.get_expert_model_parallel_rank() * (getattr(args, "num_experts", None) or 0)
+               // ps.get_expert_model_parallel_world_size())
     with torch.no_grad():
         for name, p in model.named_parameters():
             sharded = getattr(p, "tensor_model_parallel", False)
-            g = torch.Generator().manual_seed(1000 * seed + _global_seed(name, pp_rank * args.num_layers // pp, tied)
+            g = torch.Generator().manual_seed(1000 * seed + _global_seed(name, offset, tied, experts)
                                               + (tp_rank + 1 if sharded else 0))
             p.add_(0.05 * torch.randn(p.shape, generator=g))
     return model.eval()
@@ -242,11 +253,20 @@ def rng_sharded_object(states: list, per_dp: bool = False):
     return ShardedObject("rng_state", states, shape, at, replica_id=dp)
 
 
+def model_state(model) -> dict:
+    """The model's sharded state as Megatron-LM saves it: under ``model``, or ``model0``, ``model1``, ... per
+    model chunk (``model`` a list of them, with interleaving)."""
+    chunks = model if isinstance(model, list) else [model]
+    if len(chunks) == 1:
+        return {"model": chunks[0].sharded_state_dict()}
+    return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
+
+
 def save_megatron(model, args, folder: str, iteration: int, optimizer=None, rng=None) -> None:
-    """What Megatron-LM's training loop writes for a torch_dist checkpoint (the model's sharded state, the
-    args, the iteration; ``optimizer``: the optimizer's sharded state, saved as Megatron-LM saves it;
-    ``rng``: its ``rng_state`` ShardedObject, rng_sharded_object) and its tracker, written by megatron-core's
-    own dist_checkpointing.save."""
+    """What Megatron-LM's training loop writes for a torch_dist checkpoint (the model's sharded state, of
+    each chunk if ``model`` is a list, the args, the iteration; ``optimizer``: the optimizer's sharded state,
+    saved as Megatron-LM saves it; ``rng``: its ``rng_state`` ShardedObject, rng_sharded_object) and its
+    tracker, written by megatron-core's own dist_checkpointing.save."""
     import os
 
     import torch.distributed as dist
@@ -256,7 +276,7 @@ def save_megatron(model, args, folder: str, iteration: int, optimizer=None, rng=
     if dist.get_rank() == 0:
         os.makedirs(it_dir, exist_ok=True)
     dist.barrier()
-    state = {"model": model.sharded_state_dict(), "args": args, "iteration": iteration, "checkpoint_version": 3.0}
+    state = {**model_state(model), "args": args, "iteration": iteration, "checkpoint_version": 3.0}
     if optimizer is not None:
         state["optimizer"] = optimizer
     if rng is not None:

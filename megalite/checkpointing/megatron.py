@@ -194,13 +194,27 @@ def _state_field(name: str, keys: list[str], get: Any, config: dict[str, Any], w
 
 def _optimizer_step(saved: dict[str, Any], where: str) -> float:
     """Adam's step count: the non-distributed optimizer's ``state.common_step``, or the distributed
-    optimizer's per-group ``step`` (fully_reshardable: under ``optimizer.optimizer``), which must agree."""
+    optimizer's per-group ``step`` (fully_reshardable: under ``optimizer.optimizer``), which must agree; a
+    ChainedOptimizer (an MoE run's dense and expert optimizers) saves one such dict per optimizer under its
+    index, and every one must hold the same step (megatron-core makes them equal before it saves)."""
+    chained = bool(saved) and all(isinstance(k, int) for k in saved)
+    steps = {_one_step(saved[k], f"{where}: common.pt's optimizer {k}") for k in sorted(saved)} if chained else \
+        {_one_step(saved, f"{where}: common.pt's optimizer")}
+    if len(steps) != 1:
+        raise CheckpointError(f"{where}: common.pt's chained optimizers hold different step counts {sorted(steps)} "
+                              "(megalite keeps one)")
+    return steps.pop()
+
+
+def _one_step(saved: Any, where: str) -> float:
+    """One optimizer's step count (see _optimizer_step)."""
+    saved = saved if isinstance(saved, dict) else {}
     if "param_state_sharding_type" in saved and isinstance(saved.get("optimizer"), dict):
         saved = saved["optimizer"]
     step = (saved.get("state") or {}).get("common_step")
     groups = [g.get("step") for g in saved.get("param_groups") or [] if isinstance(g, dict)]
     steps = {float(s) for s in ([step] if step is not None else groups) if isinstance(s, torch.Tensor | int | float)}
     if len(steps) != 1 or not min(steps) >= 0:
-        raise CheckpointError(f"{where}: common.pt's optimizer holds no single step count (common_step {step!r}, "
-                              f"the groups' steps {groups[:4]})")
+        raise CheckpointError(f"{where} holds no single step count (common_step {step!r}, the groups' steps "
+                              f"{groups[:4]})")
     return steps.pop()

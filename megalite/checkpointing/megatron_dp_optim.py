@@ -1,16 +1,17 @@
 """The distributed optimizer's ``dp_reshardable`` torch_dist state (Megatron-LM's default) per parameter.
 
-That sharding saves each gradient bucket's state flat, as megatron-core's buffer lays it out, under
-``optimizer.distributed.dp_group_idx_G.gbuf_idx_B.dtype_(..).bucket_idx_K.{param,exp_avg,exp_avg_sq}``:
-one tensor per bucket of its unpadded size, in bucket coordinates (each DP rank's contiguous slice is a
-chunk of it, so the DP split needs no undoing). ``G`` is the rank in the tensor x pipeline group, one
-set of buffers per model-parallel rank. The layout is rebuilt from the checkpoint alone (megatron_buffer.py,
-shared with the legacy ``distrib_optim.pt``): the rank's parameters (the model keys, the TP cut of each)
-walked in reverse of megatron-core's parameter order, each start rounded up to 64 elements, a bucket
-ending exactly where its saved size ends. Every bucket must be filled exactly and agree with the saved
-``per_bucket_numel_unpadded``, and a replicated parameter's state must be the same on every TP rank; a
-state that does not fit (the Transformer Engine spec, pipeline stages: a group per stage, experts, more
-buffers) is not read, and why is returned.
+That sharding saves each gradient bucket's state flat, as megatron-core's buffer lays it out, under ``[chained
+_<i>.]optimizer.distributed.dp_group_idx_G.gbuf_idx_B.dtype_(..).bucket_idx_K.{param,exp_avg,exp_avg_sq}``:
+one tensor per bucket of its unpadded size, in bucket coordinates (each DP rank's contiguous slice is a chunk
+of it, so the DP split needs no undoing). ``G`` is the rank in the tensor x pipeline group (the expert
+optimizer of an MoE run: in the expert tensor x expert x pipeline group), ``B`` the model chunk's buffer
+(megatron_dp_stages.py says which parameters each holds). The layout is rebuilt from the checkpoint alone
+(megatron_buffer.py, shared with the legacy ``distrib_optim.pt``): a buffer's parameters (the model keys, the
+TP cut of each) walked in reverse of megatron-core's parameter order, each start rounded up to 64 elements, a
+bucket ending exactly where its saved size ends. Every bucket must be filled exactly and agree with the saved
+``per_bucket_numel_unpadded``, and a replicated parameter's state must be the same on every TP rank; a state
+that does not fit (the Transformer Engine spec, grouped experts, mixed dtypes: more buffers per chunk) is not
+read, and why is returned.
 """
 
 from __future__ import annotations
@@ -22,12 +23,22 @@ from typing import Any
 import torch
 
 from megalite.checkpointing.errors import CheckpointError
-from megalite.checkpointing.megatron_buffer import group_steps, place_buffer
+from megalite.checkpointing.megatron_buffer import place_buffer
+from megalite.checkpointing.megatron_dp_stages import (
+    LAYER_OF,
+    Param,
+    chunk_params,
+    expert_params,
+    local_experts,
+    split_expert_keys,
+    stage_layers,
+    with_experts,
+)
 from megalite.checkpointing.megatron_legacy import join_tp, tp_dim
 from megalite.checkpointing.megatron_names import SKIPPED
 
-BUCKET = re.compile(r"^optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.+)\.bucket_idx_(\d+)"
-                    r"\.(param|exp_avg|exp_avg_sq)$")
+BUCKET = re.compile(r"^(chained_\d+\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.+)"
+                    r"\.bucket_idx_(\d+)\.(param|exp_avg|exp_avg_sq)$")
 FIELDS = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "param": "main"}
 # megatron-core's parameter registration order (GPTModel, local spec): the buffer holds it reversed. The
 # local spec saves its norms under the fused names as well, so both names share a slot.
@@ -38,11 +49,12 @@ LAYER = (("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight
          ("self_attention.linear_qkv.weight",), ("self_attention.linear_qkv.bias",),
          ("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"),
          ("pre_mlp_layernorm.bias", "mlp.linear_fc1.layer_norm_bias"),
-         ("mlp.linear_fc1.weight",), ("mlp.linear_fc1.bias",), ("mlp.linear_fc2.weight",), ("mlp.linear_fc2.bias",))
+         ("mlp.linear_fc1.weight",), ("mlp.linear_fc1.bias",), ("mlp.linear_fc2.weight",), ("mlp.linear_fc2.bias",),
+         ("mlp.router.weight",), ("mlp.router.bias",),  # an MoE layer's: the routed experts (EP 1) go here
+         ("mlp.shared_experts.linear_fc1.weight",), ("mlp.shared_experts.linear_fc1.bias",),
+         ("mlp.shared_experts.linear_fc2.weight",), ("mlp.shared_experts.linear_fc2.bias",))
 LAST = (("decoder.final_layernorm.weight", "decoder.final_norm.weight"),
         ("decoder.final_layernorm.bias", "decoder.final_norm.bias"), ("output_layer.weight",))
-
-Param = tuple[str, tuple[int, ...], int]  # per-layer name, full shape, cut dim (-1: replicated)
 
 
 def _ordered(src: Any, model_keys: Iterable[str]) -> list[Param] | str:
@@ -85,16 +97,21 @@ def _place(params: list[Param], tp: int, sizes: list[int]) -> dict[str, tuple[in
     return place_buffer(shapes, sizes)
 
 
-def _buckets(keys: Iterable[str]) -> dict[int, dict[str, dict[int, str]]] | str:
-    """dp_group_idx -> field -> bucket index -> key."""
-    out: dict[int, dict[str, dict[int, str]]] = {}
+Buffers = dict[int, dict[str, dict[int, str]]]  # gbuf_idx -> field -> bucket index -> key
+Placed = dict[str, tuple[int, int, tuple[int, ...]]]  # name -> (bucket, start, this rank's shape)
+Job = tuple[str, int, int, int, int, Placed]  # key prefix, dp group, gbuf, TP rank, TP size, its placed parameters
+Saved = dict[str, dict[int, list[dict[str, Any]]]]  # key prefix -> dp group -> its saved param groups
+
+
+def _buckets(keys: Iterable[str]) -> dict[str, dict[int, Buffers]] | str:
+    """Optimizer key prefix ('' or 'chained_<i>.') -> dp_group_idx -> its buffers."""
+    out: dict[str, dict[int, Buffers]] = {}
     for key in keys:
         m = BUCKET.match(key)
         if m is None:
             continue
-        if m[2] != "0":
-            return f"{key}: more than one gradient buffer (mixed dtypes) is not read"
-        out.setdefault(int(m[1]), {}).setdefault(FIELDS[m[5]], {})[int(m[4])] = key
+        group = out.setdefault(m[1] or "", {}).setdefault(int(m[2]), {})
+        group.setdefault(int(m[3]), {}).setdefault(FIELDS[m[6]], {})[int(m[5])] = key
     return out or "no bucket tensors"
 
 
@@ -104,49 +121,198 @@ def _unwrap(obj: Any) -> Any:
     return obj
 
 
-def _rank_sizes(src: Any, group: int, fields: dict[str, dict[int, str]]) -> list[int] | str:
-    """The saved bucket sizes of one model-parallel rank, checked against its per_bucket_numel_unpadded."""
-    keys = fields.get("exp_avg", {})
-    if sorted(keys) != list(range(len(keys))) or any(sorted(f) != sorted(keys) for f in fields.values()):
-        return f"dp_group_idx_{group}'s buckets are not numbered 0..n for every field"
-    sizes = [src.shape(keys[b])[0] for b in range(len(keys))]
-    saved = _unwrap(src.object(f"optimizer.distributed.dp_group_idx_{group}.per_bucket_numel_unpadded"))
-    if not isinstance(saved, dict) or len(saved) != 1 or list(next(iter(saved.values()))) != sizes:
-        return f"dp_group_idx_{group}'s per_bucket_numel_unpadded {saved!r:.80} is not its buckets' sizes {sizes}"
+def _param_groups(src: Any, groups: dict[str, dict[int, Buffers]]) -> Saved:
+    """Each dp group's saved param groups (each with its step and is_expert_parallel)."""
+    out: Saved = {}
+    for prefix, per in groups.items():
+        for g in per:
+            saved = _unwrap(src.object(f"{prefix}optimizer.distributed.dp_group_idx_{g}.optimizer"))
+            found = saved.get("param_groups") if isinstance(saved, dict) else None
+            out.setdefault(prefix, {})[g] = [p for p in found or [] if isinstance(p, dict)]
+    return out
+
+
+def _chains(saved: Saved) -> dict[str, str] | str:
+    """'dense' (and 'expert') -> its optimizer's key prefix, each optimizer's kind from its param groups'
+    ``is_expert_parallel`` (saved by megatron-core; without it, the chained order: dense first)."""
+    kinds: dict[str, str] = {}
+    for prefix, per in sorted(saved.items()):
+        flags = {bool(p.get("is_expert_parallel", prefix not in ("", "chained_0."))) for ps in per.values() for p in ps}
+        if len(flags) != 1:
+            return (f"the {prefix or 'only '}optimizer's saved param groups are " +
+                    ("missing" if not flags else "not all dense or all expert"))
+        kind = "expert" if flags.pop() else "dense"
+        if kind in kinds:
+            return f"it holds two {kind} optimizers ({kinds[kind] or 'unprefixed'}, {prefix}), which is not read"
+        kinds[kind] = prefix
+    return kinds if "dense" in kinds else "it holds no dense parameters' optimizer"
+
+
+def _step(saved: Saved) -> float | str:
+    """Adam's one step count: every param group of every optimizer (dense and expert) must hold the same
+    (megatron-core's ChainedOptimizer makes them equal before it saves)."""
+    steps = {float(p["step"]) for per in saved.values() for ps in per.values() for p in ps
+             if isinstance(p.get("step"), int | float | torch.Tensor)}
+    if len(steps) != 1 or min(steps) < 0:
+        return f"its optimizers' param groups hold no single step count ({sorted(steps)[:4]})"
+    return steps.pop()
+
+
+def _group_sizes(src: Any, prefix: str, group: int, buffers: Buffers) -> list[list[int]] | str:
+    """Each buffer's bucket sizes of one dp group, checked against its saved per_bucket_numel_unpadded."""
+    where = f"{prefix}optimizer.distributed.dp_group_idx_{group}"
+    if sorted(buffers) != list(range(len(buffers))):
+        return f"{where}'s buffers {sorted(buffers)} are not numbered 0..n"
+    sizes = []
+    for b in range(len(buffers)):
+        keys = buffers[b].get("exp_avg", {})
+        if sorted(keys) != list(range(len(keys))) or any(sorted(f) != sorted(keys) for f in buffers[b].values()):
+            return f"{where}.gbuf_idx_{b}'s buckets are not numbered 0..n for every field"
+        sizes.append([src.shape(keys[k])[0] for k in range(len(keys))])
+    saved = _unwrap(src.object(f"{where}.per_bucket_numel_unpadded"))
+    saved = [saved] if isinstance(saved, dict) else saved
+    got = [list(next(iter(d.values()))) if isinstance(d, dict) and len(d) == 1 else None for d in saved or []]
+    if got != sizes:
+        return f"{where}'s per_bucket_numel_unpadded {saved!r:.80} is not its buckets' sizes {sizes}"
     return sizes
+
+
+def _all_sizes(src: Any, prefix: str, groups: dict[int, Buffers], count: int, chunks: int, what: str
+               ) -> list[list[list[int]]] | str:
+    """Per dp group 0..count-1, per model chunk, its bucket sizes: one buffer per chunk."""
+    if sorted(groups) != list(range(count)):
+        return f"its {what} optimizer's dp groups {sorted(groups)} are not numbered 0..{count - 1}"
+    out = []
+    for g in range(count):
+        sizes = _group_sizes(src, prefix, g, groups[g])
+        if isinstance(sizes, str):
+            return sizes
+        if len(sizes) != chunks:
+            return (f"{prefix}optimizer.distributed.dp_group_idx_{g} holds {len(sizes)} buffers, not one per model "
+                    f"chunk ({chunks}): more than one gradient buffer per chunk (mixed dtypes) is not read")
+        out.append(sizes)
+    return out
+
+
+def _layout(args: Any, groups: dict[str, dict[int, Buffers]], chains: dict[str, str]) -> dict[str, int] | str:
+    """The parallel sizes: TP, model chunks per stage and expert TP from the args; PP and EP from the dp groups
+    (the dense optimizer's count TP x PP, the expert optimizer's expert TP x EP x PP)."""
+    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+    etp = int(getattr(args, "expert_tensor_parallel_size", None) or tp)
+    dense = len(groups[chains["dense"]])
+    pp = dense // tp
+    experts = len(groups[chains["expert"]]) if "expert" in chains else etp * pp
+    if not pp or dense % tp or experts % (etp * pp):
+        return (f"its {dense} dense and {experts} expert dp groups do not divide by its args' TP {tp} and expert TP "
+                f"{etp} (not megatron-core's layout)")
+    return {"tp": tp, "pp": pp, "vp": int(getattr(args, "virtual_pipeline_model_parallel_size", None) or 1),
+            "ep": experts // (etp * pp), "etp": etp}
+
+
+def _dense_jobs(src: Any, prefix: str, groups: dict[int, Buffers], dense: list[Param], tied: Param | None,
+                lay: dict[str, int], num_layers: int) -> tuple[list[Job], dict[tuple[int, int], range]] | str:
+    """Every dense dp group's buffers placed, and each (stage, chunk)'s layers (found on TP rank 0's)."""
+    tp, pp, vp = lay["tp"], lay["pp"], lay["vp"]
+    sizes = _all_sizes(src, prefix, groups, tp * pp, vp, "dense")
+    if isinstance(sizes, str):
+        return sizes
+
+    def params(p: int, c: int, layers: range) -> list[Param]:
+        return chunk_params(dense, layers, p == 0 and c == 0, p == pp - 1 and c == vp - 1, tied)
+
+    layers = stage_layers(lambda p, c, r: isinstance(_place(params(p, c, r), tp, sizes[tp * p][c]), dict),
+                          num_layers, pp, vp)
+    if isinstance(layers, str):
+        return layers
+    jobs: list[Job] = []
+    for g in range(tp * pp):
+        for c in range(vp):
+            placed = _place(params(g // tp, c, layers[g // tp, c]), tp, sizes[g][c])
+            if isinstance(placed, str):
+                return f"{prefix}dp_group_idx_{g}.gbuf_idx_{c}: {placed}"
+            jobs.append((prefix, g, c, g % tp, tp, placed))
+    return jobs, layers
+
+
+def _expert_jobs(src: Any, prefix: str, groups: dict[int, Buffers], experts: dict[int, list[tuple[int, Param]]],
+                 layers: dict[tuple[int, int], range], lay: dict[str, int]) -> list[Job] | str:
+    """Every expert dp group's buffers placed: G = etp + ETP·(ep + EP·pp), the chunk's layers' local experts."""
+    etp, ep, pp, vp = lay["etp"], lay["ep"], lay["pp"], lay["vp"]
+    sizes = _all_sizes(src, prefix, groups, etp * ep * pp, vp, "expert")
+    if isinstance(sizes, str):
+        return sizes
+    jobs: list[Job] = []
+    for g in range(etp * ep * pp):
+        for c in range(vp):
+            params = local_experts(experts, layers[g // (etp * ep), c], g // etp % ep, ep)
+            placed = _place(params, etp, sizes[g][c])
+            if isinstance(placed, str):
+                return f"{prefix}dp_group_idx_{g}.gbuf_idx_{c}: {placed}"
+            jobs.append((prefix, g, c, g % etp, etp, placed))
+    return jobs
+
+
+def _read(src: Any, jobs: list[Job], groups: dict[str, dict[int, Buffers]], swiglu: bool
+          ) -> dict[str, dict[str, torch.Tensor]] | str:
+    """field -> name -> the full state, each placed parameter's slices read from its buckets, joined over TP."""
+    shards: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
+    tp_of: dict[str, int] = {}
+    for prefix, g, c, t, tp, placed in jobs:
+        for field, keys in groups[prefix][g][c].items():
+            flat = [src.tensor(keys[b]) for b in range(len(keys))]
+            for name, (b, start, shape) in placed.items():
+                per = shards.setdefault(field, {}).setdefault(name, {})
+                if t in per:
+                    return f"{name} lies in two buffers of TP rank {t}"
+                n = int(torch.Size(shape).numel())
+                per[t], tp_of[name] = flat[b][start:start + n].view(shape).float(), tp
+    missing = [n for per in shards.values() for n, ts in per.items() if sorted(ts) != list(range(tp_of[n]))]
+    if missing:
+        return f"{missing[0]} is not in the buffers of every one of its {tp_of[missing[0]]} TP ranks"
+    try:  # a replicated parameter whose state differs between TP ranks: the layout is not megatron-core's
+        return {f: {n: join_tp(n, [ts[t] for t in range(tp_of[n])], swiglu, f"optimizer {f}") for n, ts in per.items()}
+                for f, per in shards.items()}
+    except CheckpointError as e:
+        return str(e)
 
 
 def dp_reshardable_state(src: Any, model_keys: list[str], args: Any
                          ) -> tuple[dict[str, dict[str, torch.Tensor]], float] | str:
     """field (exp_avg, exp_avg_sq, main) -> megatron-core per-layer name -> full tensor, and Adam's step;
     or why the state is not read."""
-    impl, tp = getattr(args, "transformer_impl", None), int(getattr(args, "tensor_model_parallel_size", 1) or 1)
-    if impl not in (None, "local") or getattr(args, "num_experts", None):
-        return (f"its layout is read for the local spec without experts only (transformer_impl {impl}, experts "
-                f"{getattr(args, 'num_experts', None)})")
-    params, groups = _ordered(src, model_keys), _buckets(src.keys())
-    if isinstance(params, str) or isinstance(groups, str):
-        return params if isinstance(params, str) else str(groups)
-    if sorted(groups) != list(range(tp)):  # one group per TP rank: each must then hold every layer (no PP)
-        return f"it holds dp groups {sorted(groups)}, one per TP rank of {tp} without pipeline stages is read"
-    shards: dict[str, dict[str, list[torch.Tensor]]] = {}
-    steps = set()
-    for g in range(tp):
-        sizes = _rank_sizes(src, g, groups[g])
-        placed = sizes if isinstance(sizes, str) else _place(params, tp, sizes)
-        if isinstance(placed, str):
-            return placed
-        for field, keys in groups[g].items():
-            flat = [src.tensor(keys[b]) for b in range(len(keys))]
-            for name, (b, start, shape) in placed.items():
-                n = int(torch.Size(shape).numel())
-                shards.setdefault(field, {}).setdefault(name, []).append(flat[b][start:start + n].view(shape).float())
-        steps |= group_steps(_unwrap(src.object(f"optimizer.distributed.dp_group_idx_{g}.optimizer")))
-    if len(steps) != 1 or min(steps) < 0:
-        return f"its optimizer objects hold no single step count ({sorted(steps)[:4]})"
-    swiglu = bool(getattr(args, "swiglu", False))
-    try:  # a replicated parameter whose state differs between TP ranks: the layout is not megatron-core's
-        out = {f: {n: join_tp(n, ts, swiglu, f"optimizer {f}") for n, ts in per.items()} for f, per in shards.items()}
-    except CheckpointError as e:
-        return str(e)
-    return out, steps.pop()
+    impl = getattr(args, "transformer_impl", None)
+    if impl not in (None, "local") or getattr(args, "moe_grouped_gemm", False):
+        return (f"its layout is read for the local spec with SequentialMLP experts only (transformer_impl {impl}, "
+                f"moe_grouped_gemm {getattr(args, 'moe_grouped_gemm', False)})")
+    dense_keys, expert_keys = split_expert_keys(model_keys)
+    ordered, groups = _ordered(src, dense_keys), _buckets(src.keys())
+    experts = expert_params(src, expert_keys) if expert_keys else {}
+    for got in (ordered, experts, groups):
+        if isinstance(got, str):
+            return got
+    saved = _param_groups(src, groups)
+    chains, step = _chains(saved), _step(saved)
+    lay = chains if isinstance(chains, str) else _layout(args, groups, chains)
+    if isinstance(lay, str) or isinstance(step, str):
+        return lay if isinstance(lay, str) else str(step)
+    split = "expert" in chains  # megatron-core's expert optimizer (EP > 1); at EP 1 the experts are dense
+    dense = ordered if split else with_experts(ordered, experts)
+    if isinstance(dense, str):
+        return dense
+    if (split and not experts) or (experts and not split and lay["etp"] != lay["tp"]):
+        return (f"it holds {'an' if split else 'no'} expert optimizer for {len(experts)} MoE layers at TP "
+                f"{lay['tp']}, expert TP {lay['etp']} (not megatron-core's layout)")
+    tied = None if getattr(args, "untie_embeddings_and_output_weights", False) or lay["pp"] == 1 else \
+        ("output_layer.weight", src.shape("embedding.word_embeddings.weight"), 0)  # the last stage's copy
+    layers = 1 + max((int(m[1]) for p in ordered if (m := LAYER_OF.match(p[0]))), default=-1)
+    got = _dense_jobs(src, chains["dense"], groups[chains["dense"]], dense, tied, lay, layers)
+    if isinstance(got, str):
+        return got
+    jobs, layers = got
+    if split:
+        more = _expert_jobs(src, chains["expert"], groups[chains["expert"]], experts, layers, lay)
+        if isinstance(more, str):
+            return more
+        jobs += more
+    out = _read(src, jobs, groups, bool(getattr(args, "swiglu", False)))
+    return out if isinstance(out, str) else (out, step)

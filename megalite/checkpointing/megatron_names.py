@@ -56,21 +56,28 @@ SKIPPED = re.compile(r"(^|\.)_extra_state(/|$)")
 # (fp32 copies as fp32_param) and the distributed optimizer's fully_reshardable sharding (fp32 copies as param)
 OPTIMIZER_STATE = re.compile(r"^optimizer\.state\.(exp_avg|exp_avg_sq|fp32_param|param)\.(.+)$")
 OPTIMIZER_FIELDS = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "fp32_param": "main", "param": "main"}
+# megatron-core's ChainedOptimizer (an MoE run's dense and expert optimizers) prefixes its optimizers' keys
+# with their index unless told not to (Megatron-LM's training loop does, but not for dp_reshardable)
+CHAINED = re.compile(r"^chained_\d+\.(?=optimizer\.)")
 LAYER_KEY = re.compile(r"^decoder\.layers\.(?:(\d+)\.)?(.+)$")
 
 
 def split_optimizer_keys(keys: Iterable[str]) -> tuple[list[str], dict[str, dict[str, str]], list[str]]:
     """(model keys, megalite optimizer field -> {model key: its source key}, other optimizer keys):
-    ``optimizer.state.exp_avg.<model key>`` is Adam's first moment of that parameter; ``optimizer.*`` keys
-    of another layout (the distributed optimizer's flat buffers) are returned apart, not read."""
+    ``[chained_<i>.]optimizer.state.exp_avg.<model key>`` is Adam's first moment of that parameter;
+    ``optimizer.*`` keys of another layout (the distributed optimizer's flat buffers) are returned apart."""
     model: list[str] = []
     fields: dict[str, dict[str, str]] = {}
     other: list[str] = []
     for key in keys:
-        m = OPTIMIZER_STATE.match(key)
+        plain = CHAINED.sub("", key)
+        m = OPTIMIZER_STATE.match(plain)
         if m:
-            fields.setdefault(OPTIMIZER_FIELDS[m[1]], {})[m[2]] = key
-        elif key.startswith("optimizer."):
+            field = fields.setdefault(OPTIMIZER_FIELDS[m[1]], {})
+            if m[2] in field:
+                raise CheckpointError(f"{key}: another optimizer key ({field[m[2]]}) holds this state too")
+            field[m[2]] = key
+        elif plain.startswith("optimizer."):
             other.append(key)
         else:
             model.append(key)

@@ -1,0 +1,110 @@
+"""Which parameters each distributed-optimizer buffer holds: pipeline stages, model chunks and MoE experts.
+
+megatron_dp_optim.py reads the ``dp_reshardable`` buffers; this module says what lies in each, from
+megatron-core's source (0.16):
+
+- ``get_megatron_optimizer`` puts the dense parameters in one DistributedOptimizer whose
+  ``data_parallel_group_idx`` is the rank in the model-parallel (TP x PP) group, and, with EP > 1, the expert
+  parameters (``allreduce`` False) in a second one, indexed by the rank in the expert TP x EP x PP group; a
+  ChainedOptimizer of several prefixes their keys ``chained_<i>.`` and each saved param group carries
+  ``is_expert_parallel``. Its rank generator orders TP fastest, then EP, then PP, so ``G = tp + TP·pp`` and
+  ``G = etp + ETP·(ep + EP·pp)``. At EP 1 the experts are dense parameters, in the dense buffer.
+- Each model chunk has its own DistributedDataParallel and buffers; ``gbuf_idx`` counts chunk 0's
+  buffers, then chunk 1's: one per chunk when all parameters share a dtype. Chunk c of stage p is virtual
+  stage c·PP + p; the first virtual stage holds the embeddings, the last the final norm and the output
+  layer, which with a tied embedding and PP > 1 is a parameter of its own (the embedding's copy).
+- A stage's layers follow those of the virtual stages before it. How many it holds is found by fitting
+  its buffers: every layer adds elements, so exactly one count fills a stage's buckets exactly (no
+  pipeline-split flag needed, uneven stages included).
+- EP rank e's local expert j is expert e·E/EP + j; SequentialMLP registers each expert's fc1 then fc2,
+  after the router and before the shared expert.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from megalite.checkpointing.megatron_legacy import tp_dim
+
+Param = tuple[str, tuple[int, ...], int]  # per-layer name, full shape, cut dim (-1: replicated)
+LAYER_OF = re.compile(r"^decoder\.layers\.(\d+)\.")
+# torch_dist's experts of the local spec (SequentialMLP): one key per fc stacked over layers and experts
+EXPERTS = re.compile(r"^decoder\.layers\.mlp\.experts\.experts\.linear_(fc[12])\.weight$")
+
+
+def split_expert_keys(model_keys: Iterable[str]) -> tuple[list[str], list[str]]:
+    """(the other model keys, the routed experts' stacked keys)."""
+    keys = list(model_keys)
+    return [k for k in keys if not EXPERTS.match(k)], [k for k in keys if EXPERTS.match(k)]
+
+
+def expert_params(src: Any, expert_keys: list[str]) -> dict[int, list[tuple[int, Param]]] | str:
+    """Layer -> [(global expert, its Param)] in megatron-core's order, from the stacked [L, E, ...] keys."""
+    shapes = {EXPERTS.match(k)[1]: src.shape(k) for k in expert_keys}
+    if sorted(shapes) != ["fc1", "fc2"] or shapes["fc1"][:2] != shapes["fc2"][:2]:
+        return f"its expert keys {expert_keys} are not fc1 and fc2 stacked over the same layers and experts"
+    layers, experts = shapes["fc1"][:2]
+    out: dict[int, list[tuple[int, Param]]] = {}
+    for i in range(layers):
+        for e in range(experts):
+            for fc in ("fc1", "fc2"):
+                name = f"decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_{fc}.weight"
+                out.setdefault(i, []).append((e, (name, tuple(shapes[fc][2:]), tp_dim(name))))
+    return out
+
+
+def with_experts(ordered: list[Param], experts: dict[int, list[tuple[int, Param]]]) -> list[Param] | str:
+    """The dense order with every expert in it (EP 1: they are dense parameters), each layer's after its
+    router."""
+    out, placed = [], set()
+    for k, p in enumerate(ordered):
+        out.append(p)
+        m = LAYER_OF.match(p[0])
+        nxt = ordered[k + 1][0] if k + 1 < len(ordered) else ""
+        if m and ".mlp.router." in p[0] and not nxt.startswith(f"decoder.layers.{m[1]}.mlp.router."):
+            out += [q for _, q in experts.get(int(m[1]), [])]
+            placed.add(int(m[1]))
+    if placed != set(experts):
+        return f"layers {sorted(set(experts) - placed)} have experts but no router"
+    return out
+
+
+def chunk_params(ordered: list[Param], layers: range, first: bool, last: bool, tied: Param | None) -> list[Param]:
+    """One model chunk's parameters in order: the embeddings on the first virtual stage, its layers, the
+    final norm and output layer on the last (``tied``: the embedding's copy there)."""
+    out = []
+    for p in ordered:
+        m = LAYER_OF.match(p[0])
+        if m:
+            keep = int(m[1]) in layers
+        else:
+            keep = first if p[0].startswith("embedding.") else last
+        if keep:
+            out.append(p)
+    return out + [tied] if last and tied is not None else out
+
+
+def local_experts(experts: dict[int, list[tuple[int, Param]]], layers: range, ep_rank: int, ep: int) -> list[Param]:
+    """The experts one EP rank holds on a chunk's layers, in order."""
+    total = len({e for per in experts.values() for e, _ in per})
+    mine = range(ep_rank * total // ep, (ep_rank + 1) * total // ep)
+    return [p for i in layers for e, p in experts.get(i, []) if e in mine]
+
+
+def stage_layers(fits: Callable[[int, int, range], bool], num_layers: int, pp: int, vp: int
+                 ) -> dict[tuple[int, int], range] | str:
+    """(stage, chunk) -> its global layers: virtual stages in order, each holding the one count of layers
+    with which ``fits(stage, chunk, layers)`` fills its buffers (the last one holds the rest)."""
+    out, start = {}, 0
+    for v in range(pp * vp):
+        p, c = v % pp, v // pp
+        options = [num_layers - start] if v == pp * vp - 1 else range(num_layers - start + 1)
+        counts = [n for n in options if fits(p, c, range(start, start + n))]
+        if len(counts) != 1:
+            return (f"{'no' if not counts else 'more than one'} count of layers fills the buffers of pipeline "
+                    f"stage {p}, model chunk {c} (from layer {start}; megatron-core's layout not matched)")
+        out[p, c] = range(start, start + counts[0])
+        start += counts[0]
+    return out
