@@ -1,7 +1,7 @@
 """The distributed optimizer's ``dp_reshardable`` torch_dist state (Megatron-LM's default) per parameter.
 
-That sharding saves each gradient bucket's state flat, as megatron-core's buffer lays it out, under ``[chained
-_<i>.]optimizer.distributed.dp_group_idx_G.gbuf_idx_B.dtype_(..).bucket_idx_K.{param,exp_avg,exp_avg_sq}``:
+That sharding saves each gradient bucket's state flat, as megatron-core's buffer lays it out, under
+``[chained_<i>.]optimizer.distributed.dp_group_idx_G.gbuf_idx_B.dtype_(..).bucket_idx_K.{param,exp_avg,exp_avg_sq}``:
 one tensor per bucket of its unpadded size, in bucket coordinates (each DP rank's contiguous slice is a chunk
 of it, so the DP split needs no undoing). ``G`` is the rank in the tensor x pipeline group (the expert
 optimizer of an MoE run: in the expert tensor x expert x pipeline group), ``B`` the model chunk's buffer
