@@ -14,6 +14,7 @@ and TP2 x PP2 (there on gradients set by hand, no pipeline schedule needed).
 
 from __future__ import annotations
 
+import copy
 import os
 
 import pytest
@@ -347,8 +348,8 @@ def test_legacy_distrib_optim_state_that_does_not_fit_is_named_and_the_weights_i
 
 
 def test_dp_reshardable_state_of_an_unread_layout_is_named_and_the_weights_import(saved, tmp_path, capsys):
-    """A dp_reshardable state whose buffer layout is not rebuilt (the args name Transformer Engine's spec,
-    whose parameter order differs) imports the weights only, saying why."""
+    """A dp_reshardable state whose buffers do not follow the order its args name (the local spec's buckets,
+    the args saying Transformer Engine's spec) imports the weights only, saying why."""
     import shutil
 
     folder = str(tmp_path / "te")
@@ -361,7 +362,7 @@ def test_dp_reshardable_state_of_an_unread_layout_is_named_and_the_weights_impor
     assert convert(["from-megatron", "--load", folder, "--save", out]) == 0
     said = capsys.readouterr().out
     assert "weights only; its optimizer state is the distributed optimizer's dp_reshardable" in said
-    assert "transformer_impl transformer_engine" in said
+    assert "which is not read (optimizer main: " in said and "TP rank 1 holds other values" in said
     assert "--dist-ckpt-optim-fully-reshardable" in said and "--no-load-optim" in said
     assert not FullCheckpoint(out).has_optimizer()
 
@@ -498,3 +499,65 @@ def test_torch_dist_rng_states_per_dp_rank(saved_dp2):
     assert states is None and note == "RNG states not restored (saved at TP 2 x PP 1 x DP 2, this run's layout differs)"
     states, _ = _restored(os.path.join(root, "llama_dp2"), RankLayout(2, 2, 1), 1)
     assert torch.equal(states["cpu"], ranks[1]["llama_rng"]["torch_rng_state"])
+
+
+def _te_args(args):
+    te = copy.copy(args)
+    te.transformer_impl = "transformer_engine"
+    return te
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_dp_reshardable_state_of_the_transformer_engine_spec_imports(saved, name):
+    """Transformer Engine's spec lays each layer's parameters out in its own order (the QKV GEMM's fused norm
+    after the projection). megatron-core builds that spec only with Transformer Engine, so its buckets are
+    this run's real ones moved into that order (tests/megatron_relaid.py); read with the args' transformer_impl,
+    they give the same state as the local spec's read (every field exactly) and pass the check that the fp32
+    parameters are the weights; read as the local spec they are refused, not read wrong."""
+    from megalite.checkpointing import megatron as mg
+    from megalite.checkpointing.megatron_dist import DistCheckpoint
+    from megalite.checkpointing.megatron_dp_optim import _ordered, dp_reshardable_state
+    from megalite.checkpointing.megatron_names import split_optimizer_keys
+    from tests.megatron_relaid import Relaid
+
+    folder = os.path.join(saved[0], f"{name}_dp_reshardable", f"iter_{STEPS:07d}")
+    src = DistCheckpoint(folder)
+    keys, _, other = split_optimizer_keys(src.keys())
+    te_src, args = Relaid(src, lambda local: _ordered(src, keys, te=True)), src.common["args"]
+    expected, step = dp_reshardable_state(src, keys, args)
+    got = dp_reshardable_state(te_src, keys, _te_args(args))
+    assert not isinstance(got, str), got
+    assert got[1] == step and sorted(got[0]) == sorted(expected)
+    assert all(torch.equal(got[0][f][n], expected[f][n]) for f in expected for n in expected[f])
+    out = mg.read_megatron(os.path.dirname(folder))
+    for source, a, read in ((te_src, _te_args(args), True), (te_src, args, False)):
+        out.optimizer = None
+        mg._dp_reshardable(out, source, keys, other, a, folder)
+        assert (out.optimizer is not None) == read, out.optimizer_note
+
+
+def test_dp_reshardable_state_in_another_order_is_refused_by_the_weights(saved):
+    """Two parameters of the same shape, both replicated over TP, swapped in the buffer (GPT-2's input-norm
+    bias and projection bias): the buckets still fill exactly and agree between TP ranks, so only the check
+    that each fp32 parameter is its saved weight refuses them; the weights still import."""
+    from megalite.checkpointing import megatron as mg
+    from megalite.checkpointing.megatron_dist import DistCheckpoint
+    from megalite.checkpointing.megatron_names import split_optimizer_keys
+    from tests.megatron_relaid import Relaid
+
+    def swapped(local: list) -> list:
+        out, names = list(local), [p[0] for p in local]
+        for i, n in enumerate(names):
+            if n.endswith("linear_qkv.layer_norm_bias"):
+                j = names.index(n.replace("linear_qkv.layer_norm_bias", "linear_proj.bias"))
+                out[i], out[j] = out[j], out[i]
+        return out
+
+    folder = os.path.join(saved[0], "gpt2_dp_reshardable", f"iter_{STEPS:07d}")
+    src = DistCheckpoint(folder)
+    keys, _, other = split_optimizer_keys(src.keys())
+    out = mg.read_megatron(os.path.dirname(folder))
+    out.optimizer = None
+    mg._dp_reshardable(out, Relaid(src, swapped), keys, other, src.common["args"], folder)
+    assert out.optimizer is None and "is not the saved weight" in out.optimizer_note, out.optimizer_note
+    assert out.params

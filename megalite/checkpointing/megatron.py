@@ -167,9 +167,18 @@ def _dp_reshardable(out: MegatronCheckpoint, src: Any, keys: list[str], other: l
                               f"({other[0]}: Megatron-LM's default, laid out by its gradient buckets), which is "
                               f"not read ({got}); save with --dist-ckpt-optim-fully-reshardable to import it")
         return
-    fields, out.optimizer_step = got
-    out.optimizer = {name: _state_field(name, list(tensors), tensors.__getitem__, out.config, where)
-                     for name, tensors in fields.items()}
+    fields, step = got
+    state = {name: _state_field(name, list(tensors), tensors.__getitem__, out.config, where)
+             for name, tensors in fields.items()}
+    wrong = [k for k, w in out.params.items() if k in state.get("main", {}) and
+             not torch.equal(state["main"][k].to(w.dtype), w)]
+    if wrong:  # the buffers were cut by another parameter order: refused, never read wrong
+        out.optimizer_note = (f"its optimizer state is the distributed optimizer's dp_reshardable buffers "
+                              f"({other[0]}), which is not read (its fp32 parameter of {wrong[0]} is not the saved "
+                              f"weight: megatron-core's layout not matched); save with "
+                              f"--dist-ckpt-optim-fully-reshardable to import it")
+        return
+    out.optimizer, out.optimizer_step = state, step
     out.optimizer_note = f"Adam state of step {out.optimizer_step:g} imported (dp_reshardable)"
 
 

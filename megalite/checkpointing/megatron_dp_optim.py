@@ -10,8 +10,10 @@ optimizer of an MoE run: in the expert tensor x expert x pipeline group), ``B`` 
 TP cut of each) walked in reverse of megatron-core's parameter order, each start rounded up to 64 elements, a
 bucket ending exactly where its saved size ends. Every bucket must be filled exactly and agree with the saved
 ``per_bucket_numel_unpadded``, and a replicated parameter's state must be the same on every TP rank; a state
-that does not fit (the Transformer Engine spec, grouped experts, mixed dtypes: more buffers per chunk) is not
-read, and why is returned.
+that does not fit (grouped experts, mixed dtypes: more buffers per chunk) is not read, and why is returned.
+Transformer Engine's spec (``transformer_impl`` in the args) orders each layer's parameters its own way
+(``LAYER_TE``); the fp32 main parameters must equal the weights (megatron.py checks), so an order that is
+not megatron-core's is refused, not read wrong.
 """
 
 from __future__ import annotations
@@ -53,14 +55,20 @@ LAYER = (("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight
          ("mlp.router.weight",), ("mlp.router.bias",),  # an MoE layer's: the routed experts (EP 1) go here
          ("mlp.shared_experts.linear_fc1.weight",), ("mlp.shared_experts.linear_fc1.bias",),
          ("mlp.shared_experts.linear_fc2.weight",), ("mlp.shared_experts.linear_fc2.bias",))
+# Transformer Engine's spec: no input norm of its own (an identity) but the QKV GEMM's fused one, which
+# te.pytorch.LayerNormLinear registers before its weight and bias, and the attention's projection comes first
+# (megatron-core's Attention builds linear_proj before SelfAttention builds linear_qkv); the MLP's fused norm
+# (or an MoE layer's TENorm pre_mlp_layernorm) sits where the local spec's pre-MLP norm does.
+LAYER_TE = (LAYER[2], LAYER[3], LAYER[0], LAYER[1], *LAYER[4:])
 LAST = (("decoder.final_layernorm.weight", "decoder.final_norm.weight"),
         ("decoder.final_layernorm.bias", "decoder.final_norm.bias"), ("output_layer.weight",))
 
 
-def _ordered(src: Any, model_keys: Iterable[str]) -> list[Param] | str:
-    """The model's parameters in megatron-core's order, each per layer, with its full shape and cut."""
+def _ordered(src: Any, model_keys: Iterable[str], te: bool = False) -> list[Param] | str:
+    """The model's parameters in megatron-core's order (of the local spec, or with ``te`` Transformer
+    Engine's), each per layer, with its full shape and cut."""
     slots: dict[str, tuple[int, int]] = {k: (0, i) for i, k in enumerate(FIRST)}
-    slots.update({k: (1, i) for i, names in enumerate(LAYER) for k in names})
+    slots.update({k: (1, i) for i, names in enumerate(LAYER_TE if te else LAYER) for k in names})
     slots.update({k: (2, i) for i, names in enumerate(LAST) for k in names})
     found: list[tuple[tuple[int, int, int], Param]] = []
     for key in model_keys:
@@ -281,11 +289,11 @@ def dp_reshardable_state(src: Any, model_keys: list[str], args: Any
     """field (exp_avg, exp_avg_sq, main) -> megatron-core per-layer name -> full tensor, and Adam's step;
     or why the state is not read."""
     impl = getattr(args, "transformer_impl", None)
-    if impl not in (None, "local") or getattr(args, "moe_grouped_gemm", False):
-        return (f"its layout is read for the local spec with SequentialMLP experts only (transformer_impl {impl}, "
-                f"moe_grouped_gemm {getattr(args, 'moe_grouped_gemm', False)})")
+    if impl not in (None, "local", "transformer_engine") or getattr(args, "moe_grouped_gemm", False):
+        return (f"its layout is read for the local and Transformer Engine specs with SequentialMLP experts only "
+                f"(transformer_impl {impl}, moe_grouped_gemm {getattr(args, 'moe_grouped_gemm', False)})")
     dense_keys, expert_keys = split_expert_keys(model_keys)
-    ordered, groups = _ordered(src, dense_keys), _buckets(src.keys())
+    ordered, groups = _ordered(src, dense_keys, impl == "transformer_engine"), _buckets(src.keys())
     experts = expert_params(src, expert_keys) if expert_keys else {}
     for got in (ordered, experts, groups):
         if isinstance(got, str):
