@@ -30,6 +30,9 @@ class GPUSpec:
     context_gb: float = 0.0  # the CUDA context and loaded kernels per process (planning/headroom.py)
     memory_share: float = 0.90  # achievable share of hbm_gbps (copy / triad kernels)
     sustained_share: float = 1.0  # of the GEMM and attention figures, sustained over training steps (calibrated)
+    # a ring collective's latency in microseconds (base, per step inside a node, per step across nodes): NCCL's
+    # own cost model (src/graph/tuning.cc, ring algorithm, Simple protocol); None: not modelled (gloo)
+    ring_latency_us: tuple[float, float, float] | None = (8.4, 3.4, 9.6)
 
 
 FP32_SHARE = 0.80  # achievable share of the fp32 (non-tensor-core) spec peak: an assumption, docs/planning.md
@@ -54,7 +57,7 @@ def _gpu(name: str, mem: float, bf16: float, fp32: float, nvlink: float, net: fl
 # runs by planning/calibration.py (A100 on its A100 rows, H100 on its H100 rows; H200 and B200 take H100's:
 # the same chip, and no B200 rows), the one constant taken from throughput rows; 1.0 on the cpu preset,
 # which has no such rows. docs/planning.md lists them all.
-SUSTAINED = {"a100-80g": 0.89, "h100-sxm": 0.865}
+SUSTAINED = {"a100-80g": 0.894, "h100-sxm": 0.843}
 GPUS: dict[str, GPUSpec] = {
     "a100-80g": _gpu("a100-80g", 80.0, 312.0, 19.5, 300.0, 25.0, 2039.0, 267.9, 108, 0.60, SUSTAINED["a100-80g"]),
     "h100-sxm": _gpu("h100-sxm", 80.0, 989.0, 67.0, 450.0, 50.0, 3350.0, 792.1, 132, 0.50, SUSTAINED["h100-sxm"]),
@@ -62,7 +65,8 @@ GPUS: dict[str, GPUSpec] = {
     "b200": _gpu("b200", 180.0, 2250.0, 75.0, 900.0, 50.0, 8000.0, 1745.0, 148, 0.50, SUSTAINED["h100-sxm"]),
     "cpu": GPUSpec("cpu", CPU_MEMORY_GB, {"bf16": CPU_BF16_TFLOPS, "fp16": CPU_BF16_TFLOPS, "fp32": CPU_FP32_TFLOPS},
                    CPU_GLOO_GBPS, CPU_GLOO_GBPS, CPU_MEMORY_GBPS,
-                   {"bf16": CPU_BF16_TFLOPS, "fp16": CPU_BF16_TFLOPS, "fp32": CPU_FP32_TFLOPS}, None, 0.0, 0.0, 1.0),
+                   {"bf16": CPU_BF16_TFLOPS, "fp16": CPU_BF16_TFLOPS, "fp32": CPU_FP32_TFLOPS}, None, 0.0, 0.0, 1.0,
+                   ring_latency_us=None),
 }
 
 

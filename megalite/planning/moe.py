@@ -103,8 +103,11 @@ def dispatch_activation_bytes(sh: RunShape) -> float:
     GEMMs' input), the index of each row's token and of its probability, the probabilities, the fp32
     copy of the expert outputs the weighted sum multiplies and the weighted rows the sum adds (index_add
     keeps its source); alltoall also keeps the permutation to and from expert order, over the received
-    rows."""
+    rows. With --model-te-layers (Megatron-Core's fused permutation): the experts' input rows and their
+    row map, and per combined row the expert output and its probability (the unpermute's backward)."""
     e, sent, rows = sh.act_bytes, sent_rows(sh), expert_rows(sh)
+    if sh.te_layers:  # Megatron-Core's fused permute / unpermute: the rows, their map, the output rows and probs
+        return rows * sh.h * e + INDEX_BYTES * rows + sent * (sh.h * e + 4)
     if sh.cfg.model.moe_token_dispatcher_type == "alltoall":
         indices = INDEX_BYTES * (2 * sent + 2 * rows)
         combined = sent
@@ -119,7 +122,8 @@ def expert_activation_bytes(sh: RunShape) -> float:
     size split over expert-TP (SwiGLU: fc1 output 2F, SiLU output and product F each; GeLU 2F)."""
     m = sh.cfg.model
     f = m.expert_ffn_hidden_size // sh.etp
-    return expert_rows(sh) * (4 * f if m.swiglu else 2 * f) * sh.act_bytes
+    swiglu = 3 * f if sh.te_layers else 4 * f  # Transformer Engine's fused SwiGLU keeps fc1's output and its own
+    return expert_rows(sh) * (swiglu if m.swiglu else 2 * f) * sh.act_bytes
 
 
 def shared_expert_activation_bytes(sh: RunShape) -> float:

@@ -127,6 +127,18 @@ def link(sh: RunShape, cl: ClusterConfig, axis: str, size: int) -> float:
     return cl.link_bytes_per_s(crosses_nodes(sh, cl, axis, size))
 
 
+def ring_latency_s(sh: RunShape, cl: ClusterConfig, axis: str, size: int, all_reduce: bool = False) -> float:
+    """One ring collective's latency over a group of ``axis`` by NCCL's cost model (hardware.py): a base
+    plus a step's latency per step, n - 1 steps of which nodes - 1 cross nodes (twice for an all-reduce);
+    what makes many small collectives (ZeRO-3's per layer, a large group's) cost more than their bytes."""
+    lat = cl.spec().ring_latency_us
+    if size <= 1 or lat is None:
+        return 0.0
+    base, intra, inter = lat
+    nodes = -(-size // ranks_per_node_in_group(sh, cl, axis, size))
+    return (base + (2 if all_reduce else 1) * ((size - nodes) * intra + (nodes - 1) * inter)) * 1e-6
+
+
 # ---- communication terms --------------------------------------------------------------------------------
 def tp_comm_s(sh: RunShape, cl: ClusterConfig) -> float:
     """Two all-reduces of b·s·h forward and two backward per layer and micro-batch (with SP an all-gather
@@ -138,6 +150,7 @@ def tp_comm_s(sh: RunShape, cl: ClusterConfig) -> float:
     if t == 1:
         return 0.0
     per = 2 * (t - 1) / t * sh.local_tokens * sh.h * sh.act_bytes / link(sh, cl, "tp", t)
+    per += ring_latency_s(sh, cl, "tp", t, all_reduce=not sh.sp)
     reps = 3 if sh.recompute == "full" else 2
     stage = sh.busiest_stage  # rank 0 under an even split
     n_moe = sh.moe_layers_in(stage)
@@ -193,26 +206,34 @@ def pp_comm_s(sh: RunShape, cl: ClusterConfig) -> float:
     return 2 * sh.v * sh.m * msg / link(sh, cl, "pp", sh.pp)
 
 
-def _grad_sync_s(sh: RunShape, cl: ClusterConfig, n: int, d: int, inter: bool, k: int, shards_params: bool
-                 ) -> float:
-    """One gradient buffer of ``n`` elements synchronised over ``d`` ranks (see dp_comm_s), exposed: what is
-    not overlapped, and what is overlapped beyond the work it runs behind (_overlap_windows_s)."""
+def _grad_sync_s(sh: RunShape, cl: ClusterConfig, n: int, d: int, inter: bool, k: int, shards_params: bool,
+                 lat: float = 0.0) -> float:
+    """One gradient buffer of ``n`` elements synchronised over ``d`` ranks (see dp_comm_s), each collective
+    also costing ``lat`` (a ring's latency; an all-reduce twice): per bucket, ZeRO-3's per layer. Exposed:
+    what is not overlapped, and what is overlapped beyond the work it runs behind (_overlap_windows_s)."""
     dd = sh.cfg.ddp
     bw = cl.link_bytes_per_s(inter)
     frac = (d - 1) / d
+    bucket_numel = dd.ddp_bucket_size or max(40_000_000, 1_000_000 * d)
+    nb = -(-n // bucket_numel) if dd.overlap_grad_reduce else 1  # collectives per buffer: its buckets
     if shards_params:  # ZeRO-3: per micro-batch a reduce-scatter and two weight gathers (or one per step)
         gathers = 1 if dd.fsdp_keep_params_across_microbatches else 2 * sh.m
         reduce, gather = sh.m * frac * n * sh.grad_bytes, gathers * frac * n * sh.param_bytes
+        units = sh.layers_in(state_stage(sh)) + 1  # a layer each, and the rest of the stage
+        calls = (sh.m * units, gathers * units)
     elif dd.shards_grads:  # ZeRO-2: a reduce-scatter per micro-batch, one weight gather per step
         reduce, gather = sh.m * frac * n * sh.grad_bytes, frac * n * sh.param_bytes
+        calls = (sh.m * nb, nb)
     elif dd.shards_optimizer:
         reduce, gather = frac * n * sh.grad_bytes, frac * n * sh.param_bytes
+        calls = (nb, nb)
     else:
         reduce, gather = 2 * frac * n * sh.grad_bytes, 0.0
+        calls = (2 * nb, 0)  # an all-reduce's latency is about twice a reduce-scatter's
     if inter and k > 1:
         reduce, gather = reduce / k, gather / k
-    reduce, gather = reduce / bw, gather / bw
-    bucket = min(1.0, (dd.ddp_bucket_size or max(40_000_000, 1_000_000 * d)) / max(n, 1))
+    reduce, gather = reduce / bw + calls[0] * lat, gather / bw + calls[1] * lat
+    bucket = min(1.0, bucket_numel / max(n, 1))
     hidden_r = reduce * (1 - bucket) if dd.overlap_grad_reduce else 0.0  # the last bucket is never hidden
     hidden_g = gather * (1 - bucket) if dd.overlap_param_gather else 0.0  # nor the first gather
     window_r, window_g = _overlap_windows_s(sh, cl)
@@ -251,7 +272,7 @@ def dp_comm_s(sh: RunShape, cl: ClusterConfig) -> float:
     inter = crosses_nodes(sh, cl, axis, sh.dp) or (sh.cp > 1 and crosses_nodes(sh, cl, "cp", sh.cp))
     k = ranks_per_node_in_group(sh, cl, axis, sh.dp) if sh.cfg.parallel.hierarchical_dp_reduce else 1
     n = stage_dense_params(sh, state_stage(sh))
-    return _grad_sync_s(sh, cl, n, d, inter, k, sh.cfg.ddp.shards_params)
+    return _grad_sync_s(sh, cl, n, d, inter, k, sh.cfg.ddp.shards_params, ring_latency_s(sh, cl, axis, d))
 
 
 def expert_dp_comm_s(sh: RunShape, cl: ClusterConfig) -> float:
@@ -260,7 +281,8 @@ def expert_dp_comm_s(sh: RunShape, cl: ClusterConfig) -> float:
     if sh.edp == 1 or not sh.is_moe:
         return 0.0
     n = max(stage_expert_params(sh, r) for r in {0, sh.pp - 1})
-    return _grad_sync_s(sh, cl, n, sh.edp, crosses_nodes(sh, cl, "edp", sh.edp), 1, False)
+    return _grad_sync_s(sh, cl, n, sh.edp, crosses_nodes(sh, cl, "edp", sh.edp), 1, False,
+                        ring_latency_s(sh, cl, "edp", sh.edp))
 
 
 def embedding_comm_s(sh: RunShape, cl: ClusterConfig) -> float:
