@@ -231,7 +231,7 @@ _SHARDING = {"FULL_SHARD": "optim_grads_params", "SHARD_GRAD_OP": "optim_grads"}
 
 
 def _lf(id: str, size: str, seq: int, gpus: int, gpu: str, mbs: int, ga: int, recompute: bool, sharding: str,
-        step_s: float, tflops: float, pure: bool = False) -> HeldOutRun:
+        step_s: float, tflops: float, pure: bool = False, per_block: bool = False) -> HeldOutRun:
     """An MPT row: GPT-style (learned positions, biases, LayerNorm, GeLU, tied embedding, MHA, 4d MLP),
     vocab 50368 unpadded, no dropout, flash attention, FSDP with both overlaps, bf16 (fp32 gradient reduction unless
     Composer's PURE mode)."""
@@ -239,8 +239,10 @@ def _lf(id: str, size: str, seq: int, gpus: int, gpu: str, mbs: int, ga: int, re
     model = ("--hidden-size", str(h), "--num-attention-heads", str(heads), "--seq-length", str(seq),
              "--max-position-embeddings", str(seq), "--vocab-size", "50368", "--make-vocab-size-divisible-by", "64",
              *_NO_DROPOUT)
+    block = 12 * h * h + 13 * h  # one block's parameters: FSDP's unit (round 4's rule for SHARD_GRAD_OP)
     extra = (*(("--recompute-granularity", "full") if recompute else ()),
-             *(("--grad-reduce-in-bf16",) if pure else ()))
+             *(("--grad-reduce-in-bf16",) if pure else ()),
+             *(("--ddp-bucket-size", str(block)) if per_block and sharding == "SHARD_GRAD_OP" else ()))
     layout = _layout(1, 1, mbs * ga * gpus, "--bf16", "--data-parallel-sharding-strategy", _SHARDING[sharding],
                      "--overlap-grad-reduce", "--overlap-param-gather", *extra, mbs=mbs)
     return HeldOutRun(id, _LF, model, layout, _nodes(gpus, gpu), layers, tflops, False, step_s=step_s)
@@ -286,4 +288,34 @@ HELD_OUT_V3: list[HeldOutRun] = [
                _mcore(4, 8, 2, 1024, "--grad-reduce-in-bf16"),
                _nodes(512, _H, "--model-te-layers", "--model-tp-comm-overlap"), 64, 536.0, False, step_s=15.933,
                recompute_unstated=True),
+]
+
+
+# Round 4 (docs/planning.md, "Held-out validation, round 4"): docs/heldout_v4_rows.md's 23 llm-foundry rows, chosen
+# by a rule stated before their figures were read, entered before any prediction for them, planned by round 3's
+# rules and round 4's (a SHARD_GRAD_OP row's collectives per block).
+HELD_OUT_V4: list[HeldOutRun] = [
+    _lf("LF-H-70B-64", "70b", 2048, 64, _H, 8, 4, True, "FULL_SHARD", 63.1, 421.0),
+    _lf("LF-H-70B-32", "70b", 2048, 32, _H, 2, 16, True, "FULL_SHARD", 74.3, 357.0),
+    _lf("LF-H-30B-32", "30b", 2048, 32, _H, 14, 3, True, "FULL_SHARD", 37.3, 434.0),
+    _lf("LF-H-30B-16", "30b", 2048, 16, _H, 10, 3, True, "FULL_SHARD", 27.1, 426.0),
+    _lf("LF-H-13B-64", "13b", 2048, 64, _H, 2, 1, False, "FULL_SHARD", 0.853, 394.0),
+    _lf("LF-H-13B-16", "13b", 2048, 16, _H, 2, 1, False, "FULL_SHARD", 0.859, 391.0),
+    _lf("LF-H-3B-64", "3b", 2048, 64, _H, 6, 3, False, "FULL_SHARD", 1.64, 403.0),
+    _lf("LF-H-3B-16", "3b", 2048, 16, _H, 10, 3, False, "FULL_SHARD", 2.54, 432.0),
+    _lf("LF-H-1B-64", "1b", 2048, 64, _H, 20, 1, False, "FULL_SHARD", 0.922, 404.0),
+    _lf("LF-H-1B-16", "1b", 2048, 16, _H, 20, 1, False, "FULL_SHARD", 0.89, 419.0),
+    _lf("LF-H-30B-8K-8", "30b", 8192, 8, _H, 1, 21, True, "FULL_SHARD", 124.3, 296.0),
+    _lf("LF-H-13B-32K-8", "13b", 32768, 8, _H, 1, 3, True, "FULL_SHARD", 49.7, 313.0),
+    _lf("LF-H-7B-32K-8", "7b", 32768, 8, _H, 2, 2, True, "FULL_SHARD", 39.5, 306.0),
+    _lf("LF-H-3B-32K-8", "3b", 32768, 8, _H, 3, 6, True, "FULL_SHARD", 100.4, 285.0),
+    _lf("LF-H-1B-32K-8", "1b", 32768, 8, _H, 1, 4, False, "FULL_SHARD", 10.9, 331.0),
+    _lf("LF-A-70B-32", "70b", 2048, 32, _A, 2, 16, True, "FULL_SHARD", 175.3, 151.0, pure=True),
+    _lf("LF-A-30B-s512-8", "30b", 512, 8, _A, 12, 21, True, "FULL_SHARD", 133.4, 175.0),
+    _lf("LF-A-13B-1K-8", "13b", 1024, 8, _A, 40, 3, True, "FULL_SHARD", 52.7, 185.0),
+    _lf("LF-A-7B-1K-8", "7b", 1024, 8, _A, 64, 2, True, "FULL_SHARD", 30.1, 180.0),
+    _lf("LF-A-3B-s512-8", "3b", 512, 8, _A, 40, 6, False, "FULL_SHARD", 10.1, 198.0),
+    _lf("LF-A-1B-s512-8", "1b", 512, 8, _A, 56, 4, False, "FULL_SHARD", 4.95, 189.0),
+    _lf("LF-H-3B-256", "3b", 2048, 256, _H, 8, 1, False, "SHARD_GRAD_OP", 0.719, 408.0, per_block=True),
+    _lf("LF-H-1B-128", "1b", 2048, 128, _H, 12, 1, False, "SHARD_GRAD_OP", 0.557, 401.0, per_block=True),
 ]
