@@ -15,7 +15,7 @@ import pytest
 from megalite.planning.calibration import calibrated_share, calibration_rows, row_error
 from megalite.planning.cli import plan_config
 from megalite.planning.hardware import GPUS, SUSTAINED
-from megalite.planning.heldout import HELD_OUT, HELD_OUT_V2, HELD_OUT_V3, REPORTED, plan_row
+from megalite.planning.heldout import HELD_OUT, HELD_OUT_V2, HELD_OUT_V3, HELD_OUT_V4, REPORTED, plan_row
 from tests.test_planning import _run
 
 ROW_BOUND = 0.25  # rounds 1 and 2 held each row to it (docs/planning.md), both missed
@@ -55,7 +55,45 @@ def test_calibration_rows_after_calibration(gpu):
     assert sum(e <= ROW_BOUND for e in errors) >= 0.75 * len(errors)
 
 
+# round 4's bounds, round 3's unchanged, committed before its rows reached the planner (docs/planning.md)
+COVERAGE, MEDIAN, MEMORY_COVERAGE, MEMORY_CAP = 0.75, 0.15, 0.75, 1.5
+
+
+@pytest.fixture(scope="module")
+def round_four() -> list[tuple[float, float]]:
+    """(error, estimated memory / device memory) of each round 4 row."""
+    out = []
+    for run in HELD_OUT_V4:
+        plan, predicted = plan_row(run)
+        out.append((predicted / run.tflops_per_gpu - 1, plan.memory.total / plan.cluster.memory_bytes()))
+    return out
+
+
+@pytest.mark.xfail(strict=True, reason="round 4: 10 of 23 within 25% (43% < 75%), docs/planning.md")
+def test_round_four_rows_within_25_percent(round_four):
+    assert sum(abs(e) <= ROW_BOUND for e, _ in round_four) >= COVERAGE * len(round_four)
+
+
+@pytest.mark.xfail(strict=True, reason="round 4: median |error| 31.4% > 15%, docs/planning.md")
+def test_round_four_median_error(round_four):
+    assert statistics.median(abs(e) for e, _ in round_four) <= MEDIAN
+
+
+def test_round_four_memory(round_four):
+    assert sum(m <= 1.0 for _, m in round_four) >= MEMORY_COVERAGE * len(round_four)
+    assert max(m for _, m in round_four) <= MEMORY_CAP
+
+
+def test_round_four_result_as_recorded(round_four):
+    """The recorded figures of round 4's first run (docs/planning.md): a model change that moves them fails
+    here until the record and the tests follow (the rows then join the calibration)."""
+    errors = [e for e, _ in round_four]
+    assert len(errors) == 23 and sum(abs(e) <= ROW_BOUND for e in errors) == 10
+    assert statistics.median(abs(e) for e in errors) == pytest.approx(0.3144, abs=0.0005)
+
+
 def test_held_out_rows_are_enough_and_reported_rows_plan():
+    assert len(HELD_OUT_V4) >= 8
     for run in REPORTED:
         plan, predicted = plan_row(run)
         assert predicted > 0 and plan.shape.is_moe

@@ -17,9 +17,9 @@ GB = 1e9
 
 
 # what the held-out rows showed (docs/planning.md, round 2), printed with every estimate
-ACCURACY = ("accuracy: on 16 held-out published runs (round 3) 11 were within 25% of the published step time (median "
-            "error 18%; short FSDP steps on H100 run slower than estimated, MoE runs were estimated above their "
-            "memory) and 14 were estimated to fit: a ranking aid, not a promise (docs/planning.md)")
+ACCURACY = ("accuracy: on 23 held-out published runs (round 4) 10 were within 25% of the published step time (median "
+            "error 31%; long sequences and short steps on H100 ran slower than estimated, FSDP over nodes with many "
+            "micro-batches faster) and 19 were estimated to fit: a ranking aid, not a promise (docs/planning.md)")
 
 
 def fmt_bytes(x: float) -> str:
