@@ -18,14 +18,17 @@ megatron-core's source (0.16):
   pipeline-split flag needed, uneven stages included).
 - EP rank e's local expert j is expert e·E/EP + j; SequentialMLP registers each expert's fc1 then fc2,
   after the router and before the shared expert.
-- Transformer Engine's grouped experts (``TEGroupedMLP``, megatron-core's choice for ``moe_grouped_gemm``
-  with ``transformer_impl transformer_engine`` unless ``moe_use_legacy_grouped_gemm``; its
-  ``grouped_mlp_modules``) build ``linear_fc1`` then ``linear_fc2`` as TE ``GroupedLinear`` modules
-  (``TEColumnParallelGroupedLinear`` / ``TERowParallelGroupedLinear``), and ``GroupedLinear.__init__``
-  registers one ``weight{i}`` per local expert in turn (each followed by its ``bias{i}`` when biased): so a
-  layer holds all its local experts' fc1 weights, then all their fc2 weights. Their torch_dist keys are
-  SequentialMLP's (``TEGroupedMLP.sharded_state_dict`` maps ``weight{i}`` to the stacked expert key on the
-  global expert's offset), and their shapes and TP cuts are the same.
+- Transformer Engine's grouped experts: ``TEGroupedMLP`` (transformer/moe/experts.py), megatron-core's choice
+  for ``moe_grouped_gemm`` with ``transformer_impl transformer_engine`` unless ``moe_use_legacy_grouped_gemm``
+  (extensions/transformer_engine_spec_provider.py, ``grouped_mlp_modules``), builds ``linear_fc1`` then
+  ``linear_fc2`` as TE ``GroupedLinear`` modules (``TEColumnParallelGroupedLinear`` /
+  ``TERowParallelGroupedLinear``, extensions/transformer_engine.py), and Transformer Engine's
+  ``GroupedLinear.__init__`` (transformer_engine/pytorch/module/grouped_linear.py) registers one
+  ``weight{i}`` per local expert in turn (each followed by its ``bias{i}`` when biased): so a layer holds
+  all its local experts' fc1 weights, then all their fc2 weights. Their torch_dist keys are SequentialMLP's
+  (``_sharded_state_dict_grouped`` and ``TEGroupedMLP.sharded_state_dict`` map ``weight{i}`` to the stacked
+  expert key on the global expert's offset, ``ep_rank * num_local_experts + i``), their shapes and TP cuts
+  the same.
 """
 
 from __future__ import annotations
