@@ -170,3 +170,102 @@ def test_stage_layers_are_found_by_fitting_each_virtual_stage_in_turn():
         (0, 0): range(0, 1), (1, 0): range(1, 3), (0, 1): range(3, 3), (1, 1): range(3, 6)}
     assert "more than one count" in stage_layers(lambda p, c, r: True, 6, 2, 1)
     assert "no count" in stage_layers(lambda p, c, r: len(r) == 7, 6, 2, 1)
+
+
+def _te_key(src, keys: list[str], grouped: bool):
+    """Transformer Engine's registration order as a sort key: its dense order (``_ordered``'s ``LAYER_TE``),
+    each layer's routed experts after its router, per expert fc1 and fc2 (SequentialMLP) or, ``grouped``,
+    TEGroupedMLP's: its linear_fc1 GroupedLinear (weight0..weight{n-1}), then its linear_fc2."""
+    import re
+
+    from megalite.checkpointing.megatron_dp_optim import _ordered
+    from megalite.checkpointing.megatron_dp_stages import split_expert_keys
+
+    expert = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.linear_(fc[12])\.weight$")
+    rank = {p[0]: i for i, p in enumerate(_ordered(src, split_expert_keys(keys)[0], te=True))}
+
+    def key(name: str) -> tuple:
+        m = expert.match(name)
+        if m is None:
+            return rank.get(name, len(rank)), 0, "", 0  # the last stage's copy of a tied embedding: last
+        router = max(i for n, i in rank.items() if n.startswith(f"decoder.layers.{m[1]}.mlp.router."))
+        return (router, 1, m[3], int(m[2])) if grouped else (router, 1, int(m[2]), m[3])
+    return key
+
+
+def _spec_args(args, **spec) -> argparse.Namespace:
+    return argparse.Namespace(**{**vars(args), **spec})
+
+
+@pytest.mark.parametrize("name", [n for n, layout in MOE.items() if "dp_reshardable" in layout[-1]])
+def test_dp_reshardable_state_of_grouped_experts_imports(moe, name):
+    """Transformer Engine's grouped experts (TEGroupedMLP: ``moe_grouped_gemm``) lie in a layer's buffer as all
+    its local experts' fc1 weights, then all their fc2 weights. megatron-core builds them only with Transformer
+    Engine, so this run's real buckets (PP2 x EP2: the chained dense and expert optimizers, four expert dp
+    groups; EP 1: the experts in the dense buffers) are moved into that order (tests/megatron_relaid.py): read
+    with those args they give the SequentialMLP read's state exactly (every field); read as SequentialMLP's
+    order (or the local spec's) they are refused by the fp32 parameters' check, not read wrong."""
+    from megalite.checkpointing import megatron as mg
+    from megalite.checkpointing.megatron_dist import DistCheckpoint
+    from megalite.checkpointing.megatron_dp_optim import dp_reshardable_state
+    from megalite.checkpointing.megatron_names import split_optimizer_keys
+    from tests.megatron_relaid import RelaidBuffers
+
+    folder = os.path.join(moe[0], f"{name}_dp_reshardable", f"iter_{STEPS:07d}")
+    src = DistCheckpoint(folder)
+    keys, _, other = split_optimizer_keys(src.keys())
+    args = src.common["args"]
+    grouped = RelaidBuffers(src, args, _te_key(src, keys, grouped=True))
+    assert grouped.tensors and all(not torch.equal(t, src.tensor(k)) for k, t in grouped.tensors.items())
+    te = _spec_args(args, transformer_impl="transformer_engine", moe_grouped_gemm=True)
+    expected, step = dp_reshardable_state(src, keys, args)
+    got = dp_reshardable_state(grouped, keys, te)
+    assert not isinstance(got, str), got
+    assert got[1] == step and sorted(got[0]) == sorted(expected)
+    for field, per in expected.items():
+        assert sorted(got[0][field]) == sorted(per), field
+        assert all(torch.equal(got[0][field][n], t) for n, t in per.items()), field
+    out = mg.read_megatron(os.path.dirname(folder))
+    for spec, read in ((te, True), (_spec_args(te, moe_grouped_gemm=False), False), (args, False)):
+        out.optimizer = None
+        mg._dp_reshardable(out, grouped, keys, other, spec, folder)
+        assert (out.optimizer is not None) == read, out.optimizer_note
+    assert "is not the saved weight" in out.optimizer_note or "count of layers" in out.optimizer_note
+
+
+def test_dp_reshardable_state_of_the_legacy_grouped_mlp_is_refused_with_the_reason(moe):
+    """megatron-core's legacy GroupedMLP (the local spec's grouped GEMM, or Transformer Engine's with
+    ``moe_use_legacy_grouped_gemm``) merges a layer's experts into weight1/weight2: its state is not read,
+    the reason named, the weights imported."""
+    from megalite.checkpointing import megatron as mg
+    from megalite.checkpointing.megatron_dist import DistCheckpoint
+    from megalite.checkpointing.megatron_names import split_optimizer_keys
+
+    folder = os.path.join(moe[0], "mixtral_pp2_ep2_dp_reshardable", f"iter_{STEPS:07d}")
+    src = DistCheckpoint(folder)
+    keys, _, other = split_optimizer_keys(src.keys())
+    out = mg.read_megatron(os.path.dirname(folder))
+    args = src.common["args"]
+    for spec in (_spec_args(args, moe_grouped_gemm=True),
+                 _spec_args(args, transformer_impl="transformer_engine", moe_grouped_gemm=True,
+                            moe_use_legacy_grouped_gemm=True)):
+        out.optimizer = None
+        mg._dp_reshardable(out, src, keys, other, spec, folder)
+        assert out.optimizer is None and "legacy GroupedMLP" in out.optimizer_note, out.optimizer_note
+        assert "weight1/weight2" in out.optimizer_note and "--dist-ckpt-optim-fully-reshardable" in out.optimizer_note
+    assert out.params
+
+
+@pytest.mark.parametrize("fmt", ["plain", "fully_reshardable"])
+def test_model_space_state_of_grouped_experts_imports(moe, fmt, tmp_path, capsys):
+    """TEGroupedMLP's sharded_state_dict saves its weight{i} under SequentialMLP's stacked expert keys (on the
+    global expert's offset), so a grouped run's model-space optimizer state has this run's keys: saved with
+    Transformer Engine's grouped args, it imports the same, exactly."""
+    folder = str(tmp_path / "grouped")
+    shutil.copytree(os.path.join(moe[0], f"mixtral_pp2_ep2_{fmt}"), folder)
+    common = os.path.join(folder, f"iter_{STEPS:07d}", "common.pt")
+    state = load_torch_file(common)  # this test's own file
+    state["args"] = _spec_args(state["args"], transformer_impl="transformer_engine", moe_grouped_gemm=True)
+    torch.save(state, common)
+    ref = moe[1]["mixtral_pp2_ep2_plain" if fmt == "plain" else "mixtral_pp2_ep2"]
+    _check_import(folder, ref, MOE["mixtral_pp2_ep2"][0], str(tmp_path / "out"), capsys)

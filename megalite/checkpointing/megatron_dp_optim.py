@@ -10,10 +10,11 @@ optimizer of an MoE run: in the expert tensor x expert x pipeline group), ``B`` 
 TP cut of each) walked in reverse of megatron-core's parameter order, each start rounded up to 64 elements, a
 bucket ending exactly where its saved size ends. Every bucket must be filled exactly and agree with the saved
 ``per_bucket_numel_unpadded``, and a replicated parameter's state must be the same on every TP rank; a state
-that does not fit (grouped experts, mixed dtypes: more buffers per chunk) is not read, and why is returned.
-Transformer Engine's spec (``transformer_impl`` in the args) orders each layer's parameters its own way
-(``LAYER_TE``); the fp32 main parameters must equal the weights (megatron.py checks), so an order that is
-not megatron-core's is refused, not read wrong.
+that does not fit (the legacy GroupedMLP's merged experts, mixed dtypes: more buffers per chunk) is not
+read, and why is returned. Transformer Engine's spec (``transformer_impl`` in the args) orders each layer's
+parameters its own way (``LAYER_TE``), and its grouped experts (``moe_grouped_gemm``) theirs
+(megatron_dp_stages.py); the fp32 main parameters must equal the weights (megatron.py checks), so an order
+that is not megatron-core's is refused, not read wrong.
 """
 
 from __future__ import annotations
@@ -284,17 +285,34 @@ def _read(src: Any, jobs: list[Job], groups: dict[str, dict[int, Buffers]], swig
         return str(e)
 
 
-def dp_reshardable_state(src: Any, model_keys: list[str], args: Any
-                         ) -> tuple[dict[str, dict[str, torch.Tensor]], float] | str:
-    """field (exp_avg, exp_avg_sq, main) -> megatron-core per-layer name -> full tensor, and Adam's step;
-    or why the state is not read."""
+def _grouped(args: Any) -> bool | str:
+    """Whether the experts are Transformer Engine's grouped ones (megatron-core's TEGroupedMLP:
+    ``transformer_impl transformer_engine`` with ``moe_grouped_gemm``), or why the spec is not read: another
+    ``transformer_impl``, or the legacy GroupedMLP (the local spec's grouped GEMM, or
+    ``moe_use_legacy_grouped_gemm``), whose ``weight1``/``weight2`` hold all of a layer's local experts in one
+    tensor each."""
     impl = getattr(args, "transformer_impl", None)
-    if impl not in (None, "local", "transformer_engine") or getattr(args, "moe_grouped_gemm", False):
-        return (f"its layout is read for the local and Transformer Engine specs with SequentialMLP experts only "
-                f"(transformer_impl {impl}, moe_grouped_gemm {getattr(args, 'moe_grouped_gemm', False)})")
+    grouped = bool(getattr(args, "moe_grouped_gemm", False))
+    if impl not in (None, "local", "transformer_engine"):
+        return f"its layout is read for the local and Transformer Engine specs only (transformer_impl {impl})"
+    if grouped and (impl != "transformer_engine" or getattr(args, "moe_use_legacy_grouped_gemm", False)):
+        return (f"its experts are megatron-core's legacy GroupedMLP (transformer_impl {impl or 'local'}, "
+                f"moe_grouped_gemm, moe_use_legacy_grouped_gemm {getattr(args, 'moe_use_legacy_grouped_gemm', False)}"
+                f"), whose merged weight1/weight2 tensors are not read")
+    return grouped
+
+
+def dp_reshardable_jobs(src: Any, model_keys: list[str], args: Any
+                        ) -> tuple[list[Job], dict[str, dict[int, Buffers]], float] | str:
+    """Every buffer's parameters placed (the dense and the expert optimizer's), the bucket keys and Adam's
+    step; or why the state is not read."""
+    grouped = _grouped(args)
+    if isinstance(grouped, str):
+        return grouped
     dense_keys, expert_keys = split_expert_keys(model_keys)
-    ordered, groups = _ordered(src, dense_keys, impl == "transformer_engine"), _buckets(src.keys())
-    experts = expert_params(src, expert_keys) if expert_keys else {}
+    te = getattr(args, "transformer_impl", None) == "transformer_engine"
+    ordered, groups = _ordered(src, dense_keys, te), _buckets(src.keys())
+    experts = expert_params(src, expert_keys, grouped) if expert_keys else {}
     for got in (ordered, experts, groups):
         if isinstance(got, str):
             return got
@@ -322,5 +340,16 @@ def dp_reshardable_state(src: Any, model_keys: list[str], args: Any
         if isinstance(more, str):
             return more
         jobs += more
+    return jobs, groups, step
+
+
+def dp_reshardable_state(src: Any, model_keys: list[str], args: Any
+                         ) -> tuple[dict[str, dict[str, torch.Tensor]], float] | str:
+    """field (exp_avg, exp_avg_sq, main) -> megatron-core per-layer name -> full tensor, and Adam's step;
+    or why the state is not read."""
+    got = dp_reshardable_jobs(src, model_keys, args)
+    if isinstance(got, str):
+        return got
+    jobs, groups, step = got
     out = _read(src, jobs, groups, bool(getattr(args, "swiglu", False)))
     return out if isinstance(out, str) else (out, step)

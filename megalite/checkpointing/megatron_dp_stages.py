@@ -18,6 +18,17 @@ megatron-core's source (0.16):
   pipeline-split flag needed, uneven stages included).
 - EP rank e's local expert j is expert e·E/EP + j; SequentialMLP registers each expert's fc1 then fc2,
   after the router and before the shared expert.
+- Transformer Engine's grouped experts: ``TEGroupedMLP`` (transformer/moe/experts.py), megatron-core's choice
+  for ``moe_grouped_gemm`` with ``transformer_impl transformer_engine`` unless ``moe_use_legacy_grouped_gemm``
+  (extensions/transformer_engine_spec_provider.py, ``grouped_mlp_modules``), builds ``linear_fc1`` then
+  ``linear_fc2`` as TE ``GroupedLinear`` modules (``TEColumnParallelGroupedLinear`` /
+  ``TERowParallelGroupedLinear``, extensions/transformer_engine.py), and Transformer Engine's
+  ``GroupedLinear.__init__`` (transformer_engine/pytorch/module/grouped_linear.py) registers one
+  ``weight{i}`` per local expert in turn (each followed by its ``bias{i}`` when biased): so a layer holds
+  all its local experts' fc1 weights, then all their fc2 weights. Their torch_dist keys are SequentialMLP's
+  (``_sharded_state_dict_grouped`` and ``TEGroupedMLP.sharded_state_dict`` map ``weight{i}`` to the stacked
+  expert key on the global expert's offset, ``ep_rank * num_local_experts + i``), their shapes and TP cuts
+  the same.
 """
 
 from __future__ import annotations
@@ -40,18 +51,22 @@ def split_expert_keys(model_keys: Iterable[str]) -> tuple[list[str], list[str]]:
     return [k for k in keys if not EXPERTS.match(k)], [k for k in keys if EXPERTS.match(k)]
 
 
-def expert_params(src: Any, expert_keys: list[str]) -> dict[int, list[tuple[int, Param]]] | str:
-    """Layer -> [(global expert, its Param)] in megatron-core's order, from the stacked [L, E, ...] keys."""
+def expert_params(src: Any, expert_keys: list[str], grouped: bool = False
+                  ) -> dict[int, list[tuple[int, Param]]] | str:
+    """Layer -> [(global expert, its Param)] in megatron-core's order, from the stacked [L, E, ...] keys: per
+    expert its fc1 and fc2 (SequentialMLP), or with ``grouped`` every expert's fc1, then every fc2
+    (TEGroupedMLP; an EP rank's local experts keep this order)."""
     shapes = {EXPERTS.match(k)[1]: src.shape(k) for k in expert_keys}
     if sorted(shapes) != ["fc1", "fc2"] or shapes["fc1"][:2] != shapes["fc2"][:2]:
         return f"its expert keys {expert_keys} are not fc1 and fc2 stacked over the same layers and experts"
     layers, experts = shapes["fc1"][:2]
     out: dict[int, list[tuple[int, Param]]] = {}
+    pairs = [(e, fc) for fc in ("fc1", "fc2") for e in range(experts)] if grouped else \
+        [(e, fc) for e in range(experts) for fc in ("fc1", "fc2")]
     for i in range(layers):
-        for e in range(experts):
-            for fc in ("fc1", "fc2"):
-                name = f"decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_{fc}.weight"
-                out.setdefault(i, []).append((e, (name, tuple(shapes[fc][2:]), tp_dim(name))))
+        for e, fc in pairs:
+            name = f"decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_{fc}.weight"
+            out.setdefault(i, []).append((e, (name, tuple(shapes[fc][2:]), tp_dim(name))))
     return out
 
 
