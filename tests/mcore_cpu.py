@@ -288,12 +288,15 @@ def save_megatron(model, args, folder: str, iteration: int, optimizer=None, rng=
 
 def save_megatron_legacy(model, args, folder: str, iteration: int, optimizer=None, rng=None,
                          distributed=False) -> None:
-    """The legacy ``torch`` format as Megatron-LM's training loop writes it: per (TP, PP) rank
-    ``mp_rank_TT[_PPP]/model_optim_rng.pt`` holding the rank's plain state dict (layer numbers local to
-    its stage) under 'model', the args, the iteration, the checkpoint version and the RNG states (``rng``:
-    the rank's list of megatron_rng_state dicts; else Python's, numpy's, torch's), written with torch.save
-    by DP rank 0; no Megatron-LM code is involved. With ``distributed``, ``optimizer`` is megatron-core's
-    distributed optimizer: its ``state_dict()`` goes under 'optimizer' and its parameter state to
+    """The legacy ``torch`` format as Megatron-LM's training loop writes it: per (TP, PP, EP) rank
+    ``mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt`` (the PP rank with PP > 1, the EP rank with EP > 1, as its
+    ``get_checkpoint_name`` names them) holding the rank's plain state dict (layer and expert numbers local
+    to its rank) under 'model' (``model0``, ``model1``, ... if ``model`` is a list of model chunks), the
+    args, the iteration, the checkpoint version and the RNG states (``rng``: the rank's list of
+    megatron_rng_state dicts; else Python's, numpy's, torch's), written with torch.save by the ranks of DP
+    rank 0 or expert DP rank 0 (as Megatron-LM's save_checkpoint picks them); no Megatron-LM code is
+    involved. With ``distributed``, ``optimizer`` is megatron-core's distributed optimizer (or its
+    ChainedOptimizer): its ``state_dict()`` goes under 'optimizer' and its parameter state to
     ``distrib_optim.pt`` next to the file, by its own ``save_parameter_state`` on every rank (gathered over
     DP, written by DP rank 0), as Megatron-LM's save_checkpoint calls it."""
     import os
@@ -303,8 +306,10 @@ def save_megatron_legacy(model, args, folder: str, iteration: int, optimizer=Non
     import torch
     from megatron.core import parallel_state as ps
 
-    tp, pp = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
-    rank_dir = f"mp_rank_{tp:02d}" + (f"_{pp:03d}" if ps.get_pipeline_model_parallel_world_size() > 1 else "")
+    tp, pp, ep = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
+                  ps.get_expert_model_parallel_rank())
+    rank_dir = f"mp_rank_{tp:02d}" + (f"_{pp:03d}" if ps.get_pipeline_model_parallel_world_size() > 1 else "") + \
+        (f"_{ep:03d}" if ps.get_expert_model_parallel_world_size() > 1 else "")
     path = os.path.join(folder, f"iter_{iteration:07d}", rank_dir, "model_optim_rng.pt")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     if distributed:
@@ -313,8 +318,11 @@ def save_megatron_legacy(model, args, folder: str, iteration: int, optimizer=Non
     if rng is None:
         rng = [{"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
                 "torch_rng_state": torch.get_rng_state()}]
-    if ps.get_data_parallel_rank() == 0:
-        torch.save({"model": model.state_dict(), "args": args, "iteration": iteration, "checkpoint_version": 3.0,
+    chunks = model if isinstance(model, list) else [model]
+    models = {"model": chunks[0].state_dict()} if len(chunks) == 1 else \
+        {f"model{i}": chunk.state_dict() for i, chunk in enumerate(chunks)}
+    if ps.get_data_parallel_rank() == 0 or ps.get_expert_data_parallel_rank() == 0:
+        torch.save({**models, "args": args, "iteration": iteration, "checkpoint_version": 3.0,
                     "rng_state": rng, **({} if optimizer is None else {"optimizer": optimizer})}, path)
     _tracker(folder, iteration)
 

@@ -53,8 +53,9 @@ def pipeline_step(chunks: list, ddps: list, tokens: torch.Tensor) -> None:
 
 
 def train_gpt(args, distributed: bool, steps: int, tokens: torch.Tensor, tp: int, pp: int = 1, ep: int = 1,
-              vp: int | None = None) -> tuple[list, object]:
-    """megatron-core's model chunks on this rank and their optimizer after ``steps`` steps."""
+              vp: int | None = None, **ddp_options) -> tuple[list, object]:
+    """megatron-core's model chunks on this rank and their optimizer after ``steps`` steps (``ddp_options``:
+    DistributedDataParallelConfig's, e.g. overlapped gradient reduction and its bucket size)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -62,7 +63,7 @@ def train_gpt(args, distributed: bool, steps: int, tokens: torch.Tensor, tp: int
 
     stages = [None] if vp is None else list(range(vp))
     chunks = [build_gpt(args, tp=tp, pp=pp, ep=ep, vp_stage=c, vp=vp).train() for c in stages]
-    config = DistributedDataParallelConfig(use_distributed_optimizer=distributed)
+    config = DistributedDataParallelConfig(use_distributed_optimizer=distributed, **ddp_options)
     ddps = [DistributedDataParallel(m.config, config, m, disable_bucketing=i > 0) for i, m in enumerate(chunks)]
     opt = get_megatron_optimizer(OptimizerConfig(**OPTIMIZER, use_distributed_optimizer=distributed), ddps)
     for _ in range(steps):

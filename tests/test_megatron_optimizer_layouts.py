@@ -38,6 +38,11 @@ PIPELINED = {"gpt2_tp2_pp2": (CASES["gpt2"], 2, 2, 1, None, DIST),
              "gpt2_tp1_pp2_vp2_dp2": (megatron_args(num_layers=4), 1, 2, 1, 2, DIST)}
 MOE = {"mixtral_pp2_ep2": (CASES["mixtral"], 1, 2, 2, None, ALL),  # dense DP2; experts in their own optimizer
        "mixtral_pp2_ep1_dp2": (CASES["mixtral"], 1, 2, 1, None, DIST)}  # EP 1: the experts are dense parameters
+# Saved in the legacy format too (distrib_optim.pt), with their DDP options: the interleaved run with overlapped
+# gradient reduction in buckets of 150 (first-stage buckets closed off the 64-element grid: a rule that bucketed
+# the second chunk, or missed the first one's, would give another layout).
+LEGACY = {"gpt2_tp1_pp2_vp2_dp2": {"overlap_grad_reduce": True, "bucket_size": 150}, "mixtral_pp2_ep2": {},
+          "mixtral_pp2_ep1_dp2": {}}
 
 
 def _saved_args(args, tp: int, pp: int, ep: int, vp: int | None) -> argparse.Namespace:
@@ -56,10 +61,21 @@ def _save(chunks, opt, args, folder: str, sharding: str | None) -> None:
                                                                                  metadata=metadata))
 
 
+def _save_legacy(chunks, opt, args, world: int, ddp: dict, folder: str) -> None:
+    """The distributed run saved in the legacy format with distrib_optim.pt, its args as Megatron-LM saves them."""
+    from tests.mcore_cpu import save_megatron_legacy
+
+    flags = {"use_distributed_optimizer": True, "overlap_grad_reduce": ddp.get("overlap_grad_reduce", False),
+             "ddp_bucket_size": ddp.get("bucket_size"),
+             "data_parallel_size": world // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size)}
+    save_megatron_legacy(chunks, argparse.Namespace(**{**vars(args), **flags}), folder, STEPS, optimizer=opt,
+                         distributed=True)
+
+
 def _train_and_save(rank: int, world: int, root: str, layouts: dict) -> dict:
     """Each layout trained by megatron-core with the distributed optimizer (saved as dp_reshardable, and as
-    fully_reshardable if asked) and, if its plain save is asked, with the plain one; this rank's records of
-    each."""
+    fully_reshardable if asked, and in the legacy format if in LEGACY) and, if its plain save is asked, with
+    the plain one; this rank's records of each."""
     from megatron.core import parallel_state as ps
 
     from tests.mcore_cpu import cpu_shim, optimizer_cpu_shim
@@ -72,10 +88,12 @@ def _train_and_save(rank: int, world: int, root: str, layouts: dict) -> dict:
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                      expert_model_parallel_size=ep, virtual_pipeline_model_parallel_size=vp)
         args = _saved_args(args, tp, pp, ep, vp)
-        chunks, opt = train_gpt(args, True, STEPS, TOKENS, tp, pp, ep, vp)
+        chunks, opt = train_gpt(args, True, STEPS, TOKENS, tp, pp, ep, vp, **LEGACY.get(name, {}))
         out[name] = optimizer_records(chunks, opt, args)
         for sharding in [s for s in saves if s != "plain"]:  # every rank in the same order (collective saves)
             _save(chunks, opt, args, os.path.join(root, f"{name}_{sharding}"), sharding)
+        if name in LEGACY:
+            _save_legacy(chunks, opt, args, world, LEGACY[name], os.path.join(root, f"{name}_legacy"))
         if "plain" in saves:
             chunks, opt = train_gpt(args, False, STEPS, TOKENS, tp, pp, ep, vp)
             out[name + "_plain"] = optimizer_records(chunks, opt, args)
@@ -140,6 +158,31 @@ def test_moe_optimizer_state_imports(moe, name, fmt, tmp_path, capsys):
     root, records = moe
     ref = records[name + "_plain"] if fmt == "plain" else records[name]
     _check_import(os.path.join(root, f"{name}_{fmt}"), ref, MOE[name][0], str(tmp_path / "out"), capsys)
+
+
+@pytest.mark.parametrize("name", list(LEGACY))
+def test_legacy_distrib_optim_state_of_model_chunks_and_experts_imports(request, name, tmp_path, capsys):
+    """The legacy format's distrib_optim.pt (megatron-core's own save_parameter_state) of the interleaved run
+    (one buffer per model chunk, bucketed on the first stage's first chunk only) and of the MoE runs: at EP2 a
+    ChainedOptimizer's list of the dense and the expert optimizer's states per mp_rank_TT_PPP_EEE folder (the
+    dense one's only where its DP rank 0 saved it), at EP1 the experts in the dense buffer. Every moment and
+    main parameter, joined over TP, PP and EP, exactly, and the step."""
+    root, records = request.getfixturevalue("pipelined" if name in PIPELINED else "moe")
+    args = {**PIPELINED, **MOE}[name][0]
+    _check_import(os.path.join(root, name + "_legacy"), records[name], args, str(tmp_path / "out"), capsys)
+
+
+def test_legacy_distrib_optim_state_without_the_dense_state_is_named_and_the_weights_import(moe, tmp_path, capsys):
+    """The dense optimizer's state of an EP run is in its EP rank 0's files only (the other EP ranks' hold None
+    for it): with it gone from them too, the weights import and the tool says which parameter lacks state."""
+    folder = str(tmp_path / "no_dense")
+    shutil.copytree(os.path.join(moe[0], "mixtral_pp2_ep2_legacy"), folder)
+    path = os.path.join(folder, f"iter_{STEPS:07d}", "mp_rank_00_000_000", "distrib_optim.pt")
+    states = load_torch_file(path)  # this test's own file: [dense, expert]
+    torch.save([None, states[1]], path)
+    assert convert(["from-megatron", "--load", folder, "--save", str(tmp_path / "out")]) == 0
+    said = capsys.readouterr().out
+    assert "weights only;" in said and "no rank's file holds the optimizer state of embedding." in said, said[-1500:]
 
 
 def test_chained_optimizers_with_different_steps_are_refused(moe, tmp_path):

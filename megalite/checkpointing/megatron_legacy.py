@@ -31,7 +31,7 @@ import torch
 
 from megalite.checkpointing.errors import CheckpointError
 from megalite.checkpointing.megatron_distrib_optim import distrib_file, distrib_moments, is_distributed
-from megalite.checkpointing.megatron_legacy_optim import legacy_moments
+from megalite.checkpointing.megatron_legacy_optim import BUFFERS, legacy_moments
 from megalite.checkpointing.megatron_names import OPTIMIZER_STATE
 from megalite.checkpointing.safe_pickle import load_torch_file
 
@@ -138,6 +138,11 @@ class LegacyCheckpoint:
         for field in {f for r in per_file.values() for c in r[0] for f in c}:
             self._optim[OPTIM_NAMES[field]] = self._globalise(
                 {k: [c.get(field, {}) for c in r[0]] for k, r in per_file.items()}, files)
+        missing = [k for per in self._optim.values() for k in self._shards if k not in per and not BUFFERS.search(k)]
+        if missing:  # e.g. an EP run's dense state, saved in its EP rank 0's files only, missing there
+            self._optim = {}
+            self.optimizer_note = f"{self.folder}: no rank's file holds the optimizer state of {missing[0]}"
+            return
         self.common["optimizer"] = {"state": {"common_step": steps.pop()}}
 
     def _globalise(self, chunks: dict[tuple[int, int, int], list[dict]], files: dict) -> dict[str, list]:
