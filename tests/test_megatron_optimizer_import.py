@@ -561,3 +561,23 @@ def test_dp_reshardable_state_in_another_order_is_refused_by_the_weights(saved):
     mg._dp_reshardable(out, Relaid(src, swapped), keys, other, src.common["args"], folder)
     assert out.optimizer is None and "is not the saved weight" in out.optimizer_note, out.optimizer_note
     assert out.params
+
+
+def test_dp_reshardable_state_without_its_fp32_parameters_is_refused(saved):
+    """Buffers without the ``param`` field (the fp32 main parameters) cannot be checked against the weights:
+    refused with the reason, not read unchecked."""
+    from megalite.checkpointing.megatron_dist import DistCheckpoint
+    from megalite.checkpointing.megatron_dp_optim import dp_reshardable_state
+    from megalite.checkpointing.megatron_names import split_optimizer_keys
+
+    src = DistCheckpoint(os.path.join(saved[0], "gpt2_dp_reshardable", f"iter_{STEPS:07d}"))
+
+    class WithoutParams:
+        def keys(self):
+            return [k for k in src.keys() if not k.endswith(".param")]
+
+        def __getattr__(self, name):
+            return getattr(src, name)
+
+    got = dp_reshardable_state(WithoutParams(), split_optimizer_keys(src.keys())[0], src.common["args"])
+    assert isinstance(got, str) and "not param, exp_avg and exp_avg_sq" in got, got

@@ -21,6 +21,7 @@ import torch
 
 from megalite.checkpointing.errors import CheckpointError
 from megalite.checkpointing.megatron_args import config_from_args
+from megalite.checkpointing.megatron_buffer import main_mismatch
 from megalite.checkpointing.megatron_names import (
     check_params,
     split_optimizer_keys,
@@ -158,27 +159,26 @@ def _rng(out: MegatronCheckpoint, src: Any) -> None:
 def _dp_reshardable(out: MegatronCheckpoint, src: Any, keys: list[str], other: list[str], args: Any,
                     where: str) -> None:
     """The distributed optimizer's default bucket-flat state (megatron_dp_optim.py) into ``out``, or the note
-    why it is not read (the weights are imported either way)."""
+    why it is not read (the weights are imported either way): every weight must have its fp32 main
+    parameter, equal to it, so a buffer cut by another parameter order is refused, never read wrong."""
     from megalite.checkpointing.megatron_dp_optim import dp_reshardable_state
 
     got = dp_reshardable_state(src, keys, args) if hasattr(src, "object") else "not a torch_dist folder"
+    if not isinstance(got, str):
+        fields, step = got
+        try:
+            state = {name: _state_field(name, list(tensors), tensors.__getitem__, out.config, where)
+                     for name, tensors in fields.items()}
+            wrong = main_mismatch(state.get("main", {}), out.params)
+            got = f"{wrong}: megatron-core's layout not matched" if wrong else (state, step)
+        except CheckpointError as e:
+            got = str(e)
     if isinstance(got, str):
         out.optimizer_note = (f"its optimizer state is the distributed optimizer's dp_reshardable buffers "
                               f"({other[0]}: Megatron-LM's default, laid out by its gradient buckets), which is "
                               f"not read ({got}); save with --dist-ckpt-optim-fully-reshardable to import it")
         return
-    fields, step = got
-    state = {name: _state_field(name, list(tensors), tensors.__getitem__, out.config, where)
-             for name, tensors in fields.items()}
-    wrong = [k for k, w in out.params.items() if k in state.get("main", {}) and
-             not torch.equal(state["main"][k].to(w.dtype), w)]
-    if wrong:  # the buffers were cut by another parameter order: refused, never read wrong
-        out.optimizer_note = (f"its optimizer state is the distributed optimizer's dp_reshardable buffers "
-                              f"({other[0]}), which is not read (its fp32 parameter of {wrong[0]} is not the saved "
-                              f"weight: megatron-core's layout not matched); save with "
-                              f"--dist-ckpt-optim-fully-reshardable to import it")
-        return
-    out.optimizer, out.optimizer_step = state, step
+    out.optimizer, out.optimizer_step = got
     out.optimizer_note = f"Adam state of step {out.optimizer_step:g} imported (dp_reshardable)"
 
 

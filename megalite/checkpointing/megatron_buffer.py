@@ -18,6 +18,7 @@ import torch
 
 ALIGN = 64  # megatron-core pads each parameter's start in a distributed-optimizer buffer to 64 elements
 Placed = dict[str, tuple[int, int, tuple[int, ...]]]  # name -> (bucket, start in it, shape)
+FIELDS = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "param": "main"}  # saved field -> megalite's
 
 
 def align(n: int) -> int:
@@ -69,6 +70,24 @@ def bucket_sizes(numels: list[tuple[str, int]], bucket_size: int | None, alone: 
 
 def group_steps(saved: Any) -> set[float]:
     """The step counts of a distributed optimizer's saved ``param_groups`` (its ``state_dict()`` without the
-    parameter state; -1 for a group without one)."""
+    parameter state; -1 for a group without a number there: never a traceback on a malformed file)."""
     groups = saved.get("param_groups") if isinstance(saved, dict) else None
-    return {float(p.get("step", -1)) for p in groups or [] if isinstance(p, dict)}
+    out = set()
+    for p in groups or []:
+        step = p.get("step", -1) if isinstance(p, dict) else -1
+        ok = isinstance(step, int | float) or (isinstance(step, torch.Tensor) and step.numel() == 1)
+        out.add(float(step) if ok else -1.0)
+    return out
+
+
+def main_mismatch(main: dict[str, torch.Tensor], weights: dict[str, torch.Tensor]) -> str | None:
+    """The first weight whose fp32 main parameter is missing or is not it (cast to the weight's dtype:
+    megatron-core copies the one into the other after each step), or None: the check that a buffer was cut
+    by megatron-core's parameter order, so a state laid out another way is refused, never read wrong."""
+    for name, weight in weights.items():
+        got = main.get(name)
+        if got is None:
+            return f"no fp32 parameter of {name}"
+        if got.shape != weight.shape or not torch.equal(got.to(weight.dtype), weight):
+            return f"its fp32 parameter of {name} is not the saved weight"
+    return None

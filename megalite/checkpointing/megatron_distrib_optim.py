@@ -28,13 +28,19 @@ from typing import Any
 import torch
 
 from megalite.checkpointing.errors import CheckpointError
-from megalite.checkpointing.megatron_buffer import Placed, bucket_sizes, group_steps, place_buffer
+from megalite.checkpointing.megatron_buffer import (
+    FIELDS,
+    Placed,
+    bucket_sizes,
+    group_steps,
+    main_mismatch,
+    place_buffer,
+)
 from megalite.checkpointing.megatron_legacy_optim import BUFFERS
 from megalite.checkpointing.megatron_names import EXPERT_KEY
 from megalite.checkpointing.safe_pickle import UnsafePickleError, load_torch_file
 
 FILE = "distrib_optim.pt"
-FIELDS = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "param": "main"}
 EMBEDDING, OUTPUT = "embedding.word_embeddings.weight", "output_layer.weight"
 
 
@@ -171,10 +177,8 @@ def _read_buffer(path: str, fields: dict[str, Any], params: dict[str, torch.Tens
         buckets = torch.split(fields[field], sizes)
         for name, (b, start, shape) in placed.items():
             out.setdefault(ours, {})[name] = buckets[b][start:start + int(torch.Size(shape).numel())].view(shape)
-    for name, weight in params.items():
-        if not torch.equal(out["main"][name].to(weight.dtype), weight):
-            return f"{path}: its fp32 parameter of {name} is not the saved weight (megatron-core's layout not matched)"
-    return out
+    wrong = main_mismatch(out["main"], params)
+    return f"{path}: {wrong} (megatron-core's layout not matched)" if wrong else out
 
 
 def _saved_step(saved: list[Any], path: str) -> float | str:

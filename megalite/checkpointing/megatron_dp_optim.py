@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from megalite.checkpointing.errors import CheckpointError
-from megalite.checkpointing.megatron_buffer import place_buffer
+from megalite.checkpointing.megatron_buffer import FIELDS, Placed, group_steps, place_buffer
 from megalite.checkpointing.megatron_dp_stages import (
     LAYER_OF,
     Param,
@@ -42,7 +42,6 @@ from megalite.checkpointing.megatron_names import SKIPPED
 
 BUCKET = re.compile(r"^(chained_\d+\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.+)"
                     r"\.bucket_idx_(\d+)\.(param|exp_avg|exp_avg_sq)$")
-FIELDS = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "param": "main"}
 # megatron-core's parameter registration order (GPTModel, local spec): the buffer holds it reversed. The
 # local spec saves its norms under the fused names as well, so both names share a slot.
 FIRST = ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight")
@@ -107,7 +106,6 @@ def _place(params: list[Param], tp: int, sizes: list[int]) -> dict[str, tuple[in
 
 
 Buffers = dict[int, dict[str, dict[int, str]]]  # gbuf_idx -> field -> bucket index -> key
-Placed = dict[str, tuple[int, int, tuple[int, ...]]]  # name -> (bucket, start, this rank's shape)
 Job = tuple[str, int, int, int, int, Placed]  # key prefix, dp group, gbuf, TP rank, TP size, its placed parameters
 Saved = dict[str, dict[int, list[dict[str, Any]]]]  # key prefix -> dp group -> its saved param groups
 
@@ -160,8 +158,7 @@ def _chains(saved: Saved) -> dict[str, str] | str:
 def _step(saved: Saved) -> float | str:
     """Adam's one step count: every param group of every optimizer (dense and expert) must hold the same
     (megatron-core's ChainedOptimizer makes them equal before it saves)."""
-    steps = {float(p["step"]) for per in saved.values() for ps in per.values() for p in ps
-             if isinstance(p.get("step"), int | float | torch.Tensor)}
+    steps = set().union(*(group_steps({"param_groups": ps}) for per in saved.values() for ps in per.values()))
     if len(steps) != 1 or min(steps) < 0:
         return f"its optimizers' param groups hold no single step count ({sorted(steps)[:4]})"
     return steps.pop()
@@ -174,6 +171,8 @@ def _group_sizes(src: Any, prefix: str, group: int, buffers: Buffers) -> list[li
         return f"{where}'s buffers {sorted(buffers)} are not numbered 0..n"
     sizes = []
     for b in range(len(buffers)):
+        if sorted(buffers[b]) != sorted(FIELDS.values()):
+            return f"{where}.gbuf_idx_{b} holds the fields {sorted(buffers[b])}, not param, exp_avg and exp_avg_sq"
         keys = buffers[b].get("exp_avg", {})
         if sorted(keys) != list(range(len(keys))) or any(sorted(f) != sorted(keys) for f in buffers[b].values()):
             return f"{where}.gbuf_idx_{b}'s buckets are not numbered 0..n for every field"
@@ -330,8 +329,8 @@ def dp_reshardable_jobs(src: Any, model_keys: list[str], args: Any
                 f"{lay['tp']}, expert TP {lay['etp']} (not megatron-core's layout)")
     tied = None if getattr(args, "untie_embeddings_and_output_weights", False) or lay["pp"] == 1 else \
         ("output_layer.weight", src.shape("embedding.word_embeddings.weight"), 0)  # the last stage's copy
-    layers = 1 + max((int(m[1]) for p in ordered if (m := LAYER_OF.match(p[0]))), default=-1)
-    got = _dense_jobs(src, chains["dense"], groups[chains["dense"]], dense, tied, lay, layers)
+    num_layers = 1 + max((int(m[1]) for p in ordered if (m := LAYER_OF.match(p[0]))), default=-1)
+    got = _dense_jobs(src, chains["dense"], groups[chains["dense"]], dense, tied, lay, num_layers)
     if isinstance(got, str):
         return got
     jobs, layers = got
