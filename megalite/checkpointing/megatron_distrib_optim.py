@@ -29,6 +29,8 @@ import torch
 
 from megalite.checkpointing.errors import CheckpointError
 from megalite.checkpointing.megatron_buffer import (
+    DENSE_OPTIMIZER,
+    EP_OPTIMIZER,
     FIELDS,
     Placed,
     bucket_sizes,
@@ -123,8 +125,8 @@ def _kinds(saved: list[Any], path: str) -> list[str] | str:
         flags = {bool(g.get("is_expert_parallel")) for g in groups or [] if isinstance(g, dict)}
         if len(flags) != 1:
             return f"{path}: its rank file's optimizer {i} holds no param groups all dense or all expert"
-        kinds.append("expert" if flags.pop() else "dense")
-    if sorted(kinds) != ["dense", "expert"]:
+        kinds.append(EP_OPTIMIZER if flags.pop() else DENSE_OPTIMIZER)
+    if sorted(kinds) != sorted([DENSE_OPTIMIZER, EP_OPTIMIZER]):
         return (f"{path}: its rank file's chained optimizers are {kinds}; one dense and one expert optimizer are "
                 "read (not --overlap-param-gather-with-optimizer-step's one per model chunk)")
     return kinds
@@ -135,7 +137,7 @@ def _held(params: list[dict[str, torch.Tensor]], kind: str) -> list[tuple[int, d
     (megatron-core's DDP keeps the routed experts of an EP run in buffers of their own)."""
     out = []
     for c, chunk in enumerate(params):
-        mine = {k: t for k, t in chunk.items() if kind == "all" or (kind == "expert") == bool(EXPERT_KEY.search(k))}
+        mine = {k: t for k, t in chunk.items() if kind == "all" or (kind == EP_OPTIMIZER) == bool(EXPERT_KEY.search(k))}
         if mine:
             out.append((c, mine))
     return out

@@ -26,7 +26,14 @@ from typing import Any
 import torch
 
 from megalite.checkpointing.errors import CheckpointError
-from megalite.checkpointing.megatron_buffer import FIELDS, Placed, group_steps, place_buffer
+from megalite.checkpointing.megatron_buffer import (
+    DENSE_OPTIMIZER,
+    EP_OPTIMIZER,
+    FIELDS,
+    Placed,
+    group_steps,
+    place_buffer,
+)
 from megalite.checkpointing.megatron_dp_stages import (
     LAYER_OF,
     Param,
@@ -148,11 +155,11 @@ def _chains(saved: Saved) -> dict[str, str] | str:
         if len(flags) != 1:
             return (f"the {prefix or 'only '}optimizer's saved param groups are " +
                     ("missing" if not flags else "not all dense or all expert"))
-        kind = "expert" if flags.pop() else "dense"
+        kind = EP_OPTIMIZER if flags.pop() else DENSE_OPTIMIZER
         if kind in kinds:
             return f"it holds two {kind} optimizers ({kinds[kind] or 'unprefixed'}, {prefix}), which is not read"
         kinds[kind] = prefix
-    return kinds if "dense" in kinds else "it holds no dense parameters' optimizer"
+    return kinds if DENSE_OPTIMIZER in kinds else "it holds no dense parameters' optimizer"
 
 
 def _step(saved: Saved) -> float | str:
@@ -207,9 +214,9 @@ def _layout(args: Any, groups: dict[str, dict[int, Buffers]], chains: dict[str, 
     (the dense optimizer's count TP x PP, the expert optimizer's expert TP x EP x PP)."""
     tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
     etp = int(getattr(args, "expert_tensor_parallel_size", None) or tp)
-    dense = len(groups[chains["dense"]])
+    dense = len(groups[chains[DENSE_OPTIMIZER]])
     pp = dense // tp
-    experts = len(groups[chains["expert"]]) if "expert" in chains else etp * pp
+    experts = len(groups[chains[EP_OPTIMIZER]]) if EP_OPTIMIZER in chains else etp * pp
     if not pp or dense % tp or experts % (etp * pp):
         return (f"its {dense} dense and {experts} expert dp groups do not divide by its args' TP {tp} and expert TP "
                 f"{etp} (not megatron-core's layout)")
@@ -320,7 +327,7 @@ def dp_reshardable_jobs(src: Any, model_keys: list[str], args: Any
     lay = chains if isinstance(chains, str) else _layout(args, groups, chains)
     if isinstance(lay, str) or isinstance(step, str):
         return lay if isinstance(lay, str) else str(step)
-    split = "expert" in chains  # megatron-core's expert optimizer (EP > 1); at EP 1 the experts are dense
+    split = EP_OPTIMIZER in chains  # megatron-core's expert optimizer (EP > 1); at EP 1 the experts are dense
     dense = ordered if split else with_experts(ordered, experts)
     if isinstance(dense, str):
         return dense
@@ -330,12 +337,12 @@ def dp_reshardable_jobs(src: Any, model_keys: list[str], args: Any
     tied = None if getattr(args, "untie_embeddings_and_output_weights", False) or lay["pp"] == 1 else \
         ("output_layer.weight", src.shape("embedding.word_embeddings.weight"), 0)  # the last stage's copy
     num_layers = 1 + max((int(m[1]) for p in ordered if (m := LAYER_OF.match(p[0]))), default=-1)
-    got = _dense_jobs(src, chains["dense"], groups[chains["dense"]], dense, tied, lay, num_layers)
+    got = _dense_jobs(src, chains[DENSE_OPTIMIZER], groups[chains[DENSE_OPTIMIZER]], dense, tied, lay, num_layers)
     if isinstance(got, str):
         return got
     jobs, layers = got
     if split:
-        more = _expert_jobs(src, chains["expert"], groups[chains["expert"]], experts, layers, lay)
+        more = _expert_jobs(src, chains[EP_OPTIMIZER], groups[chains[EP_OPTIMIZER]], experts, layers, lay)
         if isinstance(more, str):
             return more
         jobs += more

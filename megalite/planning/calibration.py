@@ -5,7 +5,7 @@ power draw, the gaps between kernels, the SMs and memory bandwidth overlapped co
 
 It is calibrated on the rows the planner has already seen, named here and never held out again
 (docs/planning.md, "Calibration"): the development rows (published.py) and the held-out rounds' rows
-(heldout.py: rounds 1 to 3), each seen at its round's first and only run. The share of a GPU is the one at
+(heldout.py: rounds 1 to 4), each seen at its round's first and only run. The share of a GPU is the one at
 which the median signed error of its rows is zero (bisection: the error falls as the share does). Rows of
 a GPU with no calibration rows take the share of the GPU named in ``BORROWED``.
 
@@ -19,10 +19,10 @@ from __future__ import annotations
 import dataclasses
 import statistics
 
-from megalite.planning.heldout import HELD_OUT, HELD_OUT_V2, HELD_OUT_V3, HeldOutRun, plan_row
+from megalite.planning.hardware import BORROWED
+from megalite.planning.heldout import HELD_OUT, HELD_OUT_V2, HELD_OUT_V3, HELD_OUT_V4, HeldOutRun, plan_row
 from megalite.planning.published import PUBLISHED, cluster_flags, run_flags
 
-BORROWED = {"h200": "h100-sxm", "b200": "h100-sxm"}  # same chip (H200); no calibration rows (B200): assumed
 TE_SOURCES = ("DG-", "L3-")  # NeMo and Llama 3's Megatron-based runs; the README's H100 rows below
 FSDP2_SOURCES = ("TT-",)
 
@@ -46,7 +46,8 @@ def _as_calibrated(run: HeldOutRun) -> HeldOutRun:
 
 def calibration_rows(gpu: str | None = None) -> list[HeldOutRun]:
     """The seen rows (all, or one GPU's), with the settings the calibration plans them with."""
-    rows = [_development(r) for r in PUBLISHED] + [_as_calibrated(r) for r in HELD_OUT + HELD_OUT_V2] + HELD_OUT_V3
+    rows = [_development(r) for r in PUBLISHED] + [_as_calibrated(r) for r in HELD_OUT + HELD_OUT_V2]
+    rows += HELD_OUT_V3 + HELD_OUT_V4
     return [r for r in rows if gpu is None or _gpu(r) == gpu]
 
 

@@ -57,12 +57,13 @@ def _gpu(name: str, mem: float, bf16: float, fp32: float, nvlink: float, net: fl
 # runs by planning/calibration.py (A100 on its A100 rows, H100 on its H100 rows; H200 and B200 take H100's:
 # the same chip, and no B200 rows), the one constant taken from throughput rows; 1.0 on the cpu preset,
 # which has no such rows. docs/planning.md lists them all.
-SUSTAINED = {"a100-80g": 0.894, "h100-sxm": 0.843}
+SUSTAINED = {"a100-80g": 0.895, "h100-sxm": 0.799}
+BORROWED = {"h200": "h100-sxm", "b200": "h100-sxm"}  # same chip (H200); no calibration rows (B200): assumed
 GPUS: dict[str, GPUSpec] = {
     "a100-80g": _gpu("a100-80g", 80.0, 312.0, 19.5, 300.0, 25.0, 2039.0, 267.9, 108, 0.60, SUSTAINED["a100-80g"]),
     "h100-sxm": _gpu("h100-sxm", 80.0, 989.0, 67.0, 450.0, 50.0, 3350.0, 792.1, 132, 0.50, SUSTAINED["h100-sxm"]),
-    "h200": _gpu("h200", 141.0, 989.0, 67.0, 450.0, 50.0, 4800.0, 792.1, 132, 0.50, SUSTAINED["h100-sxm"]),
-    "b200": _gpu("b200", 180.0, 2250.0, 75.0, 900.0, 50.0, 8000.0, 1745.0, 148, 0.50, SUSTAINED["h100-sxm"]),
+    "h200": _gpu("h200", 141.0, 989.0, 67.0, 450.0, 50.0, 4800.0, 792.1, 132, 0.50, SUSTAINED[BORROWED["h200"]]),
+    "b200": _gpu("b200", 180.0, 2250.0, 75.0, 900.0, 50.0, 8000.0, 1745.0, 148, 0.50, SUSTAINED[BORROWED["b200"]]),
     "cpu": GPUSpec("cpu", CPU_MEMORY_GB, {"bf16": CPU_BF16_TFLOPS, "fp16": CPU_BF16_TFLOPS, "fp32": CPU_FP32_TFLOPS},
                    CPU_GLOO_GBPS, CPU_GLOO_GBPS, CPU_MEMORY_GBPS,
                    {"bf16": CPU_BF16_TFLOPS, "fp16": CPU_BF16_TFLOPS, "fp32": CPU_FP32_TFLOPS}, None, 0.0, 0.0, 1.0,

@@ -150,7 +150,7 @@ def tp_comm_s(sh: RunShape, cl: ClusterConfig) -> float:
     if t == 1:
         return 0.0
     per = 2 * (t - 1) / t * sh.local_tokens * sh.h * sh.act_bytes / link(sh, cl, "tp", t)
-    per += ring_latency_s(sh, cl, "tp", t, all_reduce=not sh.sp)
+    per += (2 if sh.sp else 1) * ring_latency_s(sh, cl, "tp", t, all_reduce=not sh.sp)  # SP: a gather and a scatter
     reps = 3 if sh.recompute == "full" else 2
     stage = sh.busiest_stage  # rank 0 under an even split
     n_moe = sh.moe_layers_in(stage)
@@ -236,7 +236,7 @@ def _grad_sync_s(sh: RunShape, cl: ClusterConfig, n: int, d: int, inter: bool, k
     bucket = min(1.0, bucket_numel / max(n, 1))
     hidden_r = reduce * (1 - bucket) if dd.overlap_grad_reduce else 0.0  # the last bucket is never hidden
     hidden_g = gather * (1 - bucket) if dd.overlap_param_gather else 0.0  # nor the first gather
-    window_r, window_g = _overlap_windows_s(sh, cl)
+    window_r, window_g = _overlap_windows_s(sh, cl, shards_params)
     if shards_params or dd.shards_grads:  # both run during the micro-batches' work, on one link
         late = max(0.0, hidden_r + hidden_g - window_r - window_g)
     else:
@@ -244,14 +244,14 @@ def _grad_sync_s(sh: RunShape, cl: ClusterConfig, n: int, d: int, inter: bool, k
     return reduce - hidden_r + gather - hidden_g + late
 
 
-def _overlap_windows_s(sh: RunShape, cl: ClusterConfig) -> tuple[float, float]:
+def _overlap_windows_s(sh: RunShape, cl: ClusterConfig, shards_params: bool) -> tuple[float, float]:
     """The work the overlapped gradient reduction and weight gathers can run behind (a rank's compute and
     memory-bound work; backward two thirds of it). Plain DP and the distributed optimizer reduce during the
     last micro-batch's backward and gather during the next step's first forward; ZeRO-2 reduces during
     every backward; ZeRO-3 also gathers during every forward and backward."""
     work = compute_s(sh, cl) + memory_bound_s(sh, cl)
     dd = sh.cfg.ddp
-    if dd.shards_params:
+    if shards_params:
         return 2 * work / 3, work / 3
     if dd.shards_grads:
         return 2 * work / 3, work / (3 * sh.m)
@@ -272,7 +272,8 @@ def dp_comm_s(sh: RunShape, cl: ClusterConfig) -> float:
     inter = crosses_nodes(sh, cl, axis, sh.dp) or (sh.cp > 1 and crosses_nodes(sh, cl, "cp", sh.cp))
     k = ranks_per_node_in_group(sh, cl, axis, sh.dp) if sh.cfg.parallel.hierarchical_dp_reduce else 1
     n = stage_dense_params(sh, state_stage(sh))
-    return _grad_sync_s(sh, cl, n, d, inter, k, sh.cfg.ddp.shards_params, ring_latency_s(sh, cl, axis, d))
+    group = "cp" if sh.cp > 1 else axis  # DP x CP: its ranks as close as CP's (the inner axis of the two)
+    return _grad_sync_s(sh, cl, n, d, inter, k, sh.cfg.ddp.shards_params, ring_latency_s(sh, cl, group, d))
 
 
 def expert_dp_comm_s(sh: RunShape, cl: ClusterConfig) -> float:
