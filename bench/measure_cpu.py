@@ -1,6 +1,8 @@
 """This machine's figures for the planner's `cpu` preset (megalite/planning/hardware.py): the best matmul
 TFLOP/s in fp32 and bf16 over a few large shapes, the memory bandwidth of a large copy (bytes read +
-written), gloo's all-reduce bus bandwidth between 2 local processes, and the memory the host has.
+written), gloo's all-reduce bus bandwidth between 2 local processes, and the memory the host has; and two
+figures the preset does not use yet, what the profile of a CPU step points at (bench/README.md): an
+elementwise GeLU's bandwidth and the cost of one autograd operator call.
 
     python bench/measure_cpu.py
 
@@ -50,6 +52,26 @@ def copy_gbps(nbytes: int = 512 * 2**20) -> float:
     return 2 * nbytes / best_of(lambda: dst.copy_(src)) / 1e9
 
 
+def gelu_gbps(n: int = 8_000_000) -> float:
+    """GB/s of an elementwise GeLU over a large fp32 tensor (read + written): the non-GEMM work's pace,
+    against the copy's."""
+    x = torch.rand(n)
+    return 8 * n / best_of(lambda: torch.nn.functional.gelu(x)) / 1e9
+
+
+def autograd_op_us(n: int = 500) -> float:
+    """Microseconds per elementwise operator on a tiny tensor, forward and its backward under autograd: the
+    cost of a call whatever its bytes (the profile's "other" operators, bench/README.md)."""
+    x0 = torch.ones(8, requires_grad=True)
+
+    def chain() -> None:
+        x = x0
+        for _ in range(n):
+            x = x * 1.0001
+        x.sum().backward()
+    return best_of(chain) / n * 1e6
+
+
 def _allreduce_worker(rank: int, world: int, port: int, out) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -81,6 +103,8 @@ def main() -> int:
     print(f"matmul fp32 {matmul_tflops(torch.float32):.4f} TFLOP/s")
     print(f"matmul bf16 {matmul_tflops(torch.bfloat16, (512,)):.4f} TFLOP/s")
     print(f"copy {copy_gbps():.2f} GB/s (read + written)")
+    print(f"GeLU {gelu_gbps():.2f} GB/s (read + written)")
+    print(f"an autograd operator on a tiny tensor, forward + backward {autograd_op_us():.2f} us")
     print(f"gloo all-reduce bus bandwidth, 2 processes {gloo_gbps():.3f} GB/s")
     print(f"host memory {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 1e9:.1f} GB")
     return 0
