@@ -98,7 +98,8 @@ class ClusterConfig:
         "value, calibrated on named published runs (docs/planning.md).", domain=fraction(lo_open=True))
     gemm_tflops: float | None = option(
         None, help="Achievable TFLOP/s of a large GEMM in the run's dtype (overrides the preset's measured "
-        "best-shape figure; each GEMM's own shape then sets its share of it, docs/planning.md).",
+        "best-shape figure; each GEMM's own shape then sets its share of it, and the sustained share scales it "
+        "as it does the preset's: give --sustained-share 1 for a figure measured under training, docs/planning.md).",
         domain=positive(MAX_FIGURE))
     model_tp_comm_overlap: bool = option(
         False, help="Plan TP communication as hidden behind the layer's GEMMs (the excess exposed), as "
