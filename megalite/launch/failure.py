@@ -200,9 +200,9 @@ class FailureBoard:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         words = first.split("] ", 1)[-1].split(". ", 1)[0][:200]  # gloo's first sentence, without [source:line]
         dead = self.dead_peers()
-        who = (f"{', '.join(dead)} exited" if dead else
-               "a peer rank (of this run's groups) exited; ranks on other hosts cannot be named from here")
-        return (f"{who} without reporting an error (killed, or out of memory?); this rank's collective "
+        who = (", ".join(dead) if dead else  # a peer on another host, or one not yet seen gone from here
+               "a peer rank of this run's groups (not named: it is on another host or not yet seen gone)")
+        return (f"{who} exited without reporting an error (killed, or out of memory?); this rank's collective "
                 f"failed with: {words}")
 
     @contextlib.contextmanager
