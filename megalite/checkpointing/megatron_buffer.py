@@ -24,6 +24,14 @@ FIELDS = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "param": "main"}  # 
 DENSE_OPTIMIZER, EP_OPTIMIZER = "dense", "expert_parallel"
 
 
+def optimizer_kind(param_groups: Any, position: int) -> str | None:
+    """DENSE_OPTIMIZER or EP_OPTIMIZER for one of a ChainedOptimizer's saved optimizers, by its param groups'
+    ``is_expert_parallel`` (megatron-core saves it; where a group lacks it, the chained position: the dense
+    optimizer first); None when its groups are missing or mixed. The one rule both readers use."""
+    flags = {bool(g.get("is_expert_parallel", position > 0)) for g in param_groups or [] if isinstance(g, dict)}
+    return (EP_OPTIMIZER if flags.pop() else DENSE_OPTIMIZER) if len(flags) == 1 else None
+
+
 def align(n: int) -> int:
     """A parameter's start in its bucket: the next multiple of ALIGN elements."""
     return -(-n // ALIGN) * ALIGN

@@ -36,6 +36,7 @@ from megalite.checkpointing.megatron_buffer import (
     bucket_sizes,
     group_steps,
     main_mismatch,
+    optimizer_kind,
     place_buffer,
 )
 from megalite.checkpointing.megatron_legacy_optim import BUFFERS
@@ -115,17 +116,17 @@ def _buffers(path: str, state: dict[Any, Any], which: str) -> list[dict[str, Any
 
 def _kinds(saved: list[Any], path: str) -> list[str] | str:
     """What each saved optimizer holds: 'all' (one optimizer), or a ChainedOptimizer's 'dense' and 'expert'
-    (by its param groups' ``is_expert_parallel``, which megatron-core saves)."""
+    (megatron_buffer.optimizer_kind)."""
     if len(saved) == 1:
         return ["all"]
     kinds = []
     for i, one in enumerate(saved):
         inner = one.get("optimizer") if isinstance(one, dict) else None
         groups = inner.get("param_groups") if isinstance(inner, dict) else None
-        flags = {bool(g.get("is_expert_parallel")) for g in groups or [] if isinstance(g, dict)}
-        if len(flags) != 1:
+        kind = optimizer_kind(groups, i)
+        if kind is None:
             return f"{path}: its rank file's optimizer {i} holds no param groups all dense or all expert"
-        kinds.append(EP_OPTIMIZER if flags.pop() else DENSE_OPTIMIZER)
+        kinds.append(kind)
     if sorted(kinds) != sorted([DENSE_OPTIMIZER, EP_OPTIMIZER]):
         return (f"{path}: its rank file's chained optimizers are {kinds}; one dense and one expert optimizer are "
                 "read (not --overlap-param-gather-with-optimizer-step's one per model chunk)")

@@ -32,6 +32,7 @@ from megalite.checkpointing.megatron_buffer import (
     FIELDS,
     Placed,
     group_steps,
+    optimizer_kind,
     place_buffer,
 )
 from megalite.checkpointing.megatron_dp_stages import (
@@ -148,14 +149,13 @@ def _param_groups(src: Any, groups: dict[str, dict[int, Buffers]]) -> Saved:
 
 def _chains(saved: Saved) -> dict[str, str] | str:
     """'dense' (and 'expert') -> its optimizer's key prefix, each optimizer's kind from its param groups'
-    ``is_expert_parallel`` (saved by megatron-core; without it, the chained order: dense first)."""
+    ``is_expert_parallel`` (megatron_buffer.optimizer_kind)."""
     kinds: dict[str, str] = {}
     for prefix, per in sorted(saved.items()):
-        flags = {bool(p.get("is_expert_parallel", prefix not in ("", "chained_0."))) for ps in per.values() for p in ps}
-        if len(flags) != 1:
-            return (f"the {prefix or 'only '}optimizer's saved param groups are " +
-                    ("missing" if not flags else "not all dense or all expert"))
-        kind = EP_OPTIMIZER if flags.pop() else DENSE_OPTIMIZER
+        position = int(prefix[len("chained_"):-1]) if prefix else 0
+        kind = optimizer_kind([p for ps in per.values() for p in ps], position)
+        if kind is None:
+            return f"the {prefix or 'only '}optimizer's saved param groups are missing or not all dense or all expert"
         if kind in kinds:
             return f"it holds two {kind} optimizers ({kinds[kind] or 'unprefixed'}, {prefix}), which is not read"
         kinds[kind] = prefix
