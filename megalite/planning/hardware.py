@@ -33,6 +33,9 @@ class GPUSpec:
     # a ring collective's latency in microseconds (base, per step inside a node, per step across nodes): NCCL's
     # own cost model (src/graph/tuning.cc, ring algorithm, Simple protocol); None: not modelled (gloo)
     ring_latency_us: tuple[float, float, float] | None = (8.4, 3.4, 9.6)
+    # the same for a FlashAttention-2-class kernel (Ampere instructions: PyTorch SDPA's flash backend, the
+    # 2023 Triton kernel), what a run without Transformer Engine's fused attention gets; None: flash_share
+    fa2_share: float | None = None
 
 
 FP32_SHARE = 0.80  # achievable share of the fp32 (non-tensor-core) spec peak: an assumption, docs/planning.md
@@ -40,10 +43,11 @@ CONTEXT_GB = 0.5  # CUDA context + cuBLAS/cuDNN/NCCL kernels per process on A100
 
 
 def _gpu(name: str, mem: float, bf16: float, fp32: float, nvlink: float, net: float, hbm: float, mamf: float,
-         sms: int, flash: float, sustained: float) -> GPUSpec:
+         sms: int, flash: tuple[float, float | None], sustained: float) -> GPUSpec:
+    """``flash``: the shares of the best fused attention kernel and of a FlashAttention-2-class one."""
     return GPUSpec(name, mem, {"bf16": bf16, "fp16": bf16, "fp32": fp32}, nvlink, net, hbm,
-                   {"bf16": mamf, "fp16": mamf, "fp32": FP32_SHARE * fp32}, sms, flash, CONTEXT_GB,
-                   sustained_share=sustained)
+                   {"bf16": mamf, "fp16": mamf, "fp32": FP32_SHARE * fp32}, sms, flash[0], CONTEXT_GB,
+                   sustained_share=sustained, fa2_share=flash[1])
 
 
 # Sources: the vendor's data sheets (SXM parts, dense = without structured sparsity; HBM bandwidth as
@@ -52,18 +56,26 @@ def _gpu(name: str, mem: float, bf16: float, fp32: float, nvlink: float, net: fl
 # H100/H200/B200 systems). Achievable GEMM peak (bf16): the "Maximum Achievable Matmul FLOPS" table of the
 # "Machine Learning Engineering" open book (A100 SXM 267.9, H100 SXM 792.1 -- H200 has the same chip --,
 # B200 1745.0). Flash attention shares: FlashAttention-2 (arXiv 2307.08691) on A100, FlashAttention-3
-# (arXiv 2407.08608) on H100. The cpu preset: this machine, measured by bench/measure_cpu.py
-# (bench/README.md, "The planner on this machine"). The sustained shares are calibrated on the seen published
-# runs by planning/calibration.py (A100 on its A100 rows, H100 on its H100 rows; H200 and B200 take H100's:
-# the same chip, and no B200 rows), the one constant taken from throughput rows; 1.0 on the cpu preset,
-# which has no such rows. docs/planning.md lists them all.
-SUSTAINED = {"a100-80g": 0.895, "h100-sxm": 0.799}
+# (arXiv 2407.08608) on H100 for Transformer Engine's fused attention; FlashAttention-2 on H100 from the
+# same paper (its forward 370 against FlashAttention-3's 640 TFLOP/s at head dim 128, its backward 1/1.5 to
+# 1/1.75 of FlashAttention-3's: about 0.6 of the FlashAttention-3 share), B200 assumed as H100. The cpu
+# preset: this machine, measured by bench/measure_cpu.py (bench/README.md, "The planner on this machine").
+# The sustained shares are calibrated on the seen published runs by planning/calibration.py (A100 on its
+# A100 rows, H100 on its H100 rows; H200 and B200 take H100's: the same chip, and no B200 rows), the one
+# constant taken from throughput rows; 1.0 on the cpu preset, which has no such rows. docs/planning.md lists them all.
+SUSTAINED = {"a100-80g": 0.852, "h100-sxm": 0.768}
+FA2_H100 = 0.30  # a FlashAttention-2-class kernel on Hopper (and, assumed, Blackwell): 0.6 of FlashAttention-3's 0.50
+AMPERE_FLASH, HOPPER_FLASH = (0.60, None), (0.50, FA2_H100)
 BORROWED = {"h200": "h100-sxm", "b200": "h100-sxm"}  # same chip (H200); no calibration rows (B200): assumed
 GPUS: dict[str, GPUSpec] = {
-    "a100-80g": _gpu("a100-80g", 80.0, 312.0, 19.5, 300.0, 25.0, 2039.0, 267.9, 108, 0.60, SUSTAINED["a100-80g"]),
-    "h100-sxm": _gpu("h100-sxm", 80.0, 989.0, 67.0, 450.0, 50.0, 3350.0, 792.1, 132, 0.50, SUSTAINED["h100-sxm"]),
-    "h200": _gpu("h200", 141.0, 989.0, 67.0, 450.0, 50.0, 4800.0, 792.1, 132, 0.50, SUSTAINED[BORROWED["h200"]]),
-    "b200": _gpu("b200", 180.0, 2250.0, 75.0, 900.0, 50.0, 8000.0, 1745.0, 148, 0.50, SUSTAINED[BORROWED["b200"]]),
+    "a100-80g": _gpu("a100-80g", 80.0, 312.0, 19.5, 300.0, 25.0, 2039.0, 267.9, 108, AMPERE_FLASH,
+                     SUSTAINED["a100-80g"]),
+    "h100-sxm": _gpu("h100-sxm", 80.0, 989.0, 67.0, 450.0, 50.0, 3350.0, 792.1, 132, HOPPER_FLASH,
+                     SUSTAINED["h100-sxm"]),
+    "h200": _gpu("h200", 141.0, 989.0, 67.0, 450.0, 50.0, 4800.0, 792.1, 132, HOPPER_FLASH,
+                 SUSTAINED[BORROWED["h200"]]),
+    "b200": _gpu("b200", 180.0, 2250.0, 75.0, 900.0, 50.0, 8000.0, 1745.0, 148, HOPPER_FLASH,
+                 SUSTAINED[BORROWED["b200"]]),
     "cpu": GPUSpec("cpu", CPU_MEMORY_GB, {"bf16": CPU_BF16_TFLOPS, "fp16": CPU_BF16_TFLOPS, "fp32": CPU_FP32_TFLOPS},
                    CPU_GLOO_GBPS, CPU_GLOO_GBPS, CPU_MEMORY_GBPS,
                    {"bf16": CPU_BF16_TFLOPS, "fp16": CPU_BF16_TFLOPS, "fp32": CPU_FP32_TFLOPS}, None, 0.0, 0.0, 1.0,

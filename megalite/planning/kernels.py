@@ -78,7 +78,9 @@ def mlp_s(sh: RunShape, cl: ClusterConfig, rows: float, ffn: float, batch: int =
 def attention_s(sh: RunShape, cl: ClusterConfig) -> float:
     """The core attention per micro-batch on one rank (its a/t heads, its s/c queries against the s keys).
     Flash: the causal half of the square at the device's flash share of the spec peak, forward (again
-    with selective or full recomputation) and backward. Unfused: QK^T and PV as batched GEMMs per head."""
+    with selective or full recomputation) and backward; Transformer Engine's fused attention (cuDNN) runs
+    at the device's best kernel's share, other layers (SDPA, Triton) at a FlashAttention-2-class kernel's.
+    Unfused: QK^T and PV as batched GEMMs per head."""
     m = sh.cfg.model
     heads, d, q = m.num_attention_heads // sh.tp, m.kv_channels, sh.s // sh.cp
     again = 1 if sh.recompute in ("selective", "full") else 0
@@ -88,7 +90,9 @@ def attention_s(sh: RunShape, cl: ClusterConfig) -> float:
         return (train_gemm_s(q, sh.s, d, *args, batch=batch, forwards=1 + again)
                 + train_gemm_s(q, d, sh.s, *args, batch=batch, forwards=1 + again))
     fwd = 2 * 2 * sh.b * heads * q * sh.s * d / 2  # the causal half of QK^T and PV
-    return fwd * (1 + again + FLASH_BACKWARD) / (cl.peak_flops(sh.dtype) * cl.spec().flash_share * cl.sustained())
+    spec = cl.spec()
+    share = spec.flash_share if sh.te_layers or spec.fa2_share is None else spec.fa2_share
+    return fwd * (1 + again + FLASH_BACKWARD) / (cl.peak_flops(sh.dtype) * share * cl.sustained())
 
 
 def moe_mlp_s(sh: RunShape, cl: ClusterConfig) -> float:

@@ -124,7 +124,24 @@ def ranks_per_node_in_group(sh: RunShape, cl: ClusterConfig, axis: str, size: in
 
 
 def link(sh: RunShape, cl: ClusterConfig, axis: str, size: int) -> float:
+    """A point-to-point or all-to-all exchange's bandwidth per rank: each rank on its own link."""
     return cl.link_bytes_per_s(crosses_nodes(sh, cl, axis, size))
+
+
+def ring_bytes_per_s(cl: ClusterConfig, inter: bool, k: int) -> float:
+    """A ring collective's bandwidth per rank over a group with ``k`` ranks on each node. Across nodes NCCL
+    runs one ring per channel, and each ring enters and leaves a node once, through the NIC of one of the
+    group's ranks there: a node's network traffic is one rank's bytes spread over its k ranks' NICs (NCCL's
+    multi-node rings reach the node's aggregate NIC bandwidth, not one NIC's). So a rank's bytes move at k
+    NICs' bandwidth, never faster than NVLink carries them between the node's ranks."""
+    if not inter:
+        return cl.link_bytes_per_s(False)
+    return min(k * cl.link_bytes_per_s(True), cl.link_bytes_per_s(False))
+
+
+def ring_link(sh: RunShape, cl: ClusterConfig, axis: str, size: int) -> float:
+    """ring_bytes_per_s for a group of ``axis``."""
+    return ring_bytes_per_s(cl, crosses_nodes(sh, cl, axis, size), ranks_per_node_in_group(sh, cl, axis, size))
 
 
 def ring_latency_s(sh: RunShape, cl: ClusterConfig, axis: str, size: int, all_reduce: bool = False) -> float:
@@ -149,7 +166,7 @@ def tp_comm_s(sh: RunShape, cl: ClusterConfig) -> float:
     t = sh.tp
     if t == 1:
         return 0.0
-    per = 2 * (t - 1) / t * sh.local_tokens * sh.h * sh.act_bytes / link(sh, cl, "tp", t)
+    per = 2 * (t - 1) / t * sh.local_tokens * sh.h * sh.act_bytes / ring_link(sh, cl, "tp", t)
     per += (2 if sh.sp else 1) * ring_latency_s(sh, cl, "tp", t, all_reduce=not sh.sp)  # SP: a gather and a scatter
     reps = 3 if sh.recompute == "full" else 2
     stage = sh.busiest_stage  # rank 0 under an even split
@@ -206,13 +223,12 @@ def pp_comm_s(sh: RunShape, cl: ClusterConfig) -> float:
     return 2 * sh.v * sh.m * msg / link(sh, cl, "pp", sh.pp)
 
 
-def _grad_sync_s(sh: RunShape, cl: ClusterConfig, n: int, d: int, inter: bool, k: int, shards_params: bool,
+def _grad_sync_s(sh: RunShape, cl: ClusterConfig, n: int, d: int, bw: float, shards_params: bool,
                  lat: float = 0.0) -> float:
     """One gradient buffer of ``n`` elements synchronised over ``d`` ranks (see dp_comm_s), each collective
     also costing ``lat`` (a ring's latency; an all-reduce twice): per bucket, ZeRO-3's per layer. Exposed:
     what is not overlapped, and what is overlapped beyond the work it runs behind (_overlap_windows_s)."""
     dd = sh.cfg.ddp
-    bw = cl.link_bytes_per_s(inter)
     frac = (d - 1) / d
     bucket_numel = dd.ddp_bucket_size or max(40_000_000, 1_000_000 * d)
     nb = -(-n // bucket_numel) if dd.overlap_grad_reduce else 1  # collectives per buffer: its buckets
@@ -230,8 +246,6 @@ def _grad_sync_s(sh: RunShape, cl: ClusterConfig, n: int, d: int, inter: bool, k
     else:
         reduce, gather = 2 * frac * n * sh.grad_bytes, 0.0
         calls = (2 * nb, 0)  # an all-reduce's latency is about twice a reduce-scatter's
-    if inter and k > 1:
-        reduce, gather = reduce / k, gather / k
     reduce, gather = reduce / bw + calls[0] * lat, gather / bw + calls[1] * lat
     bucket = min(1.0, bucket_numel / max(n, 1))
     hidden_r = reduce * (1 - bucket) if dd.overlap_grad_reduce else 0.0  # the last bucket is never hidden
@@ -261,8 +275,8 @@ def _overlap_windows_s(sh: RunShape, cl: ClusterConfig, shards_params: bool) -> 
 def dp_comm_s(sh: RunShape, cl: ClusterConfig) -> float:
     """The gradient buffer once per step over the DP x CP ranks: an all-reduce, or with the distributed
     optimizer a reduce-scatter of gradients and an all-gather of weights (ZeRO-2: the reduce-scatter per
-    micro-batch; ZeRO-3: also two weight all-gathers per micro-batch, docs/parallelism.md); hierarchical reduction sends
-    1/k of it across nodes (k of the group's ranks per node). Exposed: all of it, or with
+    micro-batch; ZeRO-3: also two weight all-gathers per micro-batch, docs/parallelism.md), at the group's ring
+    bandwidth (ring_bytes_per_s; hierarchical reduction moves the same bytes across nodes). Exposed: all of it, or with
     --overlap-grad-reduce the last bucket, plus the all-gather unless --overlap-param-gather. Routed
     experts have their own buffer: expert_dp_comm_s."""
     d = sh.dp * sh.cp
@@ -270,10 +284,10 @@ def dp_comm_s(sh: RunShape, cl: ClusterConfig) -> float:
         return 0.0
     axis = "dp"
     inter = crosses_nodes(sh, cl, axis, sh.dp) or (sh.cp > 1 and crosses_nodes(sh, cl, "cp", sh.cp))
-    k = ranks_per_node_in_group(sh, cl, axis, sh.dp) if sh.cfg.parallel.hierarchical_dp_reduce else 1
     n = stage_dense_params(sh, state_stage(sh))
     group = "cp" if sh.cp > 1 else axis  # DP x CP: its ranks as close as CP's (the inner axis of the two)
-    return _grad_sync_s(sh, cl, n, d, inter, k, sh.cfg.ddp.shards_params, ring_latency_s(sh, cl, group, d))
+    bw = ring_bytes_per_s(cl, inter, ranks_per_node_in_group(sh, cl, group, d))
+    return _grad_sync_s(sh, cl, n, d, bw, sh.cfg.ddp.shards_params, ring_latency_s(sh, cl, group, d))
 
 
 def expert_dp_comm_s(sh: RunShape, cl: ClusterConfig) -> float:
@@ -282,7 +296,7 @@ def expert_dp_comm_s(sh: RunShape, cl: ClusterConfig) -> float:
     if sh.edp == 1 or not sh.is_moe:
         return 0.0
     n = max(stage_expert_params(sh, r) for r in {0, sh.pp - 1})
-    return _grad_sync_s(sh, cl, n, sh.edp, crosses_nodes(sh, cl, "edp", sh.edp), 1, False,
+    return _grad_sync_s(sh, cl, n, sh.edp, ring_link(sh, cl, "edp", sh.edp), False,
                         ring_latency_s(sh, cl, "edp", sh.edp))
 
 
@@ -327,7 +341,7 @@ def ep_comm_s(sh: RunShape, cl: ClusterConfig) -> float:
             out += all_to_all_s(sh, cl, "ep", sh.ep, nbytes) * cl.moe_imbalance
         elif kind == "emp":
             n = sh.ep * sh.etp
-            out += (n - 1) / n * nbytes / link(sh, cl, "emp", n)
+            out += (n - 1) / n * nbytes / ring_link(sh, cl, "emp", n)
     return out
 
 
