@@ -198,3 +198,21 @@ def test_flash_attention_kernel_follows_the_layers():
             times[gpu, bool(te)] = attention_s(plan.shape, plan.cluster)
     assert times["h100-sxm", False] / times["h100-sxm", True] == pytest.approx(GPUS["h100-sxm"].flash_share / FA2_H100)
     assert times["a100-80g", False] == pytest.approx(times["a100-80g", True])
+
+
+def test_block_recomputation_reruns_only_its_layers():
+    """--recompute-method block reruns the forward of its --recompute-num-layers layers only: the compute
+    term and the FLOPs with recomputation lie between no recomputation's and uniform full recomputation's, at
+    the recomputed share (8 of 24 layers: a third of the extra forward)."""
+    base = ["--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16", "--seq-length", "2048",
+            "--max-position-embeddings", "2048", "--bf16", "--micro-batch-size", "1", "--global-batch-size", "8"]
+    cluster = ["--num-nodes", "1", "--gpus-per-node", "8"]
+    none, _ = plan_config(base, cluster)
+    full, _ = plan_config([*base, "--recompute-granularity", "full"], cluster)
+    block, _ = plan_config([*base, "--recompute-granularity", "full", "--recompute-method", "block",
+                            "--recompute-num-layers", "8"], cluster)
+    c = {k: p.time.terms["compute"] for k, p in (("none", none), ("full", full), ("block", block))}
+    assert c["none"] < c["block"] < c["full"]
+    assert c["block"] - c["none"] == pytest.approx((c["full"] - c["none"]) / 3, rel=0.02)
+    assert block.time.hardware_flops - none.time.hardware_flops == pytest.approx(
+        (full.time.hardware_flops - none.time.hardware_flops) / 3)

@@ -44,14 +44,15 @@ def gemm_s(m: float, n: float, k: float, cl: ClusterConfig, dtype: str, elem: in
 
 
 def train_gemm_s(m: float, n: float, k: float, cl: ClusterConfig, dtype: str, elem: int, batch: int = 1,
-                 forwards: int = 1) -> float:
+                 forwards: float = 1) -> float:
     """A GEMM's forward (``forwards`` times: 2 with full recomputation) and its two backward GEMMs."""
     fwd = gemm_s(m, n, k, cl, dtype, elem, batch)
     return forwards * fwd + gemm_s(m, k, n, cl, dtype, elem, batch) + gemm_s(k, n, m, cl, dtype, elem, batch)
 
 
-def _forwards(sh: RunShape) -> int:
-    return 2 if sh.recompute == "full" else 1
+def _forwards(sh: RunShape) -> float:
+    """Forwards per layer: 1, and again for the share of layers full recomputation reruns."""
+    return 1 + sh.recomputed_share
 
 
 def linear_s(sh: RunShape, cl: ClusterConfig, moe: bool = False) -> float:
@@ -83,7 +84,7 @@ def attention_s(sh: RunShape, cl: ClusterConfig) -> float:
     Unfused: QK^T and PV as batched GEMMs per head."""
     m = sh.cfg.model
     heads, d, q = m.num_attention_heads // sh.tp, m.kv_channels, sh.s // sh.cp
-    again = 1 if sh.recompute in ("selective", "full") else 0
+    again = 1 if sh.recompute == "selective" else sh.recomputed_share
     if m.attention_backend in UNFUSED_BACKENDS or not cl.spec().flash_share:
         args = (cl, sh.dtype, sh.act_bytes)
         batch = sh.b * heads

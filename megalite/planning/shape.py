@@ -126,6 +126,17 @@ class RunShape:
         return self.layers_in(self.busiest_stage)
 
     @property
+    def recomputed_share(self) -> float:
+        """The share of a chunk's layers full recomputation runs forward again: all of them (uniform), or
+        the first --recompute-num-layers of each chunk (block); 0 without full recomputation."""
+        m = self.cfg.model
+        if self.recompute != "full":
+            return 0.0
+        if m.recompute_method == "block":
+            return min(m.recompute_num_layers, self.layers_per_chunk) / max(self.layers_per_chunk, 1)
+        return 1.0
+
+    @property
     def layers_per_chunk(self) -> int:
         """Layers of the largest chunk."""
         return max(len(self.chunk_layers(r, c)) for r in range(self.pp) for c in range(self.v))

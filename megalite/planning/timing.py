@@ -29,7 +29,9 @@ def step_flops(sh: RunShape, with_recompute: bool) -> float:
     (selective)."""
     m = sh.cfg.model
     tokens = sh.m * sh.b * sh.dp * sh.s
-    flops = training_flops(m, sh.vocab, sh.s, tokens, recompute=with_recompute and sh.recompute == "full")
+    flops = training_flops(m, sh.vocab, sh.s, tokens)
+    if with_recompute:  # the forward again, for the share of the layers recomputed
+        flops += sh.recomputed_share * (training_flops(m, sh.vocab, sh.s, tokens, recompute=True) - flops)
     if with_recompute and sh.recompute == "selective":
         flops += tokens * m.num_layers * 2 * 2 * sh.s * m.num_attention_heads * m.kv_channels
     return flops
@@ -168,7 +170,7 @@ def tp_comm_s(sh: RunShape, cl: ClusterConfig) -> float:
         return 0.0
     per = 2 * (t - 1) / t * sh.local_tokens * sh.h * sh.act_bytes / ring_link(sh, cl, "tp", t)
     per += (2 if sh.sp else 1) * ring_latency_s(sh, cl, "tp", t, all_reduce=not sh.sp)  # SP: a gather and a scatter
-    reps = 3 if sh.recompute == "full" else 2
+    reps = 2 + sh.recomputed_share
     stage = sh.busiest_stage  # rank 0 under an even split
     n_moe = sh.moe_layers_in(stage)
     dense, moe = 2 * reps * per, (2 if sh.cfg.model.moe_shared_expert_intermediate_size else 1) * reps * per
@@ -209,9 +211,7 @@ def cp_comm_s(sh: RunShape, cl: ClusterConfig) -> float:
     layers = sh.split.rank_layers(sh.busiest_stage)
     per = sum(nbytes / link(sh, cl, axis, size) for i in layers for axis, size, nbytes in cp_layer_bytes(sh, kinds[i])
               if size > 1)
-    if sh.recompute == "full":
-        per *= 1.5
-    return per * sh.m
+    return per * (1 + sh.recomputed_share / 2) * sh.m
 
 
 def pp_comm_s(sh: RunShape, cl: ClusterConfig) -> float:
@@ -315,7 +315,7 @@ def moe_step_comm_bytes(sh: RunShape, stage: int = 0) -> dict[tuple[str, str], f
     if not sh.is_moe:
         return {}
     times = sh.m * sh.moe_layers_in(stage)
-    again = 2 if sh.recompute == "full" else 1
+    again = 1 + sh.recomputed_share
     return {key: times * (fwd * again + bwd) for key, (fwd, bwd) in dispatch_comm_bytes(sh).items()}
 
 
