@@ -4,8 +4,9 @@ step. It stands for what the kernel benchmarks behind those figures do not see: 
 power draw, the gaps between kernels, the SMs and memory bandwidth overlapped communication takes.
 
 It is calibrated on the rows the planner has already seen, named here and never held out again
-(docs/planning.md, "After round 4: fixes and the calibration now"): the development rows (published.py) and
-the held-out rounds' rows (heldout.py: rounds 1 to 4), each seen at its round's first and only run. The
+(docs/planning.md, "Between rounds 4 and 5"): the development rows (published.py) and
+the held-out rounds' rows (heldout.py: rounds 1 to 4), each seen at its round's first and only run;
+round 5's (heldout_v5.py) stay held out. The
 share of a GPU is the one at which the median signed error of its rows is zero (bisection: the error falls
 as the share does). Rows of a GPU with no calibration rows take the share of the GPU ``hardware.BORROWED``
 names.
