@@ -2,7 +2,7 @@
 
 Counted per token, forward: 2 FLOPs per multiply-add of every GEMM (QKV, attention output, MLP, logits)
 plus the two attention matmuls (QK^T and PV, 2*2*s*h_attn, counted over the full causal square as
-Megatron does). Training = 3x forward (backward costs two forwards); full recomputation adds one more.
+Megatron does). Training = 3x forward (backward costs two forwards); full recomputation adds the layers' forward again.
 Mixture of experts counts the active parameters: an MoE layer's MLP is its router (h x E), the k routed
 experts a token goes through (expert hidden size) and the shared expert and its gate if any.
 """
@@ -46,4 +46,7 @@ def flops_per_token(cfg: ModelConfig, vocab_size: int, seq_length: int) -> float
 
 def training_flops(cfg: ModelConfig, vocab_size: int, seq_length: int, tokens: int, recompute: bool = False
                    ) -> float:
-    return (4.0 if recompute else 3.0) * flops_per_token(cfg, vocab_size, seq_length) * tokens
+    """3x the forward; full recomputation runs the layers' forward again (never the output layer's)."""
+    forward = flops_per_token(cfg, vocab_size, seq_length)
+    again = forward - 2 * cfg.hidden_size * vocab_size if recompute else 0.0
+    return (3.0 * forward + again) * tokens

@@ -63,7 +63,7 @@ def _gpu(name: str, mem: float, bf16: float, fp32: float, nvlink: float, net: fl
 # The sustained shares are calibrated on the seen published runs by planning/calibration.py (A100 on its
 # A100 rows, H100 on its H100 rows; H200 and B200 take H100's: the same chip, and no B200 rows), the one
 # constant taken from throughput rows; 1.0 on the cpu preset, which has no such rows. docs/planning.md lists them all.
-SUSTAINED = {"a100-80g": 0.852, "h100-sxm": 0.768}
+SUSTAINED = {"a100-80g": 0.844, "h100-sxm": 0.767}
 FA2_H100 = 0.30  # a FlashAttention-2-class kernel on Hopper (and, assumed, Blackwell): 0.6 of FlashAttention-3's 0.50
 AMPERE_FLASH, HOPPER_FLASH = (0.60, None), (0.50, FA2_H100)
 BORROWED = {"h200": "h100-sxm", "b200": "h100-sxm"}  # same chip (H200); no calibration rows (B200): assumed

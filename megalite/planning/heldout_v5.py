@@ -41,7 +41,7 @@ def _fp(id: str, model: tuple[str, ...], layers: int, tp: int, pp: int, gpus: in
 
 
 _L3_8B = _fp_model(4096, 32, 8, 14336, 8192)
-_MIXTRAL = (*_llama(4096, 32, 8, 14336, 32001, 4096), "--num-experts", "8", "--moe-router-topk", "2",
+_MIXTRAL = (*_llama(4096, 32, 8, 14336, 32000, 4096), "--num-experts", "8", "--moe-router-topk", "2",
             "--moe-ffn-hidden-size", "14336", "--moe-token-dispatcher-type", "allgather", "--moe-grouped-gemm")
 _A = "a100-80g"
 
@@ -83,7 +83,7 @@ HELD_OUT_V5: list[HeldOutRun] = [
     _fp("FP-H-8B-16", _L3_8B, 32, 2, 1, 16, 512, 33.12, 379.9),
     _fp("FP-H-8B-440", _L3_8B, 32, 2, 1, 440, 1760, 4.650, 338.3),
     _fp("FP-H-70B-64", _fp_model(8192, 64, 8, 28672, 8192), 80, 8, 4, 64, 512, 77.01, 357.4),
-    _fp("FP-H-MIX-32", _MIXTRAL, 32, 8, 2, 32, 1200, 54.01, 204.7, "h100-sxm", 3, "--expert-model-parallel-size",
+    _fp("FP-H-MIX-32", _MIXTRAL, 32, 8, 2, 32, 1200, 54.01, 216.7, "h100-sxm", 3, "--expert-model-parallel-size",
         "1", "--expert-tensor-parallel-size", "8"),
     _fms("FMS-A-13B-128", "13b", _A, 3.810, 189.5),
     _fms("FMS-A-34B-128", "34b", _A, 9.990, 181.9),

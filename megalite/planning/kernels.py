@@ -111,9 +111,9 @@ def moe_mlp_s(sh: RunShape, cl: ClusterConfig) -> float:
 
 
 def logits_s(sh: RunShape, cl: ClusterConfig) -> float:
-    """The output layer's GEMM per micro-batch on the last stage (vocabulary split over TP)."""
-    return train_gemm_s(sh.local_tokens, sh.padded_vocab / sh.tp, sh.h, cl, sh.dtype, sh.act_bytes,
-                        forwards=_forwards(sh))
+    """The output layer's GEMM per micro-batch on the last stage (vocabulary split over TP); recomputation
+    never reruns it."""
+    return train_gemm_s(sh.local_tokens, sh.padded_vocab / sh.tp, sh.h, cl, sh.dtype, sh.act_bytes)
 
 
 def stage_compute_s(sh: RunShape, cl: ClusterConfig) -> float:

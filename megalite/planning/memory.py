@@ -295,11 +295,13 @@ def moe_activation_bytes(sh: RunShape, stage: int) -> float:
 
 
 def recompute_working_bytes(sh: RunShape) -> float:
-    """Full recomputation rebuilds one group's activations at a time during backward."""
+    """Full recomputation rebuilds one group's activations at a time during backward: a group of
+    --recompute-num-layers layers (uniform), one layer (block: each of its layers is checkpointed alone)."""
     if sh.recompute != "full":
         return 0.0
     layer = max(full_layer_bytes(sh, moe) for moe in {False, sh.is_moe})
-    return min(sh.cfg.model.recompute_num_layers, sh.layers_per_chunk) * layer
+    group = 1 if sh.cfg.model.recompute_method == "block" else sh.cfg.model.recompute_num_layers
+    return min(group, sh.layers_per_chunk) * layer
 
 
 def in_flight_chunks(sh: RunShape, stage: int) -> float:

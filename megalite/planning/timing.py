@@ -125,6 +125,18 @@ def ranks_per_node_in_group(sh: RunShape, cl: ClusterConfig, axis: str, size: in
     return max(1, min(size, cl.gpus_per_node // axis_stride(sh, axis)))
 
 
+def dp_cp_ranks_per_node(sh: RunShape, cl: ClusterConfig) -> int:
+    """The DP x CP group's ranks on the first node: CP's ranks there for each DP rank there (the two axes lie
+    their own strides apart, and need not be neighbours in the rank order: tp-cp-pp-dp)."""
+    node, s_cp, s_dp = cl.gpus_per_node, axis_stride(sh, "cp"), axis_stride(sh, "dp")
+    count = 0
+    for j in range(sh.dp):
+        if j * s_dp >= node:
+            break
+        count += min(sh.cp, -(-(node - j * s_dp) // s_cp))
+    return max(count, 1)
+
+
 def link(sh: RunShape, cl: ClusterConfig, axis: str, size: int) -> float:
     """A point-to-point or all-to-all exchange's bandwidth per rank: each rank on its own link."""
     return cl.link_bytes_per_s(crosses_nodes(sh, cl, axis, size))
@@ -146,7 +158,8 @@ def ring_link(sh: RunShape, cl: ClusterConfig, axis: str, size: int) -> float:
     return ring_bytes_per_s(cl, crosses_nodes(sh, cl, axis, size), ranks_per_node_in_group(sh, cl, axis, size))
 
 
-def ring_latency_s(sh: RunShape, cl: ClusterConfig, axis: str, size: int, all_reduce: bool = False) -> float:
+def ring_latency_s(sh: RunShape, cl: ClusterConfig, axis: str, size: int, all_reduce: bool = False,
+                   per_node: int | None = None) -> float:
     """One ring collective's latency over a group of ``axis`` by NCCL's cost model (hardware.py): a base
     plus a step's latency per step, n - 1 steps of which nodes - 1 cross nodes (twice for an all-reduce);
     what makes many small collectives (ZeRO-3's per layer, a large group's) cost more than their bytes."""
@@ -154,7 +167,7 @@ def ring_latency_s(sh: RunShape, cl: ClusterConfig, axis: str, size: int, all_re
     if size <= 1 or lat is None:
         return 0.0
     base, intra, inter = lat
-    nodes = -(-size // ranks_per_node_in_group(sh, cl, axis, size))
+    nodes = -(-size // (per_node or ranks_per_node_in_group(sh, cl, axis, size)))
     return (base + (2 if all_reduce else 1) * ((size - nodes) * intra + (nodes - 1) * inter)) * 1e-6
 
 
@@ -204,13 +217,14 @@ def cp_layer_bytes(sh: RunShape, kind: str) -> list[tuple[str, int, float]]:
 
 def cp_comm_s(sh: RunShape, cl: ClusterConfig) -> float:
     """Context parallelism per micro-batch: every layer of the first pipeline rank by its own --cp-comm-type
-    (``cp_layer_bytes``), each part over the link its group uses; full recomputation repeats the forward's."""
+    (``cp_layer_bytes``), each part over the link its group uses (allgather's all-gather and reduce-scatter
+    as rings, p2p and a2a per rank); full recomputation repeats the forward's."""
     if sh.cp == 1:
         return 0.0
     kinds = sh.cfg.parallel.layer_cp_comm_types(sh.cfg.model.num_layers)
     layers = sh.split.rank_layers(sh.busiest_stage)
-    per = sum(nbytes / link(sh, cl, axis, size) for i in layers for axis, size, nbytes in cp_layer_bytes(sh, kinds[i])
-              if size > 1)
+    per = sum(nbytes / (ring_link if kinds[i] == "allgather" else link)(sh, cl, axis, size) for i in layers
+              for axis, size, nbytes in cp_layer_bytes(sh, kinds[i]) if size > 1)
     return per * (1 + sh.recomputed_share / 2) * sh.m
 
 
@@ -285,9 +299,9 @@ def dp_comm_s(sh: RunShape, cl: ClusterConfig) -> float:
     axis = "dp"
     inter = crosses_nodes(sh, cl, axis, sh.dp) or (sh.cp > 1 and crosses_nodes(sh, cl, "cp", sh.cp))
     n = stage_dense_params(sh, state_stage(sh))
-    group = "cp" if sh.cp > 1 else axis  # DP x CP: its ranks as close as CP's (the inner axis of the two)
-    bw = ring_bytes_per_s(cl, inter, ranks_per_node_in_group(sh, cl, group, d))
-    return _grad_sync_s(sh, cl, n, d, bw, sh.cfg.ddp.shards_params, ring_latency_s(sh, cl, group, d))
+    k = dp_cp_ranks_per_node(sh, cl) if sh.cp > 1 else ranks_per_node_in_group(sh, cl, axis, d)
+    lat = ring_latency_s(sh, cl, axis, d, per_node=k)
+    return _grad_sync_s(sh, cl, n, d, ring_bytes_per_s(cl, inter, k), sh.cfg.ddp.shards_params, lat)
 
 
 def expert_dp_comm_s(sh: RunShape, cl: ClusterConfig) -> float:
