@@ -11,6 +11,9 @@ MAX_FIGURE = 1e9  # TFLOP/s, GB or GB/s per GPU: a figure past this is a typo
 # This machine (2 cores), measured by bench/measure_cpu.py; the command and its output are in bench/README.md.
 CPU_FP32_TFLOPS, CPU_BF16_TFLOPS = 0.141, 0.897  # best square matmul (fp32 at load 0.4; bf16 on AMX tiles)
 CPU_MEMORY_GBPS, CPU_GLOO_GBPS, CPU_MEMORY_GB = 16.3, 1.39, 25.3  # copy read + written; gloo bus bw, 2 procs
+# With OMP_NUM_THREADS=1 (a bench rank's threads), torch 2.13.0: an autograd operator on a tiny tensor, forward
+# + backward, in us, and an fp32 bernoulli_'s G elements/s (bench/README.md has the run and its load average)
+CPU_OP_US, CPU_MASK_GELEMS = 8.71, 0.186
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,13 @@ class GPUSpec:
     # the same for a FlashAttention-2-class kernel (Ampere instructions: PyTorch SDPA's flash backend, the
     # 2023 Triton kernel), what a run without Transformer Engine's fused attention gets; None: flash_share
     fa2_share: float | None = None
+    # eager kernels' costs beyond their bytes (planning/eager.py), given on the cpu preset only: an operator
+    # call's overhead, forward + backward, in microseconds; dropout's keep-mask pace (bernoulli_), billions of
+    # elements per second; whether unfused attention's every pass over its scores is timed. None / False: not
+    # modelled (a GPU's launches overlap its kernels, its masks are drawn inside fused kernels)
+    op_overhead_us: float | None = None
+    mask_gelems_per_s: float | None = None
+    eager_score_passes: bool = False
 
 
 FP32_SHARE = 0.80  # achievable share of the fp32 (non-tensor-core) spec peak: an assumption, docs/planning.md
@@ -79,7 +89,8 @@ GPUS: dict[str, GPUSpec] = {
     "cpu": GPUSpec("cpu", CPU_MEMORY_GB, {"bf16": CPU_BF16_TFLOPS, "fp16": CPU_BF16_TFLOPS, "fp32": CPU_FP32_TFLOPS},
                    CPU_GLOO_GBPS, CPU_GLOO_GBPS, CPU_MEMORY_GBPS,
                    {"bf16": CPU_BF16_TFLOPS, "fp16": CPU_BF16_TFLOPS, "fp32": CPU_FP32_TFLOPS}, None, 0.0, 0.0, 1.0,
-                   ring_latency_us=None),
+                   ring_latency_us=None, op_overhead_us=CPU_OP_US, mask_gelems_per_s=CPU_MASK_GELEMS,
+                   eager_score_passes=True),
 }
 
 
