@@ -8,7 +8,7 @@ import pytest
 
 from megalite.planning.cli import plan_config
 from megalite.planning.eager import mask_elements, operator_calls
-from megalite.planning.hardware import CPU_MASK_GELEMS, CPU_OP_US, GPUS
+from megalite.planning.hardware import CPU_ELEMENTWISE_GBPS, CPU_MASK_GELEMS, CPU_OP_US, GPUS
 
 EAGER_TERMS = ("operator calls", "dropout masks", "attention score passes")
 
@@ -57,5 +57,20 @@ def test_gpu_presets_have_no_eager_terms(gpu: str):
     """The GPU presets give none of the figures: their step time has none of the terms."""
     spec = GPUS[gpu]
     assert spec.op_overhead_us is None and spec.mask_gelems_per_s is None and not spec.eager_score_passes
+    assert spec.elementwise_gbps is None
     plan = _plan(gpu, extra=("--bf16",))
     assert not set(EAGER_TERMS) & set(plan.time.terms)
+
+
+def test_memory_bound_work_at_the_elementwise_bandwidth_on_cpu(monkeypatch):
+    """The cpu preset's GeLU bandwidth (below its copy's) paces the memory-bound work; without it, the copy's."""
+    import dataclasses
+
+    import megalite.planning.hardware as hw
+
+    plan = _plan()
+    assert plan.cluster.elementwise_bytes_per_s() == pytest.approx(CPU_ELEMENTWISE_GBPS * 1e9)
+    monkeypatch.setitem(hw.GPUS, "cpu", dataclasses.replace(GPUS["cpu"], elementwise_gbps=None))
+    copy_paced = _plan()
+    assert plan.time.terms["memory-bound work"] == pytest.approx(
+        copy_paced.time.terms["memory-bound work"] * hw.CPU_MEMORY_GBPS / CPU_ELEMENTWISE_GBPS)

@@ -5,8 +5,9 @@ chain of elementwise kernels passes over its s x s scores more often than the me
 "written, read, its gradient written and read" count of the tensors it keeps.
 
 Each term applies only where the device's spec gives its figure (GPUSpec.op_overhead_us,
-mask_gelems_per_s, eager_score_passes: the cpu preset's, measured by bench/measure_cpu.py), so the GPU
-presets' predictions are untouched: on a GPU these costs hide behind the launch queue or are fused.
+mask_gelems_per_s, eager_score_passes; elementwise_gbps paces timing.memory_bound_s: the cpu preset's,
+measured by bench/measure_cpu.py), so the GPU presets' predictions are untouched: on a GPU these costs
+hide behind the launch queue or are fused.
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ def dropout_mask_s(sh: RunShape, cl: ClusterConfig) -> float:
 def eager_scores_s(sh: RunShape, cl: ClusterConfig) -> float:
     """The unfused attention's passes over its scores beyond the memory-bound term's four per kept byte
     (SCORE_PASSES against the softmax output's 4; with dropout SCORE_DROPOUT_PASSES more against the
-    mask's and output's 8), at the achievable memory bandwidth; 0 unless the spec says its kernels run
+    mask's and output's 8), at the elementwise kernels' bandwidth; 0 unless the spec says its kernels run
     eagerly, or with a fused attention kernel."""
     m = sh.cfg.model
     if not cl.spec().eager_score_passes or m.attention_backend not in UNFUSED_BACKENDS:
@@ -105,4 +106,4 @@ def eager_scores_s(sh: RunShape, cl: ClusterConfig) -> float:
     fwd = 6 + (8 if drop else 0)
     scores = sh.local_tokens * sh.s * m.num_attention_heads / sh.tp
     per_mb = sh.layers_in(sh.busiest_stage) * scores * (extra + again * fwd) * sh.act_bytes
-    return sh.m * per_mb / cl.hbm_bytes_per_s()
+    return sh.m * per_mb / cl.elementwise_bytes_per_s()

@@ -46,10 +46,11 @@ def memory_bound_s(sh: RunShape, cl: ClusterConfig) -> float:
     """Work bound by device-memory bandwidth rather than FLOPs (norms, dropouts, activations, residuals,
     the loss), on the pipeline rank with the most of it: every activation a layer keeps is written in
     forward and read in backward, and its gradient written and read (4x the layer's activation bytes);
-    the cross-entropy makes 5 passes (read and write) over the fp32 logits, on the rank holding the loss."""
+    the cross-entropy makes 5 passes (read and write) over the fp32 logits, on the rank holding the loss; at
+    the elementwise kernels' bandwidth (ClusterConfig.elementwise_bytes_per_s: the device memory's on a GPU)."""
     ce = 10 * sh.local_tokens * sh.padded_vocab / sh.tp * 4
     per_mb = max(4 * stage_layer_bytes(sh, r) + (ce if r == sh.loss_rank else 0.0) for r in range(sh.pp))
-    return sh.m * per_mb / cl.hbm_bytes_per_s()
+    return sh.m * per_mb / cl.elementwise_bytes_per_s()
 
 
 OPTIMIZER_BYTES = 34  # Adam, per parameter (optimizer_s)
