@@ -1,9 +1,9 @@
 """This machine's figures for the planner's `cpu` preset (megalite/planning/hardware.py): the best matmul
 TFLOP/s in fp32 and bf16 over a few large shapes, the memory bandwidth of a large copy (bytes read +
-written), gloo's all-reduce bus bandwidth between 2 local processes, and the memory the host has; and two
-figures for the eager kernels of a CPU step (bench/README.md): an elementwise GeLU's bandwidth, the cost
-of one autograd operator call, dropout's random-mask throughput (bernoulli_) and the cost of touching
-freshly allocated memory (page faults, not modelled: its bytes depend on the allocator).
+written), gloo's all-reduce bus bandwidth between 2 local processes, and the memory the host has; and the
+figures for the eager kernels of a CPU step (planning/eager.py, bench/README.md): an elementwise GeLU's
+bandwidth, the cost of one autograd operator call, dropout's random-mask throughput (bernoulli_) and the
+cost of touching freshly allocated memory (page faults, not modelled: its bytes depend on the allocator).
 
     OMP_NUM_THREADS=1 python bench/measure_cpu.py    # the threads bench_planner_cpu.py's ranks run with
 
