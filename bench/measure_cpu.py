@@ -1,10 +1,11 @@
 """This machine's figures for the planner's `cpu` preset (megalite/planning/hardware.py): the best matmul
 TFLOP/s in fp32 and bf16 over a few large shapes, the memory bandwidth of a large copy (bytes read +
-written), gloo's all-reduce bus bandwidth between 2 local processes, and the memory the host has; and two
-figures the preset does not use yet, what the profile of a CPU step points at (bench/README.md): an
-elementwise GeLU's bandwidth and the cost of one autograd operator call.
+written), gloo's all-reduce bus bandwidth between 2 local processes, and the memory the host has; and the
+figures for the eager kernels of a CPU step (planning/eager.py, bench/README.md): an elementwise GeLU's
+bandwidth, the cost of one autograd operator call, dropout's random-mask throughput (bernoulli_) and the
+cost of touching freshly allocated memory (page faults, not modelled: its bytes depend on the allocator).
 
-    python bench/measure_cpu.py
+    OMP_NUM_THREADS=1 python bench/measure_cpu.py    # the threads bench_planner_cpu.py's ranks run with
 
 Prints one line per figure and warns when the load average exceeds the cores (the figures are then low).
 """
@@ -72,6 +73,21 @@ def autograd_op_us(n: int = 500) -> float:
     return best_of(chain) / n * 1e6
 
 
+def bernoulli_gelems(n: int = 4_000_000) -> float:
+    """Billions of elements per second of an in-place fp32 bernoulli_ (dropout's keep mask): on a CPU a
+    random-number generator's pace, not a memory bandwidth."""
+    x = torch.empty(n)
+    return n / best_of(lambda: x.bernoulli_(0.9)) / 1e9
+
+
+def first_touch_us(nbytes: int = 64 * 2**20) -> float:
+    """Microseconds per 4 KiB page of writing freshly mapped memory, beyond writing memory already mapped
+    (a fill of a new 64 MiB tensor, which the allocator maps afresh, against one of a reused tensor)."""
+    n, reused = nbytes // 4, torch.empty(nbytes // 4)
+    fresh = best_of(lambda: torch.empty(n).fill_(1.0))
+    return (fresh - best_of(lambda: reused.fill_(1.0))) / (nbytes / 4096) * 1e6
+
+
 def _allreduce_worker(rank: int, world: int, port: int, out) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -105,6 +121,8 @@ def main() -> int:
     print(f"copy {copy_gbps():.2f} GB/s (read + written)")
     print(f"GeLU {gelu_gbps():.2f} GB/s (read + written)")
     print(f"an autograd operator on a tiny tensor, forward + backward {autograd_op_us():.2f} us")
+    print(f"bernoulli_ (dropout masks) {bernoulli_gelems():.4f} G elements/s")
+    print(f"first touch of fresh memory {first_touch_us():.2f} us per 4 KiB page")
     print(f"gloo all-reduce bus bandwidth, 2 processes {gloo_gbps():.3f} GB/s")
     print(f"host memory {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 1e9:.1f} GB")
     return 0

@@ -11,6 +11,10 @@ MAX_FIGURE = 1e9  # TFLOP/s, GB or GB/s per GPU: a figure past this is a typo
 # This machine (2 cores), measured by bench/measure_cpu.py; the command and its output are in bench/README.md.
 CPU_FP32_TFLOPS, CPU_BF16_TFLOPS = 0.141, 0.897  # best square matmul (fp32 at load 0.4; bf16 on AMX tiles)
 CPU_MEMORY_GBPS, CPU_GLOO_GBPS, CPU_MEMORY_GB = 16.3, 1.39, 25.3  # copy read + written; gloo bus bw, 2 procs
+# With OMP_NUM_THREADS=1 (a bench rank's threads), torch 2.13.0, load average 0.9: an autograd operator on a tiny
+# tensor, forward + backward, in us; an fp32 bernoulli_'s G elements/s; an fp32 GeLU's GB/s, read + written
+# (bench/README.md, "The planner on this machine", has the run)
+CPU_OP_US, CPU_MASK_GELEMS, CPU_ELEMENTWISE_GBPS = 5.85, 0.215, 15.4
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,15 @@ class GPUSpec:
     # the same for a FlashAttention-2-class kernel (Ampere instructions: PyTorch SDPA's flash backend, the
     # 2023 Triton kernel), what a run without Transformer Engine's fused attention gets; None: flash_share
     fa2_share: float | None = None
+    # eager kernels' costs beyond their bytes (planning/eager.py), given on the cpu preset only: an operator
+    # call's overhead, forward + backward, in microseconds; dropout's keep-mask pace (bernoulli_), billions of
+    # elements per second; whether unfused attention's every pass over its scores is timed; an elementwise
+    # kernel's bandwidth (GB/s read + written), the memory-bound work's where it is below the copy's. None /
+    # False: not modelled (a GPU's launches overlap its kernels, its masks are drawn inside fused kernels)
+    op_overhead_us: float | None = None
+    mask_gelems_per_s: float | None = None
+    eager_score_passes: bool = False
+    elementwise_gbps: float | None = None
 
 
 FP32_SHARE = 0.80  # achievable share of the fp32 (non-tensor-core) spec peak: an assumption, docs/planning.md
@@ -79,7 +92,8 @@ GPUS: dict[str, GPUSpec] = {
     "cpu": GPUSpec("cpu", CPU_MEMORY_GB, {"bf16": CPU_BF16_TFLOPS, "fp16": CPU_BF16_TFLOPS, "fp32": CPU_FP32_TFLOPS},
                    CPU_GLOO_GBPS, CPU_GLOO_GBPS, CPU_MEMORY_GBPS,
                    {"bf16": CPU_BF16_TFLOPS, "fp16": CPU_BF16_TFLOPS, "fp32": CPU_FP32_TFLOPS}, None, 0.0, 0.0, 1.0,
-                   ring_latency_us=None),
+                   ring_latency_us=None, op_overhead_us=CPU_OP_US, mask_gelems_per_s=CPU_MASK_GELEMS,
+                   eager_score_passes=True, elementwise_gbps=CPU_ELEMENTWISE_GBPS),
 }
 
 
@@ -161,6 +175,12 @@ class ClusterConfig:
         """Achievable device-memory bandwidth: the figure times the share copy kernels reach."""
         gbps = self.hbm_gbps if self.hbm_gbps is not None else self.spec().hbm_gbps
         return gbps * 1e9 * self.spec().memory_share
+
+    def elementwise_bytes_per_s(self) -> float:
+        """The memory-bound work's bandwidth: the achievable device-memory bandwidth, or the spec's measured
+        elementwise kernel's where that is slower (a CPU's GeLU computes more per byte than a copy)."""
+        gbps = self.spec().elementwise_gbps
+        return min(self.hbm_bytes_per_s(), gbps * 1e9) if gbps is not None else self.hbm_bytes_per_s()
 
     def link_bytes_per_s(self, inter_node: bool) -> float:
         s = self.spec()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from megalite.planning.eager import dropout_mask_s, eager_scores_s, op_overhead_s
 from megalite.planning.flops import training_flops
 from megalite.planning.hardware import ClusterConfig
 from megalite.planning.kernels import linear_s, stage_compute_s
@@ -47,10 +48,11 @@ def memory_bound_s(sh: RunShape, cl: ClusterConfig) -> float:
     """Work bound by device-memory bandwidth rather than FLOPs (norms, dropouts, activations, residuals,
     the loss), on the pipeline rank with the most of it: every activation a layer keeps is written in
     forward and read in backward, and its gradient written and read (4x the layer's activation bytes);
-    the cross-entropy makes 5 passes (read and write) over the fp32 logits, on the rank holding the loss."""
+    the cross-entropy makes 5 passes (read and write) over the fp32 logits, on the rank holding the loss; at
+    the elementwise kernels' bandwidth (ClusterConfig.elementwise_bytes_per_s: the device memory's on a GPU)."""
     ce = 10 * sh.local_tokens * sh.padded_vocab / sh.tp * 4
     per_mb = max(4 * stage_layer_bytes(sh, r) + (ce if r == sh.loss_rank else 0.0) for r in range(sh.pp))
-    return sh.m * per_mb / cl.hbm_bytes_per_s()
+    return sh.m * per_mb / cl.elementwise_bytes_per_s()
 
 
 OPTIMIZER_BYTES = 34  # Adam, per parameter (optimizer_s)
@@ -80,7 +82,8 @@ def optimizer_s(sh: RunShape, cl: ClusterConfig) -> float:
 def busy_per_micro_batch_s(sh: RunShape, cl: ClusterConfig) -> float:
     """A stage's time for one micro-batch forward and backward: what the pipeline's fill and drain cost
     per step of the schedule."""
-    return (compute_s(sh, cl) + memory_bound_s(sh, cl) + tp_comm_s(sh, cl) + cp_comm_s(sh, cl)) / sh.m
+    eager = op_overhead_s(sh, cl) + dropout_mask_s(sh, cl) + eager_scores_s(sh, cl)  # 0 on the GPU presets
+    return (compute_s(sh, cl) + memory_bound_s(sh, cl) + tp_comm_s(sh, cl) + cp_comm_s(sh, cl) + eager) / sh.m
 
 
 def bubble_s(sh: RunShape, cl: ClusterConfig) -> float:
@@ -387,6 +390,13 @@ def step_time(sh: RunShape, cl: ClusterConfig) -> TimeReport:
              "optimizer step": optimizer_s(sh, cl), "pipeline bubble": bubble_s(sh, cl), "TP comm": tp_comm_s(sh, cl),
              "CP comm": cp_comm_s(sh, cl), "PP comm": pp_comm_s(sh, cl), "DP comm": dp_comm_s(sh, cl),
              "embedding comm": embedding_comm_s(sh, cl)}
+    spec = cl.spec()  # eager kernels' costs, only where the device's spec gives them (planning/eager.py)
+    if spec.op_overhead_us is not None:
+        terms["operator calls"] = op_overhead_s(sh, cl)
+    if spec.mask_gelems_per_s is not None:
+        terms["dropout masks"] = dropout_mask_s(sh, cl)
+    if spec.eager_score_passes:
+        terms["attention score passes"] = eager_scores_s(sh, cl)
     if sh.is_moe:
         terms.update({"MoE dispatch (EP)": ep_comm_s(sh, cl), "MoE expert-TP comm": etp_comm_s(sh, cl),
                       "expert DP comm": expert_dp_comm_s(sh, cl)})
