@@ -8,12 +8,12 @@ from megalite.config.domain import MAX_RANKS, at_least, fraction, positive, size
 from megalite.config.flags import domain_errors, option
 
 MAX_FIGURE = 1e9  # TFLOP/s, GB or GB/s per GPU: a figure past this is a typo
-# This machine (2 cores), measured by bench/measure_cpu.py; the command and its output are in bench/README.md.
-CPU_FP32_TFLOPS, CPU_BF16_TFLOPS = 0.141, 0.897  # best square matmul (fp32 at load 0.4; bf16 on AMX tiles)
-CPU_MEMORY_GBPS, CPU_GLOO_GBPS, CPU_MEMORY_GB = 16.3, 1.39, 25.3  # copy read + written; gloo bus bw, 2 procs
-# With OMP_NUM_THREADS=1 (a bench rank's threads), torch 2.13.0, load average 0.9: an autograd operator on a tiny
-# tensor, forward + backward, in us; an fp32 bernoulli_'s G elements/s; an fp32 GeLU's GB/s, read + written
-# (bench/README.md, "The planner on this machine", has the run)
+# This machine (2 cores), one run of `OMP_NUM_THREADS=1 python bench/measure_cpu.py` (a rank's threads, as the
+# bench runs them; torch 2.13.0, load average 0.9 at the start, 1.0 at the end; bench/README.md has the run):
+CPU_FP32_TFLOPS, CPU_BF16_TFLOPS = 0.094, 0.430  # best square matmul (bf16 on AMX tiles)
+CPU_MEMORY_GBPS, CPU_GLOO_GBPS, CPU_MEMORY_GB = 36.2, 1.71, 25.3  # copy read + written; gloo bus bw, 2 procs
+# an autograd operator on a tiny tensor, forward + backward, in us; an fp32 bernoulli_'s G elements/s; an fp32
+# GeLU's GB/s, read + written
 CPU_OP_US, CPU_MASK_GELEMS, CPU_ELEMENTWISE_GBPS = 5.85, 0.215, 15.4
 
 
