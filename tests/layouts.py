@@ -169,5 +169,5 @@ class LayoutMatrix:
         return [(mode, m, n) for mode in P2P_MODES for m, n in self.cases
                 if mode == "nccl_semantics" or (m, n) in self.gloo]
 
-    def check(self, mode: str, model: str, layout: str, iters: int) -> None:
-        assert_matches_serial(self.curves(mode), (model, layout), serial_curve(self.flat(model)), iters)
+    def check(self, mode: str, model: str, layout: str, iters: int, rtol: float = 1e-5) -> None:
+        assert_matches_serial(self.curves(mode), (model, layout), serial_curve(self.flat(model)), iters, rtol)

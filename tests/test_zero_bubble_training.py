@@ -51,6 +51,10 @@ CASES = [("llama4", "zbh1_pp4"), ("llama4", "zbh1_pp2_tp2_sp"), ("llama4", "zbh1
          ("llama4", "zbv_pp2_dp2_recompute"), ("moe4", "zbv_pp2_ep2"), ("tied4", "zbv_pp2_dp2_distopt"),
          ("tied4", "zbv_pp2_tp2_sp"), ("llama4_bf16", "zbh1_pp4"), ("llama4_bf16", "zbh1_pp2_dp2_distopt")]
 GLOO_CASES = [("llama4", "zbv_pp2_tp2_sp")]
+# bf16 against serial bf16: a layout's bf16 rounding matches the serial run's on some CPUs' bf16 kernels and
+# not on others (on an AVX-512 machine without AMX, PP2 x DP2 with the distributed optimizer: grad norms equal
+# to 1e-7 for four steps, the fifth 1e-4 apart, as one weight rounded the other way would do); fp32 stays 1e-5
+BF16_RTOL = 1e-3
 # (model, layout, m): micro-batches per step other than the cases' 2 and 4 (m < p, odd m, m = 4p), under NCCL
 # semantics only; the global batch is m x DP, in the serial run too
 M_CASES = [("llama4", "zbh1_pp4", 1), ("llama4", "zbh1_pp4", 3), ("llama8", "zbv_pp4", 3),
@@ -66,7 +70,7 @@ MATRIX = LayoutMatrix(4, flat, LAYOUTS, CASES, GLOO_CASES)
 
 @pytest.mark.parametrize("mode,model,layout", MATRIX.params())
 def test_zero_bubble_curve_matches_serial(mode, model, layout):
-    MATRIX.check(mode, model, layout, ITERS)
+    MATRIX.check(mode, model, layout, ITERS, BF16_RTOL if model.endswith("_bf16") else 1e-5)
 
 
 def _batch(layout: str, m: int) -> int:
