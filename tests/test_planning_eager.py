@@ -74,3 +74,14 @@ def test_memory_bound_work_at_the_elementwise_bandwidth_on_cpu(monkeypatch):
     copy_paced = _plan()
     assert plan.time.terms["memory-bound work"] == pytest.approx(
         copy_paced.time.terms["memory-bound work"] * hw.CPU_MEMORY_GBPS / CPU_ELEMENTWISE_GBPS)
+
+
+def test_block_recomputation_reruns_only_its_layers_eager_costs():
+    """Block recomputation of 1 of 4 layers reruns a quarter of uniform's extra calls, masks and score passes."""
+    full = ("--recompute-granularity", "full", "--recompute-num-layers", "1")
+    none, uniform = _plan(layers=4), _plan(layers=4, extra=(*full, "--recompute-method", "uniform"))
+    block = _plan(layers=4, extra=(*full, "--recompute-method", "block"))
+    for term in EAGER_TERMS:
+        extra_uniform = uniform.time.terms[term] - none.time.terms[term]
+        assert extra_uniform > 0, term
+        assert block.time.terms[term] - none.time.terms[term] == pytest.approx(extra_uniform / 4), term

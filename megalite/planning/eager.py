@@ -47,12 +47,12 @@ MODEL_CALLS = 8  # per micro-batch outside the layers: embedding lookup, positio
 
 def operator_calls(sh: RunShape, stage: int) -> float:
     """Operator calls of one micro-batch on pipeline rank ``stage``, counting a forward call and its
-    backward as one (the measured unit): the layers' calls (full recomputation runs their forward again,
-    selective the core attention's), the model's own on the first and last stage, and one gradient
-    accumulation per parameter tensor."""
+    backward as one (the measured unit): the layers' calls (full recomputation runs their forward again for
+    the layers it recomputes, selective the core attention's), the model's own on the first and last stage,
+    and one gradient accumulation per parameter tensor."""
     m = sh.cfg.model
     per_layer = _layer_forward_calls(sh)
-    again = per_layer if sh.recompute == "full" else (8 if sh.recompute == "selective" else 0)
+    again = 8 if sh.recompute == "selective" else per_layer * sh.recomputed_share
     layers = sh.layers_in(stage)
     calls = layers * (per_layer + again / 2 + LAYER_PARAMETERS / 2)
     if stage in (0, sh.loss_rank):
@@ -76,7 +76,7 @@ def mask_elements(sh: RunShape, stage: int) -> float:
     m = sh.cfg.model
     hidden = sh.local_tokens * sh.h / (sh.tp if sh.sp else 1) if m.hidden_dropout > 0 else 0.0
     scores = sh.local_tokens * sh.s * m.num_attention_heads / sh.tp if m.attention_dropout > 0 else 0.0
-    again = {"full": (1.0, 1.0), "selective": (1.0, 0.0)}.get(sh.recompute, (0.0, 0.0))
+    again = (1.0, 0.0) if sh.recompute == "selective" else (sh.recomputed_share, sh.recomputed_share)
     if m.attention_backend not in UNFUSED_BACKENDS:  # a fused kernel draws its own masks on the fly
         scores = 0.0
     per_layer = scores * (1 + again[0]) + 2 * hidden * (1 + again[1])
@@ -102,7 +102,7 @@ def eager_scores_s(sh: RunShape, cl: ClusterConfig) -> float:
         return 0.0
     drop = m.attention_dropout > 0
     extra = SCORE_PASSES - 4 + (SCORE_DROPOUT_PASSES - 8 if drop else 0)
-    again = 1 if sh.recompute in ("selective", "full") else 0  # the forward's passes again
+    again = 1 if sh.recompute == "selective" else sh.recomputed_share  # the forward's passes again
     fwd = 6 + (8 if drop else 0)
     scores = sh.local_tokens * sh.s * m.num_attention_heads / sh.tp
     per_mb = sh.layers_in(sh.busiest_stage) * scores * (extra + again * fwd) * sh.act_bytes

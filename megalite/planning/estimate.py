@@ -19,9 +19,8 @@ GB = 1e9
 # what the held-out rows showed (docs/planning.md, round 5), printed with every estimate
 ACCURACY = ("accuracy: on 26 held-out published runs (round 5, the first whose bounds held) 24 were within 25% of "
             "the published step time (median error 7%; misses: an early Megatron-Core MoE run, its step 61% longer "
-            "than estimated, and a run planned with more recomputation than its source suggests) and 22 were estimated "
-            "to fit: "
-            "a guide, checked against three sources only (docs/planning.md)")
+            "than estimated, and a run planned with more recomputation than its source suggests) and 22 were "
+            "estimated to fit: a guide, checked against three sources only (docs/planning.md)")
 
 
 def fmt_bytes(x: float) -> str:

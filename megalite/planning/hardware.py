@@ -10,7 +10,7 @@ from megalite.config.flags import domain_errors, option
 MAX_FIGURE = 1e9  # TFLOP/s, GB or GB/s per GPU: a figure past this is a typo
 # This machine (2 cores), one run of `OMP_NUM_THREADS=1 python bench/measure_cpu.py` (a rank's threads, as the
 # bench runs them; torch 2.13.0, load average 0.9 at the start, 1.0 at the end; bench/README.md has the run):
-CPU_FP32_TFLOPS, CPU_BF16_TFLOPS = 0.094, 0.430  # best square matmul (bf16 on AMX tiles)
+CPU_FP32_TFLOPS, CPU_BF16_TFLOPS = 0.094, 0.430  # best square matmul (bf16 as this CPU runs it)
 CPU_MEMORY_GBPS, CPU_GLOO_GBPS, CPU_MEMORY_GB = 36.2, 1.71, 25.3  # copy read + written; gloo bus bw, 2 procs
 # an autograd operator on a tiny tensor, forward + backward, in us; an fp32 bernoulli_'s G elements/s; an fp32
 # GeLU's GB/s, read + written
