@@ -269,7 +269,7 @@ def dtype_named(name: str) -> torch.dtype:
 # ---- restricted loading -------------------------------------------------------------------------
 def load_weights_only(stream, extra_globals: list) -> object:
     """``torch.load(stream, weights_only=True)`` on the CPU with ``extra_globals`` allowed for this call only
-    (``torch.serialization.safe_globals``, torch 2.5; the Megatron reader, checkpointing/safe_pickle.py). Only
+    (``torch.serialization.safe_globals``, torch 2.5; the Megatron reader, checkpointing/megatron/safe_pickle.py). Only
     the globals not yet registered are added: the context's exit removes what it was given, which would
     unregister a global the host process had allowed itself (megatron-core registers ``argparse.Namespace``
     at import, and its own loads then fail)."""

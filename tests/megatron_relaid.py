@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from megalite.checkpointing import megatron_dp_optim as dpo
-from megalite.checkpointing.megatron_buffer import align
-from megalite.checkpointing.megatron_names import split_optimizer_keys
+from megalite.checkpointing.megatron.buffer import align
+from megalite.checkpointing.megatron.names import split_optimizer_keys
+from megalite.checkpointing.megatron.torch_dist import dp_optim as dpo
 
 
 class _Relaid:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from megalite.checkpointing import load_checkpoint
-from megalite.checkpointing.hf import from_hf_state_dict, fuse_qkv, split_qkv, to_hf_state_dict
+from megalite.checkpointing.hf.convert import from_hf_state_dict, fuse_qkv, split_qkv, to_hf_state_dict
 from megalite.checkpointing.metadata import config_dict, model_config
 from megalite.checkpointing.reader import CheckpointReader
 from megalite.checkpointing.stored import named_params
@@ -310,7 +310,7 @@ def test_from_hf_rejects_bad_input_before_reading_weights(env, tmp_path, capsys)
     assert not os.path.exists(tmp_path / "ck")
 
 
-# ---- the weight files checked before anything is built (checkpointing/hf_files.py) -------------------------
+# ---- the weight files checked before anything is built (checkpointing/hf/files.py) -------------------------
 
 
 @pytest.fixture(scope="module")
@@ -396,7 +396,7 @@ def test_from_hf_refuses_a_truncated_safetensors_file_from_its_header(hf_folders
 def test_stored_names_transformers_accepts_are_consumed():
     """The original GPT-2 files' keys have no 'transformer.' prefix and hold the causal-mask buffers; a tied
     model's stored lm_head.weight is the embedding: all consumed, nothing refused."""
-    from megalite.checkpointing.hf_files import Stored, matched_weights
+    from megalite.checkpointing.hf.files import Stored, matched_weights
 
     shapes = {"transformer.wte.weight": (8, 4), "transformer.h.0.ln_1.weight": (4,), "lm_head.weight": (8, 4)}
     stored = {n: Stored("f", s, lambda s=s: torch.zeros(s)) for n, s in
@@ -408,7 +408,7 @@ def test_stored_names_transformers_accepts_are_consumed():
 
 
 def test_a_pytorch_model_bin_is_read_and_checked_as_safetensors_are(hf_folders, tmp_path):
-    from megalite.checkpointing.hf import HFConversionError, read_hf_config, read_hf_weights
+    from megalite.checkpointing.hf.convert import HFConversionError, read_hf_config, read_hf_weights
 
     folder = _variant(hf_folders["llama_gqa"], tmp_path / "hf")
     want = load_file(os.path.join(folder, "model.safetensors"))

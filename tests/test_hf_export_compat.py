@@ -16,7 +16,7 @@ import subprocess
 import pytest
 import torch
 
-from megalite.checkpointing.hf import to_hf_config
+from megalite.checkpointing.hf.convert import to_hf_config
 from megalite.checkpointing.metadata import config_dict
 from megalite.config.model import ModelConfig
 from megalite.data.tokenizer_training import train_bpe

@@ -1,4 +1,4 @@
-"""Promises of the Hugging Face conversion of MoE models (megalite/checkpointing/hf_moe.py):
+"""Promises of the Hugging Face conversion of MoE models (megalite/checkpointing/hf/moe.py):
 - a randomly initialized transformers Mixtral and Qwen2-MoE (shared expert + sigmoid gate, q/k/v biases,
   a dense layer from mlp_only_layers) imported with from_hf_state_dict give HF's logits (fp32, <= 1e-4)
   in one process and at TP2 x EP2 x PP2 with sequence parallelism on 8 ranks;
@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.checkpointing.full_reader import FullCheckpoint
-from megalite.checkpointing.hf import (
+from megalite.checkpointing.hf.convert import (
     HFConversionError,
     architecture,
     from_hf_config,
@@ -23,7 +23,7 @@ from megalite.checkpointing.hf import (
     to_hf_config,
     to_hf_state_dict,
 )
-from megalite.checkpointing.hf_moe import moe_tp_errors
+from megalite.checkpointing.hf.moe import moe_tp_errors
 from megalite.checkpointing.metadata import model_config
 from megalite.checkpointing.stored import checkpoint_key
 from megalite.model.gpt import GPTModel
@@ -341,7 +341,7 @@ def test_megalite_model_exports_to_the_same_logits(models, name, flags, tmp_path
     logits."""
     import transformers
 
-    from megalite.checkpointing.hf import save_hf_model
+    from megalite.checkpointing.hf.convert import save_hf_model
 
     config = {**models[name][2], **flags}
     cfg, vocab = model_config(config)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megalite.checkpointing import CheckpointMismatch, load_checkpoint
-from megalite.checkpointing.hf import from_hf_state_dict, to_hf_state_dict
+from megalite.checkpointing.hf.convert import from_hf_state_dict, to_hf_state_dict
 from megalite.checkpointing.load import shape_diffs
 from megalite.checkpointing.metadata import config_dict
 from megalite.checkpointing.reader import CheckpointReader

@@ -16,9 +16,9 @@ import os
 import pytest
 import torch
 
-from megalite.checkpointing.megatron_args import config_from_args
-from megalite.checkpointing.megatron_names import _full_shapes
-from megalite.checkpointing.safe_pickle import load_torch_file
+from megalite.checkpointing.megatron.args import config_from_args
+from megalite.checkpointing.megatron.names import _full_shapes
+from megalite.checkpointing.megatron.safe_pickle import load_torch_file
 from megalite.checkpointing.writer import write_checkpoint
 from megalite.parallel.groups import ProcessGroups
 from megalite.parallel.layout import RankLayout

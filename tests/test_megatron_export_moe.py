@@ -18,9 +18,9 @@ import os
 import pytest
 import torch
 
-from megalite.checkpointing.megatron_args import config_from_args
-from megalite.checkpointing.megatron_names import _full_shapes
-from megalite.checkpointing.safe_pickle import load_torch_file
+from megalite.checkpointing.megatron.args import config_from_args
+from megalite.checkpointing.megatron.names import _full_shapes
+from megalite.checkpointing.megatron.safe_pickle import load_torch_file
 from megalite.checkpointing.writer import write_checkpoint
 from megalite.parallel.groups import ProcessGroups
 from megalite.parallel.layout import RankLayout
@@ -123,7 +123,7 @@ def test_mixed_dense_and_moe_layers_export_per_layer_in_torch_dist(exported):
     """--moe-layer-freq [1,0]: torch_dist keys each layer apart under its global number (as megatron-core
     keys non-homogeneous layers; megatron-core loaded it above), the dense layer with no expert keys; the
     legacy TP2 x PP2 cut imports back to the same logits."""
-    from megalite.checkpointing.megatron_dist import DistCheckpoint
+    from megalite.checkpointing.megatron.torch_dist.reader import DistCheckpoint
 
     root, _ = exported
     keys = DistCheckpoint(os.path.join(root, "mixed_mcore", "iter_0000005")).keys()

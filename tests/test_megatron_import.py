@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 from megalite.checkpointing.load import load_checkpoint
+from megalite.checkpointing.megatron.safe_pickle import load_torch_file
 from megalite.checkpointing.metadata import model_config
-from megalite.checkpointing.safe_pickle import load_torch_file
 from megalite.model.gpt import GPTModel
 from megalite.parallel.groups import ProcessGroups
 from megalite.parallel.layout import RankLayout
@@ -139,8 +139,8 @@ def test_pretrain_loads_a_megatron_checkpoint_in_process(saved):
     from its iteration with the losses of a one-process run loading the ``from-megatron`` import (the same
     weights, a fresh optimizer); without --no-load-optim the missing optimizer state is named."""
     from megalite.checkpointing.errors import CheckpointError
-    from megalite.checkpointing.megatron import read_megatron
-    from megalite.checkpointing.megatron_load import load_megatron
+    from megalite.checkpointing.megatron.load import load_megatron
+    from megalite.checkpointing.megatron.read import read_megatron
     from tests.asserts import assert_rel_close
     from tests.cli_utils import launch_pretrain, losses
     from tools.convert_checkpoint import model_flags

@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from megalite.checkpointing.full_reader import FullCheckpoint
-from megalite.checkpointing.megatron_names import to_megalite
-from megalite.checkpointing.safe_pickle import load_torch_file
+from megalite.checkpointing.megatron.names import to_megalite
+from megalite.checkpointing.megatron.safe_pickle import load_torch_file
 from tests.harness import run_ranks
 from tests.test_megatron_import import CASES, TOKENS, megatron_args
 from tools.convert_checkpoint import main as convert
@@ -371,7 +371,7 @@ def test_dp_reshardable_layout_must_fill_every_bucket_exactly():
     """The rebuilt layout (reverse order, starts rounded up to 64 elements, the TP cut) is checked against the
     saved bucket sizes: one element more or less, or a bucket too many, is refused with the reason; a bucket
     may end at the next aligned start after its last parameter."""
-    from megalite.checkpointing.megatron_dp_optim import _place
+    from megalite.checkpointing.megatron.torch_dist.dp_optim import _place
 
     params = [("a", (4, 3), 0), ("b", (4,), -1), ("c", (100,), -1)]
     assert _place(params, 2, [198]) == {"c": (0, 0, (100,)), "b": (0, 128, (4,)), "a": (0, 192, (2, 3))}
@@ -400,7 +400,7 @@ def test_pretrain_continues_a_megatron_run_with_its_adam_state(saved, tmp_path):
     consumed before and 3 more steps.)"""
     from safetensors.torch import load_file
 
-    from megalite.checkpointing.megatron import read_megatron
+    from megalite.checkpointing.megatron.read import read_megatron
     from tests.asserts import assert_rel_close
     from tests.cli_utils import launch_pretrain, losses
     from tools.convert_checkpoint import model_flags
@@ -445,8 +445,8 @@ def _cuda_kind() -> torch.Tensor:
 def _restored(folder: str, layout, rank: int, tracker: torch.Tensor | None = None) -> tuple[dict | None, str]:
     """What ``pretrain_gpt.py --load`` of ``folder`` restores on ``rank`` of ``layout`` (a CPU run: its
     device generator is the CPU one; ``tracker``: the tracker's state of another kind, a GPU run's)."""
-    from megalite.checkpointing.megatron import read_megatron
-    from megalite.checkpointing.megatron_rng import rng_to_restore
+    from megalite.checkpointing.megatron.read import read_megatron
+    from megalite.checkpointing.megatron.rng import rng_to_restore
     from megalite.parallel.groups import ProcessGroups
 
     src = read_megatron(folder)
@@ -514,10 +514,10 @@ def test_dp_reshardable_state_of_the_transformer_engine_spec_imports(saved, name
     this run's real ones moved into that order (tests/megatron_relaid.py); read with the args' transformer_impl,
     they give the same state as the local spec's read (every field exactly) and pass the check that the fp32
     parameters are the weights; read as the local spec they are refused, not read wrong."""
-    from megalite.checkpointing import megatron as mg
-    from megalite.checkpointing.megatron_dist import DistCheckpoint
-    from megalite.checkpointing.megatron_dp_optim import _ordered, dp_reshardable_state
-    from megalite.checkpointing.megatron_names import split_optimizer_keys
+    from megalite.checkpointing.megatron import read as mg
+    from megalite.checkpointing.megatron.names import split_optimizer_keys
+    from megalite.checkpointing.megatron.torch_dist.dp_optim import _ordered, dp_reshardable_state
+    from megalite.checkpointing.megatron.torch_dist.reader import DistCheckpoint
     from tests.megatron_relaid import Relaid
 
     folder = os.path.join(saved[0], f"{name}_dp_reshardable", f"iter_{STEPS:07d}")
@@ -540,9 +540,9 @@ def test_dp_reshardable_state_in_another_order_is_refused_by_the_weights(saved):
     """Two parameters of the same shape, both replicated over TP, swapped in the buffer (GPT-2's input-norm
     bias and projection bias): the buckets still fill exactly and agree between TP ranks, so only the check
     that each fp32 parameter is its saved weight refuses them; the weights still import."""
-    from megalite.checkpointing import megatron as mg
-    from megalite.checkpointing.megatron_dist import DistCheckpoint
-    from megalite.checkpointing.megatron_names import split_optimizer_keys
+    from megalite.checkpointing.megatron import read as mg
+    from megalite.checkpointing.megatron.names import split_optimizer_keys
+    from megalite.checkpointing.megatron.torch_dist.reader import DistCheckpoint
     from tests.megatron_relaid import Relaid
 
     def swapped(local: list) -> list:
@@ -566,9 +566,9 @@ def test_dp_reshardable_state_in_another_order_is_refused_by_the_weights(saved):
 def test_dp_reshardable_state_without_its_fp32_parameters_is_refused(saved):
     """Buffers without the ``param`` field (the fp32 main parameters) cannot be checked against the weights:
     refused with the reason, not read unchecked."""
-    from megalite.checkpointing.megatron_dist import DistCheckpoint
-    from megalite.checkpointing.megatron_dp_optim import dp_reshardable_state
-    from megalite.checkpointing.megatron_names import split_optimizer_keys
+    from megalite.checkpointing.megatron.names import split_optimizer_keys
+    from megalite.checkpointing.megatron.torch_dist.dp_optim import dp_reshardable_state
+    from megalite.checkpointing.megatron.torch_dist.reader import DistCheckpoint
 
     src = DistCheckpoint(os.path.join(saved[0], "gpt2_dp_reshardable", f"iter_{STEPS:07d}"))
 

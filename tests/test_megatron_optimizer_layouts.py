@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from megalite.checkpointing.full_reader import FullCheckpoint
-from megalite.checkpointing.megatron_names import to_megalite
-from megalite.checkpointing.safe_pickle import load_torch_file
+from megalite.checkpointing.megatron.names import to_megalite
+from megalite.checkpointing.megatron.safe_pickle import load_torch_file
 from tests.harness import run_ranks
 from tests.test_megatron_import import CASES, TOKENS, megatron_args
 from tools.convert_checkpoint import main as convert
@@ -206,7 +206,7 @@ def test_chained_optimizers_with_different_steps_are_refused(moe, tmp_path):
 def test_stage_layers_are_found_by_fitting_each_virtual_stage_in_turn():
     """A stage's layer count is the one that fills its buffers (uneven stages and a chunk without layers
     included); none or several fitting is refused with the reason."""
-    from megalite.checkpointing.megatron_dp_stages import stage_layers
+    from megalite.checkpointing.megatron.torch_dist.dp_stages import stage_layers
 
     counts = {(0, 0): 1, (1, 0): 2, (0, 1): 0, (1, 1): 3}  # virtual stages 0, 1, 2, 3
     assert stage_layers(lambda p, c, r: len(r) == counts[p, c], 6, 2, 2) == {
@@ -221,8 +221,8 @@ def _te_key(src, keys: list[str], grouped: bool):
     TEGroupedMLP's: its linear_fc1 GroupedLinear (weight0..weight{n-1}), then its linear_fc2."""
     import re
 
-    from megalite.checkpointing.megatron_dp_optim import _ordered
-    from megalite.checkpointing.megatron_dp_stages import split_expert_keys
+    from megalite.checkpointing.megatron.torch_dist.dp_optim import _ordered
+    from megalite.checkpointing.megatron.torch_dist.dp_stages import split_expert_keys
 
     expert = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.linear_(fc[12])\.weight$")
     rank = {p[0]: i for i, p in enumerate(_ordered(src, split_expert_keys(keys)[0], te=True))}
@@ -248,10 +248,10 @@ def test_dp_reshardable_state_of_grouped_experts_imports(moe, name):
     groups; EP 1: the experts in the dense buffers) are moved into that order (tests/megatron_relaid.py): read
     with those args they give the SequentialMLP read's state exactly (every field); read as SequentialMLP's
     order (or the local spec's) they are refused by the fp32 parameters' check, not read wrong."""
-    from megalite.checkpointing import megatron as mg
-    from megalite.checkpointing.megatron_dist import DistCheckpoint
-    from megalite.checkpointing.megatron_dp_optim import dp_reshardable_state
-    from megalite.checkpointing.megatron_names import split_optimizer_keys
+    from megalite.checkpointing.megatron import read as mg
+    from megalite.checkpointing.megatron.names import split_optimizer_keys
+    from megalite.checkpointing.megatron.torch_dist.dp_optim import dp_reshardable_state
+    from megalite.checkpointing.megatron.torch_dist.reader import DistCheckpoint
     from tests.megatron_relaid import RelaidBuffers
 
     folder = os.path.join(moe[0], f"{name}_dp_reshardable", f"iter_{STEPS:07d}")
@@ -280,9 +280,9 @@ def test_dp_reshardable_state_of_the_legacy_grouped_mlp_is_refused_with_the_reas
     """megatron-core's legacy GroupedMLP (the local spec's grouped GEMM, or Transformer Engine's with
     ``moe_use_legacy_grouped_gemm``) merges a layer's experts into weight1/weight2: its state is not read,
     the reason named, the weights imported."""
-    from megalite.checkpointing import megatron as mg
-    from megalite.checkpointing.megatron_dist import DistCheckpoint
-    from megalite.checkpointing.megatron_names import split_optimizer_keys
+    from megalite.checkpointing.megatron import read as mg
+    from megalite.checkpointing.megatron.names import split_optimizer_keys
+    from megalite.checkpointing.megatron.torch_dist.reader import DistCheckpoint
 
     folder = os.path.join(moe[0], "mixtral_pp2_ep2_dp_reshardable", f"iter_{STEPS:07d}")
     src = DistCheckpoint(folder)

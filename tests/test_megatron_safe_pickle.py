@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from megalite.checkpointing.safe_pickle import UnsafePickleError, load_plain_pickle, load_torch_file
+from megalite.checkpointing.megatron.safe_pickle import UnsafePickleError, load_plain_pickle, load_torch_file
 
 
 class _Evil:
@@ -82,7 +82,7 @@ def test_a_load_leaves_the_process_safe_globals_as_it_found_them(tmp_path):
 
     import torch
 
-    from megalite.checkpointing.safe_pickle import load_torch_file
+    from megalite.checkpointing.megatron.safe_pickle import load_torch_file
 
     path = str(tmp_path / "common.pt")
     torch.save({"args": argparse.Namespace(a=1)}, path)
@@ -121,8 +121,8 @@ def test_an_rng_byte_item_naming_os_system_is_refused_and_never_run(tmp_path):
     """torch_dist's RNG states are unpickled through the allow-list when a run restores them: a pickle naming
     os.system (or a graph-safe tracker's torch.Generator, which is no plain state either) is refused naming it
     and the flag that loads without them; the folder itself opens, since only the item's name is read with it."""
-    from megalite.checkpointing.megatron_dist import DistCheckpoint
-    from megalite.checkpointing.megatron_rng import dist_rng
+    from megalite.checkpointing.megatron.rng import dist_rng
+    from megalite.checkpointing.megatron.torch_dist.reader import DistCheckpoint
 
     marker = tmp_path / "ran"
     for folder, name, value in ((tmp_path / "system", "(posix|os)\\.system", _Evil(str(marker))),

@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from megalite.checkpointing.full_reader import FullCheckpoint  # noqa: E402
-from megalite.checkpointing.hf import (  # noqa: E402
+from megalite.checkpointing.hf.convert import (  # noqa: E402
     HFConversionError,
     architecture,
     copy_tokenizer_files,
@@ -55,16 +55,16 @@ from megalite.checkpointing.hf import (  # noqa: E402
     to_hf_config,
     to_hf_state_dict,
 )
-from megalite.checkpointing.hf_moe import moe_tp_errors  # noqa: E402
-from megalite.checkpointing.megatron import (  # noqa: E402
+from megalite.checkpointing.hf.moe import moe_tp_errors  # noqa: E402
+from megalite.checkpointing.megatron.export import save_torch_dist  # noqa: E402
+from megalite.checkpointing.megatron.legacy.writer import save_legacy  # noqa: E402
+from megalite.checkpointing.megatron.read import (  # noqa: E402
     MegatronCheckpoint,
     checkpoint_format,
     is_megatron_checkpoint,
     iteration_folder,
     read_megatron,
 )
-from megalite.checkpointing.megatron_export import save_torch_dist  # noqa: E402
-from megalite.checkpointing.megatron_legacy_export import save_legacy  # noqa: E402
 from megalite.checkpointing.metadata import model_config  # noqa: E402
 from megalite.checkpointing.paths import TRACKER, iter_dirname, swap_into_place  # noqa: E402
 from megalite.checkpointing.reader import CheckpointError  # noqa: E402

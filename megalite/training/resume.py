@@ -15,8 +15,8 @@ from megalite import device
 from megalite.checkpointing import load_checkpoint, save_checkpoint
 from megalite.checkpointing.async_save import AsyncSaver
 from megalite.checkpointing.compression_state import compression_files, load_compression
-from megalite.checkpointing.megatron import is_megatron_checkpoint
-from megalite.checkpointing.megatron_load import load_megatron
+from megalite.checkpointing.megatron.load import load_megatron
+from megalite.checkpointing.megatron.read import is_megatron_checkpoint
 from megalite.checkpointing.metadata import config_dict
 from megalite.checkpointing.paths import TRACKER
 from megalite.config.arguments import MegaliteConfig

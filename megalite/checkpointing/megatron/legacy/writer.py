@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from megalite.checkpointing.errors import CheckpointError
-from megalite.checkpointing.megatron_export import (
+from megalite.checkpointing.megatron.export import (
     CHECKPOINT_VERSION,
     EXPERTS,
     export_vocab,
@@ -39,7 +39,7 @@ from megalite.checkpointing.megatron_export import (
     megatron_args,
     megatron_layers,
 )
-from megalite.checkpointing.megatron_legacy import COLUMN, FILE, ROW
+from megalite.checkpointing.megatron.legacy.reader import COLUMN, FILE, ROW
 from megalite.checkpointing.metadata import model_config
 from megalite.checkpointing.paths import TRACKER, iter_dirname
 from megalite.config.model import ModelConfig

@@ -37,7 +37,7 @@ import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from megalite.checkpointing.megatron_legacy import tp_dim
+from megalite.checkpointing.megatron.legacy.reader import tp_dim
 
 Param = tuple[str, tuple[int, ...], int]  # per-layer name, full shape, cut dim (-1: replicated)
 LAYER_OF = re.compile(r"^decoder\.layers\.(\d+)\.")

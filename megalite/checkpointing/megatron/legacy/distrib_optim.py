@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from megalite.checkpointing.errors import CheckpointError
-from megalite.checkpointing.megatron_buffer import (
+from megalite.checkpointing.megatron.buffer import (
     DENSE_OPTIMIZER,
     EP_OPTIMIZER,
     FIELDS,
@@ -39,9 +39,9 @@ from megalite.checkpointing.megatron_buffer import (
     optimizer_kind,
     place_buffer,
 )
-from megalite.checkpointing.megatron_legacy_optim import BUFFERS
-from megalite.checkpointing.megatron_names import EXPERT_KEY
-from megalite.checkpointing.safe_pickle import UnsafePickleError, load_torch_file
+from megalite.checkpointing.megatron.legacy.optim import BUFFERS
+from megalite.checkpointing.megatron.names import EXPERT_KEY
+from megalite.checkpointing.megatron.safe_pickle import UnsafePickleError, load_torch_file
 
 FILE = "distrib_optim.pt"
 EMBEDDING, OUTPUT = "embedding.word_embeddings.weight", "output_layer.weight"

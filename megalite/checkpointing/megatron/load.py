@@ -18,8 +18,8 @@ from torch import nn
 
 from megalite.checkpointing.errors import CheckpointError
 from megalite.checkpointing.load import LoadedState, check_config, load_optimizer_state
-from megalite.checkpointing.megatron import read_megatron
-from megalite.checkpointing.megatron_rng import rng_to_restore
+from megalite.checkpointing.megatron.read import read_megatron
+from megalite.checkpointing.megatron.rng import rng_to_restore
 from megalite.checkpointing.stored import named_params
 from megalite.parallel.groups import ProcessGroups
 from megalite.tensor_parallel.param_meta import local_shard, param_meta

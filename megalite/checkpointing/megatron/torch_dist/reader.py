@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from megalite.checkpointing.errors import CheckpointError
-from megalite.checkpointing.safe_pickle import load_plain_pickle, load_torch_file
+from megalite.checkpointing.megatron.safe_pickle import load_plain_pickle, load_torch_file
 
 BACKEND = "torch_dist"
 

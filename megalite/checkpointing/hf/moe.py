@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from megalite.checkpointing.hf_common import HFConversionError, TensorRule, check_model_rules, rope_theta
+from megalite.checkpointing.hf.common import HFConversionError, TensorRule, check_model_rules, rope_theta
 from megalite.checkpointing.metadata import config_dict
 from megalite.config.model import ModelConfig
 

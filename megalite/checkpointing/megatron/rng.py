@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from megalite import device
-from megalite.checkpointing.safe_pickle import UnsafePickleError
+from megalite.checkpointing.megatron.safe_pickle import UnsafePickleError
 from megalite.parallel.groups import ProcessGroups
 
 KEY = "rng_state"

@@ -33,15 +33,15 @@ from typing import Any
 
 import torch
 
-from megalite.checkpointing.hf_common import (
+from megalite.checkpointing.hf.common import (
     HFConversionError,
     TensorRule,
     check_model_rules,
     rope_theta,
     transposed,
 )
-from megalite.checkpointing.hf_files import read_checked_weights
-from megalite.checkpointing.hf_moe import (
+from megalite.checkpointing.hf.files import read_checked_weights
+from megalite.checkpointing.hf.moe import (
     MOE_TYPES,
     from_hf_moe_config,
     moe_architecture,

@@ -37,7 +37,7 @@ import torch
 
 from megalite import compat
 from megalite.checkpointing.errors import CheckpointError
-from megalite.checkpointing.megatron_names import LAYER, TOP
+from megalite.checkpointing.megatron.names import LAYER, TOP
 from megalite.checkpointing.metadata import model_config
 from megalite.checkpointing.paths import TRACKER, iter_dirname
 from megalite.checkpointing.stored import all_specs

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megalite.checkpointing.hf_common import HFConversionError
+from megalite.checkpointing.hf.common import HFConversionError
 from megalite.config.strict_load import load_json
 
 SAFETENSORS, SAFE_INDEX = "model.safetensors", "model.safetensors.index.json"

@@ -30,10 +30,10 @@ from typing import Any
 import torch
 
 from megalite.checkpointing.errors import CheckpointError
-from megalite.checkpointing.megatron_distrib_optim import distrib_file, distrib_moments, is_distributed
-from megalite.checkpointing.megatron_legacy_optim import BUFFERS, legacy_moments
-from megalite.checkpointing.megatron_names import OPTIMIZER_STATE
-from megalite.checkpointing.safe_pickle import load_torch_file
+from megalite.checkpointing.megatron.legacy.distrib_optim import distrib_file, distrib_moments, is_distributed
+from megalite.checkpointing.megatron.legacy.optim import BUFFERS, legacy_moments
+from megalite.checkpointing.megatron.names import OPTIMIZER_STATE
+from megalite.checkpointing.megatron.safe_pickle import load_torch_file
 
 FILE = "model_optim_rng.pt"
 RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from megalite.checkpointing.errors import CheckpointError
-from megalite.checkpointing.megatron_buffer import (
+from megalite.checkpointing.megatron.buffer import (
     DENSE_OPTIMIZER,
     EP_OPTIMIZER,
     FIELDS,
@@ -35,7 +35,9 @@ from megalite.checkpointing.megatron_buffer import (
     optimizer_kind,
     place_buffer,
 )
-from megalite.checkpointing.megatron_dp_stages import (
+from megalite.checkpointing.megatron.legacy.reader import join_tp, tp_dim
+from megalite.checkpointing.megatron.names import SKIPPED
+from megalite.checkpointing.megatron.torch_dist.dp_stages import (
     LAYER_OF,
     Param,
     chunk_params,
@@ -45,8 +47,6 @@ from megalite.checkpointing.megatron_dp_stages import (
     stage_layers,
     with_experts,
 )
-from megalite.checkpointing.megatron_legacy import join_tp, tp_dim
-from megalite.checkpointing.megatron_names import SKIPPED
 
 BUCKET = re.compile(r"^(chained_\d+\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.+)"
                     r"\.bucket_idx_(\d+)\.(param|exp_avg|exp_avg_sq)$")

@@ -20,14 +20,14 @@ from typing import Any
 import torch
 
 from megalite.checkpointing.errors import CheckpointError
-from megalite.checkpointing.megatron_args import config_from_args
-from megalite.checkpointing.megatron_buffer import main_mismatch
-from megalite.checkpointing.megatron_names import (
+from megalite.checkpointing.megatron.args import config_from_args
+from megalite.checkpointing.megatron.buffer import main_mismatch
+from megalite.checkpointing.megatron.names import (
     check_params,
     split_optimizer_keys,
     to_megalite,
 )
-from megalite.checkpointing.megatron_rng import SavedRng, dist_rng, legacy_rng
+from megalite.checkpointing.megatron.rng import SavedRng, dist_rng, legacy_rng
 
 TRACKER = "latest_checkpointed_iteration.txt"
 TOKENIZER_ARGS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model")
@@ -112,12 +112,12 @@ def read_megatron(load_dir: str, iteration: int | None = None, vocab_size: int |
     folder, it = iteration_folder(load_dir, iteration)
     fmt = checkpoint_format(folder)
     if fmt == "torch_dist":
-        from megalite.checkpointing.megatron_dist import DistCheckpoint
+        from megalite.checkpointing.megatron.torch_dist.reader import DistCheckpoint
 
         src = DistCheckpoint(folder)
         common, keys, get, where = src.common, src.keys(), src.tensor, os.path.join(folder, ".metadata")
     elif fmt == "torch":
-        from megalite.checkpointing.megatron_legacy import LegacyCheckpoint
+        from megalite.checkpointing.megatron.legacy.reader import LegacyCheckpoint
 
         src = LegacyCheckpoint(folder)
         common, keys, get, where = src.common, src.keys(), src.tensor, src.where
@@ -161,7 +161,7 @@ def _dp_reshardable(out: MegatronCheckpoint, src: Any, keys: list[str], other: l
     """The distributed optimizer's default bucket-flat state (megatron_dp_optim.py) into ``out``, or the note
     why it is not read (the weights are imported either way): every weight must have its fp32 main
     parameter, equal to it, so a buffer cut by another parameter order is refused, never read wrong."""
-    from megalite.checkpointing.megatron_dp_optim import dp_reshardable_state
+    from megalite.checkpointing.megatron.torch_dist.dp_optim import dp_reshardable_state
 
     got = dp_reshardable_state(src, keys, args) if hasattr(src, "object") else "not a torch_dist folder"
     if not isinstance(got, str):

@@ -1,0 +1,1 @@
+"""Hugging Face checkpoints in and out: one adapter per architecture, the converter core, the file readers."""
