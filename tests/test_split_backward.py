@@ -17,8 +17,10 @@ from megalite.config.model import ModelConfig
 from megalite.moe.experts import grouped_linear
 from megalite.parallel.groups import ProcessGroups
 from megalite.pipeline.timeline import peak_pending_w
+from megalite.tensor_parallel.context import BuildContext
 from megalite.tensor_parallel.fused_cross_entropy import fused_linear_cross_entropy
 from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megalite.tensor_parallel.random import RNGTracker
 from megalite.tensor_parallel.weight_grad import WeightGradStore
 from tests.harness import run_ranks
 from tests.layouts import layout_curves
@@ -52,8 +54,9 @@ def _reference(fn, inputs, params):
 
 def _cases():
     torch.manual_seed(0)
-    col = ColumnParallelLinear(8, 12, PG, bias=True)
-    row = RowParallelLinear(12, 8, PG, bias=True)
+    ctx = BuildContext(PG, RNGTracker())
+    col = ColumnParallelLinear(8, 12, ctx, bias=True)
+    row = RowParallelLinear(12, 8, ctx, bias=True)
     for layer in (col, row):
         for p in layer.parameters():
             torch.nn.init.normal_(p)
@@ -189,7 +192,6 @@ def _chunks(pg: ProcessGroups, cfg: ModelConfig, schedule: str) -> list[torch.nn
     from megalite.model.gpt import GPTModel
     from megalite.pipeline.partition import chunk_layers
     from megalite.pipeline.stages import StageMap
-    from megalite.tensor_parallel.context import BuildContext
     from megalite.tensor_parallel.random import model_parallel_seed
 
     stages = StageMap(2, 2, v_shape=True) if schedule == "zbv" else StageMap(2)

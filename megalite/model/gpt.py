@@ -50,9 +50,8 @@ class Embedding(nn.Module):
     def __init__(self, cfg: ModelConfig, ctx: BuildContext, vocab_size: int, padded_vocab: int) -> None:
         super().__init__()
         self.cfg, self.ctx = cfg, ctx
-        self.word = VocabParallelEmbedding(vocab_size, padded_vocab, cfg.hidden_size, ctx.pg, dtype=ctx.dtype,
-                                           device=ctx.device)
-        self.position = (ReplicatedEmbedding(cfg.max_position_embeddings, cfg.hidden_size, ctx.dtype, ctx.device)
+        self.word = VocabParallelEmbedding(vocab_size, padded_vocab, cfg.hidden_size, ctx)
+        self.position = (ReplicatedEmbedding(cfg.max_position_embeddings, cfg.hidden_size, ctx)
                          if cfg.position_embedding_type == "learned_absolute" else None)
 
     def forward(self, tokens: torch.Tensor, position_offset: int = 0,
@@ -94,9 +93,8 @@ class GPTModel(nn.Module):
                 self.output_layer = None  # use the embedding's weight
             else:
                 self.output_layer = ColumnParallelLinear(
-                    cfg.hidden_size, self.padded_vocab, ctx.pg, bias=False, sequence_parallel=ctx.sequence_parallel,
-                    spec=VocabShardSpec(dim=0, vocab_size=vocab_size, padded_vocab=self.padded_vocab),
-                    dtype=ctx.dtype, device=ctx.device)
+                    cfg.hidden_size, self.padded_vocab, ctx, bias=False,
+                    spec=VocabShardSpec(dim=0, vocab_size=vocab_size, padded_vocab=self.padded_vocab))
                 amend_param(self.output_layer.weight, full_shape=(vocab_size, cfg.hidden_size))
                 if cfg.tied_embeddings:  # the last stage's copy of the tied embedding
                     amend_param(self.output_layer.weight, copy_of=TIED_EMBEDDING, tied_embedding=True)

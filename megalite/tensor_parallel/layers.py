@@ -1,7 +1,8 @@
 """Column/row-parallel linear layers and the vocab-parallel embedding.
 
 Shapes follow Megatron: activations are [s, b, h] (sequence first), so sequence parallelism splits
-dim 0. A layer holds the ProcessGroups it was built with; weights are [out, in] as for F.linear.
+dim 0. A layer is built with the run's BuildContext (process groups, sequence parallelism, parameter dtype
+and device) and keeps its ProcessGroups; weights are [out, in] as for F.linear.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.parallel.groups import Group, ProcessGroups
+from megalite.tensor_parallel.context import BuildContext
 from megalite.tensor_parallel.mappings import (
     copy_to_tp,
     gather_from_tp,
@@ -72,12 +74,11 @@ class ColumnParallelLinear(nn.Module):
     output [s, b, out/tp], or [s, b, out] with ``gather_output``.
     """
 
-    def __init__(self, in_features: int, out_features: int, pg: ProcessGroups, *, bias: bool = True,
-                 gather_output: bool = False, sequence_parallel: bool = False,
-                 spec: ShardSpec | None = None, init: str = "normal", dtype: torch.dtype = torch.float32,
-                 device: torch.device | None = None) -> None:
+    def __init__(self, in_features: int, out_features: int, ctx: BuildContext, *, bias: bool = True,
+                 gather_output: bool = False, spec: ShardSpec | None = None, init: str = "normal") -> None:
         super().__init__()
-        self.pg, self.gather_output, self.sequence_parallel = pg, gather_output, sequence_parallel
+        pg, dtype, device = ctx.pg, ctx.dtype, ctx.device
+        self.pg, self.gather_output, self.sequence_parallel = pg, gather_output, ctx.sequence_parallel
         if out_features % pg.tp_size:
             raise ValueError(f"output features {out_features} not divisible by TP size {pg.tp_size}")
         spec = spec or ShardSpec(dim=0)
@@ -104,10 +105,10 @@ class RowParallelLinear(nn.Module):
     The bias is replicated and added once, after the reduction.
     """
 
-    def __init__(self, in_features: int, out_features: int, pg: ProcessGroups, *, bias: bool = True,
-                 sequence_parallel: bool = False, init: str = "output", dtype: torch.dtype = torch.float32,
-                 device: torch.device | None = None) -> None:
+    def __init__(self, in_features: int, out_features: int, ctx: BuildContext, *, bias: bool = True,
+                 init: str = "output") -> None:
         super().__init__()
+        pg, dtype, device, sequence_parallel = ctx.pg, ctx.dtype, ctx.device, ctx.sequence_parallel
         self.pg, self.sequence_parallel = pg, sequence_parallel
         if in_features % pg.tp_size:
             raise ValueError(f"input features {in_features} not divisible by TP size {pg.tp_size}")
@@ -131,15 +132,17 @@ class VocabParallelEmbedding(nn.Module):
     """Token embedding with the (padded) vocabulary split by rows over TP ranks.
 
     Each rank looks up the ids it owns, zeros the others, and the partial results are summed over TP
-    (reduce-scattered along the sequence with sequence parallelism).
+    (or, with ``reduce_scatter_embeddings``, reduce-scattered along the sequence: Megatron's flag, for sequence
+    parallelism when nothing is added to the embedding before the split; the GPT embedding adds learned
+    positions first and so scatters itself).
     input [b, s] ids; output [s, b, h].
     """
 
-    def __init__(self, vocab_size: int, padded_vocab: int, hidden: int, pg: ProcessGroups, *,
-                 sequence_parallel: bool = False, dtype: torch.dtype = torch.float32,
-                 device: torch.device | None = None) -> None:
+    def __init__(self, vocab_size: int, padded_vocab: int, hidden: int, ctx: BuildContext, *,
+                 reduce_scatter_embeddings: bool = False) -> None:
         super().__init__()
-        self.pg, self.sequence_parallel = pg, sequence_parallel
+        pg, dtype, device = ctx.pg, ctx.dtype, ctx.device
+        self.pg, self.reduce_scatter_embeddings = pg, reduce_scatter_embeddings
         self.vocab_size, self.padded_vocab = vocab_size, padded_vocab
         per_rank = padded_vocab // pg.tp_size
         self.vocab_start = pg.tp_rank * per_rank
@@ -156,7 +159,7 @@ class VocabParallelEmbedding(nn.Module):
             out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
         else:
             out = F.embedding(ids, self.weight)
-        if self.sequence_parallel:
+        if self.reduce_scatter_embeddings:
             return reduce_scatter_to_sp(out, self.pg)
         return reduce_from_tp(out, self.pg)
 
@@ -164,7 +167,6 @@ class VocabParallelEmbedding(nn.Module):
 class ReplicatedEmbedding(nn.Embedding):
     """A table every TP rank holds whole (learned positions)."""
 
-    def __init__(self, num: int, dim: int, dtype: torch.dtype = torch.float32,
-                 device: torch.device | None = None) -> None:
-        super().__init__(num, dim, dtype=dtype, device=device)
+    def __init__(self, num: int, dim: int, ctx: BuildContext) -> None:
+        super().__init__(num, dim, dtype=ctx.dtype, device=ctx.device)
         declare_param(self.weight, REPLICATED, (num, dim), "normal")
