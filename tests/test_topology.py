@@ -55,6 +55,19 @@ def test_groups_equal_megatron_for_both_orders():
     assert alt.embedding_groups() == [[0, 2], [1, 3], [4, 6], [5, 7]]
 
 
+def test_layout_from_config_maps_every_field_by_name():
+    # Every size different, so a field read into the wrong slot (or dropped) changes the layout.
+    p = parse_args(["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "3",
+                    "--context-parallel-size", "4", "--expert-model-parallel-size", "8",
+                    "--expert-tensor-parallel-size", "1", "--use-tp-pp-dp-mapping",
+                    "--hierarchical-context-parallel-sizes", "2", "2"]).parallel
+    layout = RankLayout.from_config(p, 48, 16)
+    assert layout == RankLayout(48, tp=2, pp=3, cp=4, order="tp-cp-pp-dp", local_world_size=16, ep=8, etp=1,
+                                hierarchical_cp=(2, 2))
+    assert (layout.dp, layout.cp_a2a) == (2, 2)
+    assert RankLayout.from_config(parse_args([]).parallel, 4) == RankLayout(4)
+
+
 @pytest.mark.parametrize("kw", [dict(tp=2, pp=2, ep=2), dict(tp=2, pp=2, ep=2, etp=1), dict(pp=4, cp=2, ep=4),
                                 dict(tp=4, ep=2, etp=2), dict(pp=2, ep=1, etp=2)])
 @pytest.mark.parametrize("axes", ["ep", "etp", "etp-ep", "edp"])

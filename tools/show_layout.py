@@ -43,10 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     world = ns["world_size"] or ns["nnodes"] * ns["nproc_per_node"]
     try:
-        layout = RankLayout(world, p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-                            p.context_parallel_size, p.layout_order, ns["nproc_per_node"],
-                            ep=p.expert_model_parallel_size, etp=p.expert_tensor_parallel_size,
-                            hierarchical_cp=p.hierarchical_context_parallel_sizes)
+        layout = RankLayout.from_config(p, world, ns["nproc_per_node"])
         text = layout.describe(limit=None if ns["all"] else 16, hierarchical_dp=p.hierarchical_dp_reduce)
     except ValueError as e:
         print(f"show_layout.py: error: {e}", file=sys.stderr)

@@ -145,9 +145,10 @@ def _hierarchical_errors(cfg: "MegaliteConfig", world_size: int, local_world_siz
     """--hierarchical-dp-reduce needs every node to hold the same number of each DP group's ranks."""
     from megalite.parallel.layout import RankLayout  # lazily: config stays importable without torch
 
-    p = cfg.parallel
-    layout = RankLayout(world_size, p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-                        p.context_parallel_size, p.layout_order, local_world_size)
+    try:
+        layout = RankLayout.from_config(cfg.parallel, world_size, local_world_size)
+    except ValueError:  # sizes, expert or CP sub-groups that fit no layout: the other sections name them
+        return []
     try:
         layout.dp_node_groups()
     except ValueError as e:

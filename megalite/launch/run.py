@@ -71,9 +71,7 @@ def init_distributed(cfg: MegaliteConfig, board: FailureBoard | None = None) -> 
 def build_groups(cfg: MegaliteConfig, world: int, rank: int, local_world: int | None = None) -> ProcessGroups:
     """This rank's ProcessGroups for the layout the config's parallel flags name, over the joined world."""
     p = cfg.parallel
-    layout = RankLayout(world, p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-                        p.context_parallel_size, p.layout_order, local_world, ep=p.expert_model_parallel_size,
-                        etp=p.expert_tensor_parallel_size, hierarchical_cp=p.hierarchical_context_parallel_sizes)
+    layout = RankLayout.from_config(p, world, local_world)
     return ProcessGroups.build(layout, rank, p.distributed_timeout_minutes, hierarchical_dp=p.hierarchical_dp_reduce)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 AXES = ("tp", "cp", "dp", "pp")
 
@@ -61,6 +62,17 @@ class RankLayout:
             object.__setattr__(self, "hierarchical_cp", sizes)
             if not sizes or math.prod(sizes) != self.cp or min(sizes) <= 0:
                 raise ValueError(f"hierarchical context-parallel sizes {list(sizes)} do not multiply to cp {self.cp}")
+
+    @classmethod
+    def from_config(cls, parallel: Any, world_size: int, local_world_size: int | None = None) -> RankLayout:
+        """The layout a run's parallel flags name over ``world_size`` ranks (``local_world_size`` per node):
+        the one place that maps ParallelConfig's fields to the layout's, by name. ``parallel`` is a
+        config/parallel.py ParallelConfig, read by its fields (parallel/ sits below config/)."""
+        p = parallel
+        return cls(world_size, tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
+                   cp=p.context_parallel_size, order=p.layout_order, local_world_size=local_world_size,
+                   ep=p.expert_model_parallel_size, etp=p.expert_tensor_parallel_size,
+                   hierarchical_cp=p.hierarchical_context_parallel_sizes)
 
     @property
     def cp_a2a(self) -> int:
