@@ -6,7 +6,8 @@ with and without documents whose boundaries cross the zigzag chunks: every rank'
 equal the serial attention's (fp32, 1e-5 of the largest value), and the bytes each rank hands to the CP group
 equal the formulas, exactly. Everything also runs under MEGALITE_NCCL_SEMANTICS=1 (``p2p_semantics``),
 and the ring's recorded batches replay cleanly under the NCCL checker for c = 2, 3, 4, forward and
-backward; a reordered batch is caught.
+backward; a reordered batch is caught. The a2a variant runs the kernel --attention-backend names (the model
+hands it over; every choice gives the serial output on CPU).
 """
 
 from __future__ import annotations
@@ -257,6 +258,45 @@ def test_cp1_is_serial_attention_with_documents():
     for comm in COMM_TYPES:
         got = context_parallel_attention(q, k, v, ProcessGroups.single(), comm, documents=documents())
         torch.testing.assert_close(got, reference(q, k, v, seg), rtol=1e-5, atol=1e-5)
+
+
+BACKENDS = ("auto", "flash", "fused", "unfused", "local", "sdpa")  # --attention-backend's choices
+
+
+def test_a2a_runs_the_attention_backend(monkeypatch):
+    # The a2a variant's full-sequence attention is the one-rank core: it gets the backend it is handed.
+    from megalite.attention import core
+
+    seen, causal = [], core._causal
+    monkeypatch.setattr(core, "_causal", lambda *a: seen.append(a[4]) or causal(*a))
+    q, k, v, _ = inputs(8, 2, seed=3)
+    for backend in BACKENDS:
+        seen.clear()
+        got = context_parallel_attention(q, k, v, ProcessGroups.single(), "a2a", backend=backend)
+        assert seen == [backend]
+        torch.testing.assert_close(got, reference(q, k, v, None), rtol=1e-5, atol=1e-5)
+
+
+def test_the_model_hands_its_attention_backend_to_context_parallel(monkeypatch):
+    from megalite.config.model import ModelConfig
+    from megalite.model import transformer
+    from megalite.tensor_parallel.context import BuildContext
+    from megalite.tensor_parallel.random import RNGTracker
+
+    seen = []
+
+    def recorded(q, k, v, pg, comm_type, **kw):
+        seen.append((comm_type, kw["backend"]))
+        return torch.zeros_like(q)
+
+    monkeypatch.setattr(transformer, "context_parallel_attention", recorded)
+    pg = ProcessGroups.unconnected(RankLayout(2, cp=2), 0)  # no collective runs: TP 1, the CP core recorded
+    for backend in BACKENDS:
+        cfg = ModelConfig(num_layers=1, hidden_size=16, num_attention_heads=4, seq_length=16,
+                          attention_backend=backend)
+        attn = transformer.Attention(cfg, BuildContext(pg, RNGTracker(), cp_comm_types=("a2a",)))
+        attn.eval()(torch.randn(8, 2, 16), None)
+        assert seen.pop() == ("a2a", backend)
 
 
 def test_bad_input_is_named():

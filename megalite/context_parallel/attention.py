@@ -1,10 +1,12 @@
 """``context_parallel_attention``: causal attention of this rank's zigzag rows over the whole sequence.
 
 The one entry point the model calls; it checks the shapes and dispatches on the layer's ``--cp-comm-type``:
-``p2p`` (ring, ``ring.py``), ``a2a`` (all-to-all, ``ulysses.py``), ``allgather`` (also spelled
-``all_gather``, ``all_gather.py``) or ``a2a+p2p`` (all-to-all inside groups, ring across them,
-``hierarchical.py``). Every variant returns the rows of full-sequence causal attention this rank holds, in
-its local order; with packed ``Documents`` attention stops at their boundaries.
+``p2p`` (ring, ``ring.py``), ``a2a`` (all-to-all, ``ulysses.py``), ``allgather`` (``all_gather.py``) or
+``a2a+p2p`` (all-to-all inside groups, ring across them, ``hierarchical.py``), by the internal names
+config/parallel.py normalised every spelling to. Every variant returns the rows of full-sequence causal
+attention this rank holds, in its local order; with packed ``Documents`` attention stops at their boundaries.
+The a2a variant runs the one-rank attention core on its full sequences, so it takes --attention-backend; the
+others compute blockwise with the log-sum-exp merge (``attention/blocks.py``), whose kernel follows the device.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ from __future__ import annotations
 import torch
 
 from megalite.attention import Documents
-from megalite.config.parallel import normalise_cp_comm_type
 from megalite.context_parallel.all_gather import all_gather_attention
 from megalite.context_parallel.hierarchical import hierarchical_attention
 from megalite.context_parallel.ring import ring_attention
@@ -58,17 +59,19 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm_type: str, pg
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pg: ProcessGroups,
                                comm_type: str = "p2p", *, dropout_p: float = 0.0,
-                               documents: Documents | None = None) -> torch.Tensor:
+                               documents: Documents | None = None, backend: str = "auto") -> torch.Tensor:
     """Causal attention over global positions for this CP rank's rows.
 
     q [b, nq, s_local, d]; k, v [b, nkv, s_local, d] (nq a multiple of nkv), s_local = seq / c, the rank's
     two zigzag chunks (``zigzag_split``). ``documents``: the packed documents of the full sequences, the same
     on every CP rank; attention does not cross them (None: one document per sample). ``comm_type``: this
-    layer's --cp-comm-type (either spelling of allgather).
+    layer's --cp-comm-type, by its internal name (``ParallelConfig.cp_comm_type`` after normalisation).
+    ``backend``: --attention-backend, the kernel of the a2a variant's full-sequence attention.
     Returns [b, nq, s_local, d], the rows of full-sequence attention this rank holds."""
-    comm_type = normalise_cp_comm_type(comm_type)
     cp = pg.size(Group.CP)
     _check(q, k, v, comm_type, pg, documents)
     if documents is None:
         documents = Documents.whole(q.shape[0], q.shape[2] * cp)
+    if comm_type == "a2a":
+        return a2a_attention(q, k, v, pg, documents, dropout_p, backend)
     return COMM_TYPES[comm_type](q, k, v, pg, documents, dropout_p)

@@ -3,7 +3,8 @@
 One all-to-all turns every rank's [b, heads, s/c, d] (its zigzag chunks, all heads) into [b, heads/c, s, d]
 (all of the sequence, 1/c of the heads); ordinary causal attention runs on the full sequence, put back in
 natural order (inside each packed document when given: ``attention.core_attention``, no mask); a second
-all-to-all returns the output to the sequence split. Q, K and V travel as one packed all-to-all. The
+all-to-all returns the output to the sequence split. The full-sequence attention is the model's own
+one-rank core, so it runs the kernel --attention-backend names. Q, K and V travel as one packed all-to-all. The
 backward of an all-to-all is the reverse all-to-all (``_SeqToHeads``). Needs the local attention heads and
 query groups divisible by c: each rank gets whole K/V heads with their query heads (head h of c's i-th
 part uses K/V head h // rep of the same part). The same exchange over a sub-group of CP is the first level
@@ -72,11 +73,12 @@ def gather_heads(out: torch.Tensor, pg: ProcessGroups, kind: str = Group.CP) -> 
 
 
 def a2a_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pg: ProcessGroups,
-                  documents: Documents, dropout_p: float) -> torch.Tensor:
+                  documents: Documents, dropout_p: float, backend: str = "auto") -> torch.Tensor:
+    """``backend``: --attention-backend, the kernel of the full-sequence attention (``core_attention``)."""
     c, s_local = pg.size(Group.CP), q.shape[2]
     qh, kh, vh = scatter_heads(q, k, v, pg)
     order = natural_order(s_local, c, q.device)
     qh, kh, vh = (t.index_select(2, order) for t in (qh, kh, vh))  # the ranks' zigzag chunks in sequence order
-    out = core_attention(qh, kh, vh, dropout_p, "auto", documents)
+    out = core_attention(qh, kh, vh, dropout_p, backend, documents)
     out = out.index_select(2, order.argsort())  # back to the ranks' chunks in rank order
     return gather_heads(out, pg)

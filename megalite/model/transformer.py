@@ -33,7 +33,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, ctx: BuildContext, layer_number: int = 0) -> None:
         """``layer_number``: the global (0-based) number, which picks this layer's --cp-comm-type."""
         super().__init__()
-        pg, tp = ctx.pg, ctx.pg.tp_size
+        tp = ctx.pg.tp_size
         self.cfg, self.ctx = cfg, ctx
         self.cp_comm_type = ctx.layer_cp_comm_type(layer_number)
         self.head_dim = cfg.kv_channels
@@ -45,16 +45,14 @@ class Attention(nn.Module):
         spec = QKVShardSpec(dim=0, heads=cfg.num_attention_heads, groups=groups, head_dim=self.head_dim)
         out_full = (cfg.num_attention_heads + 2 * groups) * self.head_dim
         out_local = (self.heads_local + 2 * self.groups_local) * self.head_dim
-        self.qkv = ColumnParallelLinear(cfg.hidden_size, out_local * tp, pg,
-                                        bias=cfg.add_bias_linear or cfg.add_qkv_bias, spec=spec,
-                                        sequence_parallel=ctx.sequence_parallel, dtype=ctx.dtype, device=ctx.device)
+        self.qkv = ColumnParallelLinear(cfg.hidden_size, out_local * tp, ctx,
+                                        bias=cfg.add_bias_linear or cfg.add_qkv_bias, spec=spec)
         # The layer was sized for out_local * tp rows; record the true full shape of the fused layout.
         amend_param(self.qkv.weight, full_shape=(out_full, cfg.hidden_size))
         if self.qkv.bias is not None:
             amend_param(self.qkv.bias, full_shape=(out_full,))
-        self.proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size, pg,
-                                      bias=cfg.add_bias_linear, sequence_parallel=ctx.sequence_parallel,
-                                      dtype=ctx.dtype, device=ctx.device)
+        self.proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size, ctx,
+                                      bias=cfg.add_bias_linear)
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float,
               documents: Documents | None = None) -> torch.Tensor:
@@ -62,7 +60,7 @@ class Attention(nn.Module):
         with ctx.tracker.fork() if p > 0 else contextlib.nullcontext():
             if ctx.pg.cp_size > 1:  # this rank's two sequence chunks against the whole sequence's keys
                 return context_parallel_attention(q, k, v, ctx.pg, self.cp_comm_type, dropout_p=p,
-                                                  documents=documents)
+                                                  documents=documents, backend=self.cfg.attention_backend)
             return core_attention(q, k, v, p, self.cfg.attention_backend, documents)
 
     def forward(self, x: torch.Tensor, rope_angles: torch.Tensor | None, kv_cache=None,
@@ -100,13 +98,10 @@ class MLP(nn.Module):
         super().__init__()
         self.swiglu = cfg.swiglu
         ffn = ffn_hidden_size or cfg.ffn_hidden_size
-        pg, sp, dtype, device = ctx.pg, ctx.sequence_parallel, ctx.dtype, ctx.device
         # SwiGLU's fc1 is [gate; up] stacked; each rank keeps its slice of both halves.
-        self.fc1 = ColumnParallelLinear(cfg.hidden_size, 2 * ffn if cfg.swiglu else ffn, pg,
-                                        bias=cfg.add_bias_linear, spec=ShardSpec(dim=0, chunks=2 if cfg.swiglu else 1),
-                                        sequence_parallel=sp, dtype=dtype, device=device)
-        self.fc2 = RowParallelLinear(ffn, cfg.hidden_size, pg, bias=cfg.add_bias_linear,
-                                     sequence_parallel=sp, dtype=dtype, device=device)
+        self.fc1 = ColumnParallelLinear(cfg.hidden_size, 2 * ffn if cfg.swiglu else ffn, ctx,
+                                        bias=cfg.add_bias_linear, spec=ShardSpec(dim=0, chunks=2 if cfg.swiglu else 1))
+        self.fc2 = RowParallelLinear(ffn, cfg.hidden_size, ctx, bias=cfg.add_bias_linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc1(x)
