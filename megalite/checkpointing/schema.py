@@ -12,7 +12,7 @@ from typing import Any
 
 from megalite.checkpointing.errors import CheckpointError
 from megalite.config.model import ModelConfig
-from megalite.config.strict_load import DuplicateKeyError, load_json
+from megalite.config.strict_load import StrictReadError, load_json
 
 INT, COUNT, SIZE = "an integer", "an integer >= 0", "an integer >= 1"
 LAYOUT_KEYS = {"tp": SIZE, "pp": SIZE, "dp": SIZE, "vp": SIZE}  # required; the others may be absent (older)
@@ -140,7 +140,7 @@ def load_metadata(path: str) -> dict[str, Any]:
     try:
         with open(path, "rb") as f:
             meta = load_json(f.read().decode("utf-8"), path)
-    except DuplicateKeyError as e:
+    except StrictReadError as e:
         raise CheckpointError(str(e)) from None
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read it ({e.strerror or e})") from None

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megalite.config.file_values import ConfigFileError, read_text
-from megalite.config.strict_load import DuplicateKeyError, load_json
+from megalite.config.strict_load import StrictReadError, load_json
 
 FLAG = "--deepspeed-config"
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
@@ -355,7 +355,7 @@ def load_deepspeed_config(path: str) -> DeepSpeedMapping:
     text = read_text(FLAG, path)
     try:
         data = load_json(text, path)
-    except DuplicateKeyError as e:
+    except StrictReadError as e:
         raise ConfigFileError(f"{FLAG} {e}") from None
     except json.JSONDecodeError as e:
         raise ConfigFileError(f"{FLAG}: cannot read {path} as JSON: {e}") from None

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from megalite.config.strict_load import DuplicateKeyError, KeyPath, load_json_with_lines, load_yaml_with_lines
+from megalite.config.strict_load import KeyPath, StrictReadError, load_json_with_lines, load_yaml_with_lines
 
 
 class ConfigFileError(ValueError):
@@ -50,7 +50,7 @@ def _parse(path: str) -> tuple[Any, dict[KeyPath, int]]:
             return load_json_with_lines(text, path)
         except json.JSONDecodeError as e:
             raise ConfigFileError(f"--config: malformed JSON in {path}, line {e.lineno}: {e.msg}") from None
-    except DuplicateKeyError as e:
+    except StrictReadError as e:
         raise ConfigFileError(f"--config: {e}") from None
 
 

@@ -108,14 +108,22 @@ def _arrow_reader(path: str):
 
 
 def table_columns(path: str) -> list[str]:
+    """The table's column names; a name given to two columns is refused (arrow then reads one of them
+    without a word, as a JSON reader keeps one of two equal keys)."""
     kind = _kind(path)
     if kind == "hf":
-        return list(_load_saved_dataset(path).column_names)
-    if kind == "parquet":
+        names = list(_load_saved_dataset(path).column_names)
+    elif kind == "parquet":
         import pyarrow.parquet as pq
 
-        return list(pq.ParquetFile(path).schema_arrow.names)
-    return list(_arrow_reader(path).schema.names)
+        names = list(pq.ParquetFile(path).schema_arrow.names)
+    else:
+        names = list(_arrow_reader(path).schema.names)
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise InputError(f"{path}: column {twice[0]!r} is in the schema twice (columns: {', '.join(names)}): "
+                         f"keep one")
+    return names
 
 
 def check_inputs(sources: list[str], json_keys: list[str]) -> None:

@@ -12,7 +12,6 @@ empty text gives an empty document.
 
 from __future__ import annotations
 
-import json
 import multiprocessing
 import os
 import sys
@@ -25,6 +24,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from megalite.config.strict_load import StrictReadError, load_json_line
 from megalite.data.errors import MissingFileError, UnwritableError
 from megalite.data.indexed_dataset import IndexedDatasetWriter, token_dtype
 from megalite.data.inputs import Chunk, InputError, check_inputs, iter_chunks, resolve_inputs
@@ -101,9 +101,12 @@ def _parse(chunk: Chunk, keys: list[str]):
                 continue
             row = chunk.first_row + i
             try:
-                obj = json.loads(line)
+                obj = load_json_line(line, "row")
             except UnicodeDecodeError as e:
                 bad.append((chunk.source, row, f"not UTF-8 text (byte {e.start} of the line: {e.reason})"))
+                continue
+            except StrictReadError as e:  # a key twice (json.loads would keep the last), or nested too deep
+                bad.append((chunk.source, row, str(e).removeprefix("row: ")))
                 continue
             except ValueError as e:
                 bad.append((chunk.source, row, f"malformed JSON ({e})"))

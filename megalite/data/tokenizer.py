@@ -11,7 +11,7 @@ import json
 import os
 from typing import Protocol
 
-from megalite.config.strict_load import DuplicateKeyError, load_json
+from megalite.config.strict_load import StrictReadError, load_json
 from megalite.data.errors import DataError, MissingFileError, TokenizerError
 
 TOKENIZER_TYPES = ("NullTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer")
@@ -98,6 +98,7 @@ class HuggingFaceTokenizer(_HFTokenizersBase):
 
     def __init__(self, path: str) -> None:
         self._hf = None
+        _check_hf_json(path)
         if os.path.isdir(path):
             from transformers import AutoTokenizer
 
@@ -200,6 +201,27 @@ def _read_text(path: str, flag: str) -> str:
         raise TokenizerError(f"{flag} {path} is not UTF-8 text (byte {e.start}): is it the right file?") from None
 
 
+HF_JSON_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "added_tokens.json",
+                 "special_tokens_map.json")
+
+
+def _check_hf_json(path: str) -> None:
+    """Read a tokenizer.json (or a folder's JSON files) with the strict reader first: the Rust and
+    transformers readers keep the last of two equal vocabulary keys without a word, which changes token ids.
+    Text that is not JSON is left to the tokenizer's own reader, whose message names the kind of file."""
+    files = [os.path.join(path, f) for f in HF_JSON_FILES] if os.path.isdir(path) else [path]
+    for file in files:
+        if not os.path.isfile(file):
+            continue
+        try:
+            with open(file, encoding="utf-8") as f:
+                load_json(f.read(), f"--tokenizer-model {file}")
+        except StrictReadError as e:
+            raise TokenizerError(str(e)) from None
+        except (ValueError, OSError):  # not JSON text: the tokenizer's reader says what it is
+            pass
+
+
 def _looks_like_merges(text: str) -> bool:
     first = next((line for line in text.splitlines() if line.strip()), "")
     return first.startswith("#version") or len(first.split(" ")) == 2
@@ -210,7 +232,7 @@ def _read_bpe_vocab(path: str) -> dict:
     text = _read_text(path, "--vocab-file")
     try:
         vocab = load_json(text, f"--vocab-file {path}")
-    except DuplicateKeyError as e:
+    except StrictReadError as e:
         raise TokenizerError(str(e)) from None
     except json.JSONDecodeError as e:
         hint = (": it looks like a merges file (did you swap --vocab-file and --merge-file?)"

@@ -12,6 +12,8 @@ import json
 import os
 from collections.abc import Iterable, Iterator
 
+from megalite.config.strict_load import StrictReadError, load_json_line
+
 EOD_TOKEN = "<|endoftext|>"
 
 
@@ -25,7 +27,9 @@ def iter_texts(paths: list[str], json_keys: list[str]) -> Iterator[str]:
                     if not line.strip():
                         continue
                     try:
-                        obj = json.loads(line)
+                        obj = load_json_line(line, f"{path}:{n}")
+                    except StrictReadError:  # a key twice (json.loads would keep the last), or too deep
+                        raise
                     except ValueError as e:
                         raise ValueError(f"{path}:{n}: malformed JSON ({e})") from e
                     for k in json_keys:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from megalite.config.strict_load import DuplicateKeyError, load_json
+from megalite.config.strict_load import StrictReadError, load_json
 from megalite.inference.pipeline import from_last_stage, pipeline_forward
 from megalite.parallel.groups import Group, ProcessGroups
 
@@ -144,7 +144,7 @@ def read_lambada(path: str) -> list[str]:
                 obj = load_json(line, f"{path}:{n}")
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{n}: expected a JSON object with a 'text' field ({e})") from None
-            except DuplicateKeyError as e:
+            except StrictReadError as e:
                 raise ValueError(str(e)) from None
             if not isinstance(obj, dict) or "text" not in obj:
                 got = f"keys {sorted(obj)[:5]}" if isinstance(obj, dict) else type(obj).__name__

@@ -50,7 +50,7 @@ from megalite.checkpointing.hf.moe import (
 )
 from megalite.checkpointing.metadata import config_dict, model_config
 from megalite.config.model import ModelConfig
-from megalite.config.strict_load import DuplicateKeyError, load_json
+from megalite.config.strict_load import StrictReadError, load_json
 
 GPT2_GELUS = {"gelu": 0.0, "gelu_new": 1e-3, "gelu_pytorch_tanh": 1e-3, "gelu_fast": 1e-3}
 SUPPORTED = ("GPT2LMHeadModel (model_type gpt2), LlamaForCausalLM (llama), MixtralForCausalLM (mixtral) or "
@@ -384,7 +384,7 @@ def read_hf_config(folder: str):
         load_json(open(cfg_path).read(), cfg_path)
     except json.JSONDecodeError as e:
         raise HFConversionError(f"{cfg_path} is not valid JSON: {e}") from None
-    except DuplicateKeyError as e:  # transformers would keep the last one without a word
+    except StrictReadError as e:  # transformers would keep the last one without a word
         raise HFConversionError(str(e)) from None
     try:
         hf_config = AutoConfig.from_pretrained(folder, local_files_only=True)

@@ -21,7 +21,6 @@ it to the embedding, so the import does too), and keys without the model's prefi
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -94,7 +93,7 @@ def safetensors_header(path: str) -> dict[str, tuple[str, tuple[int, ...]]]:
             raise _header_error(path, f"the header length {n} runs past the end of the file ({size} bytes)")
         raw = f.read(n)
     try:
-        header = json.loads(raw)
+        header = load_json(raw.decode("utf-8"), path)  # a tensor named twice is refused, not resolved
     except (UnicodeDecodeError, ValueError) as e:
         raise _header_error(path, f"the header is not JSON ({e})") from None
     if not isinstance(header, dict):

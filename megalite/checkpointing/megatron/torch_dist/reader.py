@@ -12,7 +12,6 @@ chunk is checked against its index entry (inside its tensor, its size, the tenso
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
@@ -20,6 +19,7 @@ import torch
 
 from megalite.checkpointing.errors import CheckpointError
 from megalite.checkpointing.megatron.safe_pickle import load_plain_pickle, load_torch_file
+from megalite.config.strict_load import load_json
 
 BACKEND = "torch_dist"
 
@@ -56,8 +56,8 @@ class DistCheckpoint:
     def _check_backend(self) -> None:
         path = os.path.join(self.folder, "metadata.json")
         try:
-            with open(path) as f:
-                backend = json.load(f).get("sharded_backend")
+            with open(path) as f:  # the one strict reader: a key written twice or deep nesting is named
+                backend = load_json(f.read(), path).get("sharded_backend")
         except FileNotFoundError:
             raise CheckpointError(f"{path} is missing: not a Megatron torch_dist checkpoint") from None
         except (ValueError, AttributeError) as e:
