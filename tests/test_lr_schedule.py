@@ -1,6 +1,8 @@
 """The learning rate equals megatron-core's OptimizerParamScheduler as Megatron's loop drives it:
 built with the schedule in samples, stepped by the global batch after every successful update, the
-rate applied by iteration k read before its step and the rate logged for k read after it."""
+rate applied by iteration k read before its step and the rate logged for k read after it. The scheduler's
+spans in samples are written out per case as Megatron-LM derives them from the flags, so megalite's own
+flag-to-samples conversion is checked too, not repeated."""
 
 from __future__ import annotations
 
@@ -40,19 +42,12 @@ def _megatron_groups(cfg) -> list[dict]:
     return [dict(base), {**base, **override}]
 
 
-def _megatron(cfg, groups: list[dict] | None = None):
-    """megatron-core's scheduler built as Megatron-LM's get_optimizer_param_scheduler builds it."""
-    o, t = cfg.optimizer, cfg.training
-    if t.train_samples is None:
-        decay = (o.lr_decay_iters or t.train_iters) * GBS
-        wsd = o.lr_wsd_decay_iters * GBS if o.lr_wsd_decay_iters is not None else None
-        warmup = o.lr_warmup_iters * GBS
-    else:
-        decay = o.lr_decay_samples or t.train_samples
-        wsd = o.lr_wsd_decay_samples
-        warmup = o.lr_warmup_samples
-    if o.lr_warmup_fraction is not None:
-        warmup = o.lr_warmup_fraction * decay
+def _megatron(cfg, spans: tuple[float, int, int | None], groups: list[dict] | None = None):
+    """megatron-core's scheduler built as Megatron-LM's get_optimizer_param_scheduler builds it, with the
+    (warm-up, decay, WSD decay) spans in samples that function derives from the case's flags, written out by
+    hand per case (not derived by code here, which would repeat megalite's own conversion)."""
+    o = cfg.optimizer
+    warmup, decay, wsd = spans
     opt = _Groups(groups)
     sched = OptimizerParamScheduler(opt, init_lr=o.lr_warmup_init, max_lr=o.lr, min_lr=o.min_lr,
                                     lr_warmup_steps=warmup, lr_decay_steps=decay, lr_decay_style=o.lr_decay_style,
@@ -61,34 +56,41 @@ def _megatron(cfg, groups: list[dict] | None = None):
     return sched, opt
 
 
+# (flags, Megatron-LM's (warm-up, decay, WSD decay) in samples): iteration flags count GBS = 4 samples each,
+# --train-iters 30 (120 samples) unless --train-samples; the decay span defaults to the whole run, a warm-up
+# fraction is of the decay span.
 CASES = [
-    "--lr-decay-style constant --lr-warmup-iters 5",
-    "--lr-decay-style constant",
-    "--lr-decay-style linear --lr-warmup-iters 5 --min-lr 1e-5",
-    "--lr-decay-style cosine --lr-warmup-iters 5 --min-lr 1e-5",
-    "--lr-decay-style cosine --lr-warmup-iters 3 --lr-decay-iters 20 --min-lr 1e-5 --lr-warmup-init 1e-5",
-    "--lr-decay-style cosine --lr-warmup-fraction 0.1 --lr-decay-iters 25",
-    "--lr-decay-style inverse-square-root --lr-warmup-iters 4 --min-lr 1e-6",
-    "--lr-decay-style inverse-square-root --min-lr 1e-6",
-    "--lr-decay-style WSD --lr-warmup-iters 3 --lr-wsd-decay-iters 10 --lr-wsd-decay-style exponential",
-    "--lr-decay-style WSD --lr-wsd-decay-iters 8 --lr-wsd-decay-style linear --min-lr 1e-5",
-    "--lr-decay-style WSD --lr-warmup-iters 2 --lr-wsd-decay-iters 6 --lr-wsd-decay-style cosine",
-    "--lr-decay-style WSD --lr-warmup-iters 2 --lr-wsd-decay-iters 6 --lr-wsd-decay-style minus_sqrt",
-    "--train-samples 120 --lr-decay-style cosine --lr-warmup-samples 10 --min-lr 1e-5",
-    "--train-samples 120 --lr-decay-samples 100 --lr-decay-style linear --lr-warmup-samples 6",
-    "--train-samples 120 --lr-decay-style WSD --lr-warmup-fraction 0.05 --lr-wsd-decay-samples 40",
-    "--train-samples 122 --lr-decay-style inverse-square-root --lr-warmup-samples 9 --min-lr 1e-6",
+    ("--lr-decay-style constant --lr-warmup-iters 5", (20, 120, None)),
+    ("--lr-decay-style constant", (0, 120, None)),
+    ("--lr-decay-style linear --lr-warmup-iters 5 --min-lr 1e-5", (20, 120, None)),
+    ("--lr-decay-style cosine --lr-warmup-iters 5 --min-lr 1e-5", (20, 120, None)),
+    ("--lr-decay-style cosine --lr-warmup-iters 3 --lr-decay-iters 20 --min-lr 1e-5 --lr-warmup-init 1e-5",
+     (12, 80, None)),
+    ("--lr-decay-style cosine --lr-warmup-fraction 0.1 --lr-decay-iters 25", (10.0, 100, None)),
+    ("--lr-decay-style inverse-square-root --lr-warmup-iters 4 --min-lr 1e-6", (16, 120, None)),
+    ("--lr-decay-style inverse-square-root --min-lr 1e-6", (0, 120, None)),
+    ("--lr-decay-style WSD --lr-warmup-iters 3 --lr-wsd-decay-iters 10 --lr-wsd-decay-style exponential",
+     (12, 120, 40)),
+    ("--lr-decay-style WSD --lr-wsd-decay-iters 8 --lr-wsd-decay-style linear --min-lr 1e-5", (0, 120, 32)),
+    ("--lr-decay-style WSD --lr-warmup-iters 2 --lr-wsd-decay-iters 6 --lr-wsd-decay-style cosine", (8, 120, 24)),
+    ("--lr-decay-style WSD --lr-warmup-iters 2 --lr-wsd-decay-iters 6 --lr-wsd-decay-style minus_sqrt",
+     (8, 120, 24)),
+    ("--train-samples 120 --lr-decay-style cosine --lr-warmup-samples 10 --min-lr 1e-5", (10, 120, None)),
+    ("--train-samples 120 --lr-decay-samples 100 --lr-decay-style linear --lr-warmup-samples 6", (6, 100, None)),
+    ("--train-samples 120 --lr-decay-style WSD --lr-warmup-fraction 0.05 --lr-wsd-decay-samples 40", (6.0, 120, 40)),
+    ("--train-samples 122 --lr-decay-style inverse-square-root --lr-warmup-samples 9 --min-lr 1e-6",
+     (9, 122, None)),
 ]
 
 
-@pytest.mark.parametrize("flags", CASES)
-def test_applied_and_logged_rate_equal_megatron_core(flags):
+@pytest.mark.parametrize("flags,spans", CASES, ids=[c[0] for c in CASES])
+def test_applied_and_logged_rate_equal_megatron_core(flags, spans):
     extra = [] if "--train-samples" in flags else ["--train-iters", "30"]
     cfg = parse_args(["--mock-data", "--vocab-size", "64", "--lr", "3e-4", "--global-batch-size", str(GBS),
                       "--micro-batch-size", "1", *extra, *flags.split()])
     validate(cfg, GBS)
     ours = schedule_from_config(cfg.optimizer, cfg.training)
-    sched, opt = _megatron(cfg)
+    sched, opt = _megatron(cfg, spans)
     skipped = 0
     for k in range(1, cfg.training.train_iters + 1):
         applied = opt.param_groups[0]["lr"]  # what Megatron's optimizer.step() uses at iteration k
@@ -103,20 +105,22 @@ def test_applied_and_logged_rate_equal_megatron_core(flags):
 
 
 DECOUPLED_CASES = [
-    "--lr-decay-style cosine --lr-warmup-iters 5 --min-lr 1e-5 --decoupled-lr 5e-4 --decoupled-min-lr 4.5e-5",
-    "--lr-decay-style linear --lr-warmup-iters 3 --min-lr 1e-5 --decoupled-lr 1e-4",  # final rate: --min-lr
-    "--lr-decay-style inverse-square-root --lr-warmup-iters 4 --min-lr 1e-6 --decoupled-lr 6e-4 "
-    "--decoupled-min-lr 2e-5",
-    "--lr-decay-style WSD --lr-warmup-iters 2 --lr-wsd-decay-iters 6 --lr-wsd-decay-style cosine --decoupled-lr 1e-3 "
-    "--decoupled-min-lr 1e-4 --lr-warmup-init 1e-5",
-    "--lr-decay-style constant --lr-warmup-iters 5 --decoupled-lr 0",
-    "--train-samples 120 --lr-decay-style cosine --lr-warmup-samples 10 --min-lr 1e-5 --decoupled-lr 2e-4 "
-    "--decoupled-min-lr 0",
+    ("--lr-decay-style cosine --lr-warmup-iters 5 --min-lr 1e-5 --decoupled-lr 5e-4 --decoupled-min-lr 4.5e-5",
+     (20, 120, None)),
+    ("--lr-decay-style linear --lr-warmup-iters 3 --min-lr 1e-5 --decoupled-lr 1e-4",  # final rate: --min-lr
+     (12, 120, None)),
+    ("--lr-decay-style inverse-square-root --lr-warmup-iters 4 --min-lr 1e-6 --decoupled-lr 6e-4 "
+     "--decoupled-min-lr 2e-5", (16, 120, None)),
+    ("--lr-decay-style WSD --lr-warmup-iters 2 --lr-wsd-decay-iters 6 --lr-wsd-decay-style cosine --decoupled-lr 1e-3 "
+     "--decoupled-min-lr 1e-4 --lr-warmup-init 1e-5", (8, 120, 24)),
+    ("--lr-decay-style constant --lr-warmup-iters 5 --decoupled-lr 0", (20, 120, None)),
+    ("--train-samples 120 --lr-decay-style cosine --lr-warmup-samples 10 --min-lr 1e-5 --decoupled-lr 2e-4 "
+     "--decoupled-min-lr 0", (10, 120, None)),
 ]
 
 
-@pytest.mark.parametrize("flags", DECOUPLED_CASES)
-def test_decoupled_group_rate_equals_megatron_core(flags):
+@pytest.mark.parametrize("flags,spans", DECOUPLED_CASES, ids=[c[0] for c in DECOUPLED_CASES])
+def test_decoupled_group_rate_equals_megatron_core(flags, spans):
     """Two parameter groups, the second with --decoupled-lr/--decoupled-min-lr: at every iteration both the
     applied and the logged rate of each group equal megatron-core's (the log line shows the default group's)."""
     extra = [] if "--train-samples" in flags else ["--train-iters", "30"]
@@ -124,7 +128,7 @@ def test_decoupled_group_rate_equals_megatron_core(flags):
                       "--micro-batch-size", "1", *extra, *flags.split()])
     validate(cfg, GBS)
     ours = schedule_from_config(cfg.optimizer, cfg.training)
-    sched, opt = _megatron(cfg, _megatron_groups(cfg))
+    sched, opt = _megatron(cfg, spans, _megatron_groups(cfg))
     skipped, seen = 0, set()
     for k in range(1, cfg.training.train_iters + 1):
         for phase in ("applied", "logged"):
