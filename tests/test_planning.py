@@ -22,12 +22,12 @@ from megalite.planning.cli import cluster_from_values, split_argv, vocab_of
 from megalite.planning.estimate import estimate
 from megalite.planning.layout import layout_rule_errors
 from megalite.planning.memory import activation_bytes, chunk_activation_bytes, in_flight_chunks, stage_memory
-from megalite.planning.published import PUBLISHED, cluster_flags, run_flags
 from megalite.planning.search import rank_of, search
 from megalite.planning.shape import RunShape
 from tests.cli_utils import ROOT
 from tests.harness import run_ranks
 from tests.plan_measure import rms_norm_overcount
+from tests.planning_rows.published import PUBLISHED, cluster_flags, run_flags
 
 TOLERANCE = 0.05
 GPT = dict(seq_length=192, max_position_embeddings=192, hidden_size=320, num_attention_heads=4)

@@ -1,6 +1,6 @@
 """The planner's time model on published runs (docs/planning.md, "Held-out validation"). Rounds 1 to 4's
 rows were seen at their first and only runs (all four missed their bounds, as recorded there) and now
-calibrate the one throughput-fitted constant, each GPU's sustained share (planning/calibration.py); round
+calibrate the one throughput-fitted constant, each GPU's sustained share (tests/planning_rows/calibration.py); round
 5's rows are held out and held to its bounds, which its first run met. Also:
 --search keeps its memory headroom, the headroom and imbalance flags, NCCL's latency, the cpu preset.
 """
@@ -12,11 +12,11 @@ import statistics
 
 import pytest
 
-from megalite.planning.calibration import calibrated_share, calibration_rows, row_error
 from megalite.planning.cli import plan_config
 from megalite.planning.hardware import BORROWED, GPUS, SUSTAINED
-from megalite.planning.heldout import HELD_OUT, HELD_OUT_V2, HELD_OUT_V3, HELD_OUT_V4, REPORTED, plan_row
-from megalite.planning.heldout_v5 import HELD_OUT_V5
+from tests.planning_rows.calibration import calibrated_share, calibration_rows, row_error
+from tests.planning_rows.heldout import HELD_OUT, HELD_OUT_V2, HELD_OUT_V3, HELD_OUT_V4, REPORTED, plan_row
+from tests.planning_rows.heldout_v5 import HELD_OUT_V5
 from tests.test_planning import _run
 
 ROW_BOUND = 0.25  # rounds 1 and 2 held each row to it (docs/planning.md), both missed
@@ -41,7 +41,7 @@ def test_seen_rows_still_plan(run):
 
 @pytest.mark.parametrize("gpu", sorted(SUSTAINED))
 def test_sustained_shares_are_the_calibrated_ones(gpu):
-    """The presets' one throughput-fitted constant is what planning/calibration.py computes from the named
+    """The presets' one throughput-fitted constant is what tests/planning_rows/calibration.py computes from the named
     seen rows (a changed model or row moves it and fails this until the preset follows)."""
     assert calibrated_share(gpu) == pytest.approx(SUSTAINED[gpu], abs=0.005)
     assert all(GPUS[g].sustained_share == SUSTAINED[BORROWED[g]] for g in BORROWED)

@@ -14,11 +14,11 @@ from megalite.config.validate import fill_derived_defaults
 from megalite.planning.cli import cluster_from_values, vocab_of
 from megalite.planning.estimate import estimate
 from megalite.planning.memory import chunk_activation_bytes, stage_memory
-from megalite.planning.published import PUBLISHED_MOE
 from megalite.planning.search import search
 from megalite.planning.shape import RunShape
 from tests.harness import run_ranks
 from tests.plan_measure import rms_norm_overcount
+from tests.planning_rows.published import PUBLISHED_MOE
 from tests.test_planning import GPT, LLAMA, MICRO_BATCH, VOCAB, _run, _state_flags, planner_cfg
 
 MOE = dict(num_experts=4, moe_router_topk=2, moe_aux_loss_coeff=0.01, disable_bias_linear=True, swiglu=True)

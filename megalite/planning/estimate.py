@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from megalite.config.arguments import MegaliteConfig
+from megalite.planning.accuracy import accuracy_lines
 from megalite.planning.hardware import ClusterConfig
 from megalite.planning.headroom import overhead_terms
 from megalite.planning.layout import Layout
@@ -14,13 +15,6 @@ from megalite.planning.shape import RunShape
 from megalite.planning.timing import TimeReport, crosses_nodes, step_time
 
 GB = 1e9
-
-
-# what the held-out rows showed (docs/planning.md, round 5), printed with every estimate
-ACCURACY = ("accuracy: on 26 held-out published runs (round 5, the first whose bounds held) 24 were within 25% of "
-            "the published step time (median error 7%; misses: an early Megatron-Core MoE run, its step 61% longer "
-            "than estimated, and a run planned with more recomputation than its source suggests) and 22 were "
-            "estimated to fit: a guide, checked against three sources only (docs/planning.md)")
 
 
 def fmt_bytes(x: float) -> str:
@@ -134,5 +128,5 @@ def format_report(plan: Plan) -> str:
               + (f"; with recomputation: {tm.tflops_per_gpu(True):.1f}" if sh.recompute == "full" else "")]
     if not plan.fits:
         lines.append("  (does not fit: tools/plan.py --search ranks the layouts that do)")
-    lines.append(f"  {ACCURACY}")
+    lines += [f"  {line}" for line in accuracy_lines()]
     return "\n".join(lines)

@@ -73,7 +73,7 @@ def _gpu(name: str, mem: float, bf16: float, fp32: float, nvlink: float, net: fl
 # same paper (its forward 370 against FlashAttention-3's 640 TFLOP/s at head dim 128, its backward 1/1.5 to
 # 1/1.75 of FlashAttention-3's: about 0.6 of the FlashAttention-3 share), B200 assumed as H100. The cpu
 # preset: this machine, measured by bench/measure_cpu.py (bench/README.md, "The planner on this machine").
-# The sustained shares are calibrated on the seen published runs by planning/calibration.py (A100 on its
+# The sustained shares are calibrated on the seen published runs by tests/planning_rows/calibration.py (A100 on its
 # A100 rows, H100 on its H100 rows; H200 and B200 take H100's: the same chip, and no B200 rows), the one
 # constant taken from throughput rows; 1.0 on the cpu preset, which has no such rows. docs/planning.md lists them all.
 SUSTAINED = {"a100-80g": 0.844, "h100-sxm": 0.767}

@@ -1,7 +1,7 @@
 """The one constant of the time model taken from training-throughput rows: each GPU's sustained share
-(hardware.py, GPUSpec.sustained_share) of its achievable GEMM and flash-attention figures over a training
-step. It stands for what the kernel benchmarks behind those figures do not see: clocks under a whole node's
-power draw, the gaps between kernels, the SMs and memory bandwidth overlapped communication takes.
+(megalite/planning/hardware.py, GPUSpec.sustained_share) of its achievable GEMM and flash-attention figures
+over a training step. It stands for what the kernel benchmarks behind those figures do not see: clocks
+under a whole node's power draw, the gaps between kernels, the SMs and memory bandwidth overlapped communication takes.
 
 It is calibrated on the rows the planner has already seen, named here and never held out again
 (docs/planning.md, "Between rounds 4 and 5"): the development rows (published.py) and
@@ -22,8 +22,8 @@ import dataclasses
 import statistics
 
 from megalite.planning.hardware import BORROWED
-from megalite.planning.heldout import HELD_OUT, HELD_OUT_V2, HELD_OUT_V3, HELD_OUT_V4, HeldOutRun, plan_row
-from megalite.planning.published import PUBLISHED, cluster_flags, run_flags
+from tests.planning_rows.heldout import HELD_OUT, HELD_OUT_V2, HELD_OUT_V3, HELD_OUT_V4, HeldOutRun, plan_row
+from tests.planning_rows.published import PUBLISHED, cluster_flags, run_flags
 
 TE_SOURCES = ("DG-", "L3-")  # NeMo and Llama 3's Megatron-based runs; the README's H100 rows below
 FSDP2_SOURCES = ("TT-",)

@@ -15,7 +15,7 @@ attention; 4 x 100 Gb/s RoCE per node).
 
 from __future__ import annotations
 
-from megalite.planning.heldout import _NO_DROPOUT, HeldOutRun, _layout, _llama, _nodes
+from tests.planning_rows.heldout import _NO_DROPOUT, HeldOutRun, _layout, _llama, _nodes
 
 _FP = "FlagPerf training/nvidia/{llama3_8B,llama3_70B,mixtral_8x7B}-megatron/README.md (github.com/FlagOpen/FlagPerf)"
 _FMS = "IBM fms-fsdp README.md, Training throughput benchmarks (github.com/foundation-model-stack/fms-fsdp)"
