@@ -29,9 +29,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import os
 import shlex
-import shutil
 import sys
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -40,6 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from megalite.checkpointing import destination  # noqa: E402
 from megalite.checkpointing.full_reader import FullCheckpoint  # noqa: E402
 from megalite.checkpointing.hf.convert import (  # noqa: E402
     HFConversionError,
@@ -56,7 +57,7 @@ from megalite.checkpointing.hf.convert import (  # noqa: E402
     to_hf_state_dict,
 )
 from megalite.checkpointing.hf.moe import moe_tp_errors  # noqa: E402
-from megalite.checkpointing.megatron.export import save_torch_dist  # noqa: E402
+from megalite.checkpointing.lock import LOCK  # noqa: E402
 from megalite.checkpointing.megatron.legacy.writer import save_legacy  # noqa: E402
 from megalite.checkpointing.megatron.read import (  # noqa: E402
     MegatronCheckpoint,
@@ -65,8 +66,9 @@ from megalite.checkpointing.megatron.read import (  # noqa: E402
     iteration_folder,
     read_megatron,
 )
+from megalite.checkpointing.megatron.torch_dist.writer import save_torch_dist  # noqa: E402
 from megalite.checkpointing.metadata import model_config  # noqa: E402
-from megalite.checkpointing.paths import TRACKER, iter_dirname, swap_into_place  # noqa: E402
+from megalite.checkpointing.paths import TRACKER, iter_dirname  # noqa: E402
 from megalite.checkpointing.reader import CheckpointError  # noqa: E402
 from megalite.checkpointing.reshard import reshard  # noqa: E402
 from megalite.checkpointing.writer import OptimizerSource, write_checkpoint  # noqa: E402
@@ -155,34 +157,40 @@ def _check_tokenizer_flags(a: argparse.Namespace) -> None:
     build_tokenizer(SimpleNamespace(vocab_size=None, **{k: getattr(a, k) for k in TOKENIZER_FLAGS}))
 
 
+def _say(message: str) -> None:
+    print(f"convert_checkpoint.py: {message}", file=sys.stderr, flush=True)
+
+
 def _refuse_existing(save: str, overwrite: bool) -> None:
-    """An output is never written over something that is there unless --overwrite says so."""
-    if os.path.exists(save) and not os.path.isdir(save):
-        raise FileExistsError(f"--save {save} is a file; choose a new folder")
-    parent = os.path.dirname(os.path.abspath(save))
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-        raise FileExistsError(f"--save {save}: {parent} is a file, not a directory; choose a new folder")
-    if os.path.isdir(save) and os.listdir(save) and not overwrite:
-        held = (f" (it holds a checkpoint at iteration {open(os.path.join(save, TRACKER)).read().strip()})"
-                if os.path.isfile(os.path.join(save, TRACKER)) else "")
-        raise FileExistsError(f"--save {save} exists and is not empty{held}; choose a new folder or pass "
+    """An output is never written over something that is there unless --overwrite says so (run under the
+    claim of ``save``, whose lock file is this writer's own)."""
+    held = [n for n in os.listdir(save) if n != LOCK] if os.path.isdir(save) else []
+    if held and not overwrite:
+        tracker = os.path.join(save, TRACKER)
+        what = ""
+        if os.path.isfile(tracker):
+            with open(tracker, "rb") as f:
+                what = f" (it holds a checkpoint at iteration {f.read(32).decode('utf-8', 'replace').strip()})"
+        raise CheckpointError(f"--save {save} exists and is not empty{what}; choose a new folder or pass "
                               "--overwrite to replace it")
 
 
 @contextlib.contextmanager
-def _staged_output(save: str) -> Iterator[str]:
-    """A sibling folder to write into; it replaces ``save`` only once complete, and is removed on failure
-    (so another run's tracker in ``save`` is never rewound, and a failed write leaves ``save`` as it was)."""
-    staged = save.rstrip("/") + ".incomplete"
-    shutil.rmtree(staged, ignore_errors=True)
-    try:
+def _claimed(a: argparse.Namespace, *sources: tuple[str, str | None]) -> Iterator[destination.SaveLock]:
+    """--save claimed under the one rule of every checkpoint writer (destination.py): not --load (nor any
+    other source) by any path, not inside a live run's folder, its lock held; then not replaced without
+    --overwrite."""
+    with destination.claim(a.save, [("--load", a.load), *sources], _say, replacing=a.overwrite) as lock:
+        _refuse_existing(a.save, a.overwrite)
+        yield lock
+
+
+@contextlib.contextmanager
+def _staged_output(a: argparse.Namespace, lock: destination.SaveLock) -> Iterator[str]:
+    """A per-process staging folder that replaces --save as a whole only once complete; removed on failure
+    (so a failed or interrupted write leaves --save as it was and nothing partial)."""
+    with destination.replacing(a.save, lock, _say) as staged:
         yield staged
-    except BaseException:
-        shutil.rmtree(staged, ignore_errors=True)
-        raise
-    swap_into_place(staged, save)
 
 
 SPLIT_FLAGS = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
@@ -205,17 +213,15 @@ def target_split(a: argparse.Namespace, num_layers: int) -> LayerSplit | None:
 
 
 def cmd_reshard(a: argparse.Namespace) -> None:
-    if os.path.abspath(a.save) == os.path.abspath(a.load):
-        raise ValueError(f"--save {a.save} must differ from --load (a reshard never overwrites its source)")
     _check_source(a.load, a.iteration)
-    _refuse_existing(a.save, a.overwrite)
-    split = target_split(a, int(FullCheckpoint(a.load, a.iteration).config.get("num_layers", 0)))
-    with _staged_output(a.save) as staged:
-        path = reshard(a.load, staged, a.tensor_model_parallel_size, a.pipeline_model_parallel_size,
-                       a.num_layers_per_virtual_pipeline_stage, iteration=a.iteration,
-                       with_optimizer=not a.no_optim, ep=a.expert_model_parallel_size,
-                       etp=a.expert_tensor_parallel_size, split=split)
-        copy_tokenizer_files(os.path.join(a.load, TOKENIZER_DIR), os.path.join(staged, TOKENIZER_DIR))
+    with _claimed(a) as lock:
+        split = target_split(a, int(FullCheckpoint(a.load, a.iteration).config.get("num_layers", 0)))
+        with _staged_output(a, lock) as staged:
+            path = reshard(a.load, staged, a.tensor_model_parallel_size, a.pipeline_model_parallel_size,
+                           a.num_layers_per_virtual_pipeline_stage, iteration=a.iteration,
+                           with_optimizer=not a.no_optim, ep=a.expert_model_parallel_size,
+                           etp=a.expert_tensor_parallel_size, split=split)
+            copy_tokenizer_files(os.path.join(a.load, TOKENIZER_DIR), os.path.join(staged, TOKENIZER_DIR))
     path = os.path.join(a.save, os.path.basename(path))
     experts = (f" EP={a.expert_model_parallel_size}" if a.expert_model_parallel_size > 1 else "") + (
         f" ETP={a.expert_tensor_parallel_size}" if a.expert_tensor_parallel_size is not None else "")
@@ -243,17 +249,19 @@ def cmd_to_hf(a: argparse.Namespace) -> None:
     cfg, _ = model_config(ckpt.config)
     architecture(cfg)  # fail before reading any tensor
     _check_tokenizer_flags(a)
-    _refuse_existing(a.save, a.overwrite)
-    with _staged_output(a.save) as staged:
+    tok = _tokenizer_source(a, ckpt)
+    read = [(f"--{k.replace('_', '-')}" if a.tokenizer_type else f"--load's recorded tokenizer ({k})",
+             (tok or {}).get(k)) for k in ("vocab_file", "merge_file", "tokenizer_model")]
+    with _claimed(a, *read) as lock, _staged_output(a, lock) as staged:
         os.makedirs(staged)
-        eod, tok = None, _tokenizer_source(a, ckpt)
+        eod = None
         if tok:
             try:
                 eod = save_tokenizer(staged, max_length=cfg.max_position_embeddings, **{
                     k: tok.get(k) for k in ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model")})
             except Exception as e:  # noqa: BLE001 - best effort for a recorded tokenizer: the model is what matters
-                if a.tokenizer_type:  # flags were checked above; a failure here is not theirs to hide
-                    raise
+                if a.tokenizer_type or (isinstance(e, OSError) and e.errno in destination.WRITE_ERRNOS):
+                    raise  # flags were checked above, a full disk is no tokenizer's fault: not theirs to hide
                 print(f"warning: tokenizer not exported ({type(e).__name__}: {e})", file=sys.stderr)
         dtype = DTYPES[a.dtype] if a.dtype else None
         hf_config = to_hf_config(ckpt.config, eod)
@@ -276,7 +284,12 @@ def _hf_config_dict(hf_config, where: str, qkv_only: bool, layernorm_1p: bool) -
 def cmd_from_hf(a: argparse.Namespace) -> None:
     if os.path.isfile(os.path.join(a.load, TRACKER)):
         raise HFConversionError(f"--load {a.load} is a megalite checkpoint; from-hf reads a transformers folder")
-    _refuse_existing(a.save, a.overwrite)
+    with _claimed(a) as lock:
+        _from_hf_into(a, lock)
+
+
+def _from_hf_into(a: argparse.Namespace, lock: destination.SaveLock) -> None:
+    """from-hf's work once --save is claimed."""
     where = os.path.join(a.load, "config.json")
     hf_config = read_hf_config(a.load)
     config = _hf_config_dict(hf_config, where, True, a.apply_layernorm_1p)  # every config check before the weights
@@ -294,7 +307,7 @@ def cmd_from_hf(a: argparse.Namespace) -> None:
     dtype = DTYPES[a.dtype] if a.dtype else None
     note = {"tool": "convert_checkpoint.py from-hf", "source": os.path.abspath(a.load),
             "architecture": type(hf_config).__name__}
-    with _staged_output(a.save) as staged:
+    with _staged_output(a, lock) as staged:
         path = write_checkpoint(staged, config, params.__getitem__, tp=a.tensor_model_parallel_size,
                                 pp=a.pipeline_model_parallel_size, note=note, dtype=dtype,
                                 layers_per_virtual_stage=a.num_layers_per_virtual_pipeline_stage,
@@ -314,7 +327,12 @@ def cmd_from_megatron(a: argparse.Namespace) -> None:
     if checkpoint_format(folder) is None:
         raise CheckpointError(f"--load {a.load}: {folder} is not a Megatron-LM checkpoint (neither .metadata + "
                               "common.pt nor mp_rank_*/model_optim_rng.pt)")
-    _refuse_existing(a.save, a.overwrite)
+    with _claimed(a) as lock:
+        _from_megatron_into(a, lock)
+
+
+def _from_megatron_into(a: argparse.Namespace, lock: destination.SaveLock) -> None:
+    """from-megatron's work once --save is claimed."""
     src = read_megatron(a.load, a.iteration, a.vocab_size)
     cfg = model_config(src.config)[0]
     tp, pp = a.tensor_model_parallel_size, a.pipeline_model_parallel_size
@@ -325,7 +343,7 @@ def cmd_from_megatron(a: argparse.Namespace) -> None:
     optimizer = None if a.no_load_optim else _megatron_optimizer(src)
     note = {"tool": "convert_checkpoint.py from-megatron", "source": os.path.abspath(a.load),
             "format": src.format, "weights_only": optimizer is None}
-    with _staged_output(a.save) as staged:
+    with _staged_output(a, lock) as staged:
         path = write_checkpoint(staged, src.config, src.params.__getitem__, tp=tp, pp=pp, note=note,
                                 optimizer=optimizer,
                                 layers_per_virtual_stage=a.num_layers_per_virtual_pipeline_stage,
@@ -379,10 +397,9 @@ def cmd_to_megatron(a: argparse.Namespace) -> None:
             raise ValueError(f"--{flag.replace('_', '-')}: a torch_dist export holds whole tensors and loads at "
                              "any layout; the flag is for --format torch")
     ckpt = FullCheckpoint(a.load, a.iteration)
-    _refuse_existing(a.save, a.overwrite)
     tp, pp, ep = a.tensor_model_parallel_size, a.pipeline_model_parallel_size, a.expert_model_parallel_size
     dtype = DTYPES[a.dtype] if a.dtype else None
-    with _staged_output(a.save) as staged:
+    with _claimed(a) as lock, _staged_output(a, lock) as staged:
         os.makedirs(staged)
         if a.format == "torch_dist":
             it_dir = save_torch_dist(staged, ckpt.config, ckpt.param, ckpt.iteration, tp_hint=tp,
@@ -493,11 +510,27 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _os_error(e: OSError) -> str:
+    """An OSError as one line: the path(s) and the system's reason."""
+    if e.strerror is None:
+        return str(e)  # raised with a message of its own
+    paths = " -> ".join(str(p) for p in (e.filename, e.filename2) if p is not None)
+    return f"{paths}: {e.strerror}" if paths else f"{e.strerror} ({errno.errorcode.get(e.errno, e.errno)})"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         args.func(args)
-    except (CheckpointError, HFConversionError, ValueError, OSError) as e:
+    except KeyboardInterrupt:
+        done = os.path.abspath(args.save) in destination.COMMITTED
+        print(f"convert_checkpoint.py {args.command}: interrupted; "
+              + (f"{args.save} was complete and is in place" if done else "nothing written"), file=sys.stderr)
+        return 130
+    except OSError as e:
+        print(f"convert_checkpoint.py {args.command}: error: {_os_error(e)}", file=sys.stderr)
+        return 2
+    except (CheckpointError, HFConversionError, ValueError) as e:
         print(f"convert_checkpoint.py {args.command}: error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -12,6 +12,7 @@ import dataclasses
 from argparse import Namespace
 from typing import Any
 
+from megalite.checkpointing.config_rules import model_rule_errors
 from megalite.checkpointing.errors import CheckpointError
 from megalite.checkpointing.metadata import config_dict, model_config
 from megalite.config.model import ModelConfig
@@ -98,19 +99,9 @@ def config_from_args(args: Any, vocab_size: int, where: str) -> dict[str, Any]:
         cfg = ModelConfig(**fields)
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{where}: its args describe no megalite model ({e})") from None
-    rules = _model_rules(cfg)
+    rules = model_rule_errors(cfg)
     if rules:
         raise CheckpointError(f"{where}: its args break the rules of the training flags: " + "; ".join(rules))
     config = config_dict(cfg, vocab_size)
     model_config(config)  # every size in its domain
     return config
-
-
-def _model_rules(cfg: ModelConfig) -> list[str]:
-    """What pretrain_gpt.py's validation would refuse in these model flags (config/validate.py)."""
-    from megalite.config.arguments import MegaliteConfig
-    from megalite.config.validate import domain_check, model_errors
-    from megalite.config.validate_moe import moe_errors
-
-    full = MegaliteConfig(model=cfg)
-    return domain_check(full) or model_errors(cfg) + moe_errors(full)

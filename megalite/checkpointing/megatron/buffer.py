@@ -6,8 +6,8 @@ the buffer into buckets: a bucket is closed once it holds ``bucket_size`` elemen
 pipeline stage's shared (tied) embedding gets a bucket of its own. The distributed optimizer saves its
 state bucket by bucket in that layout, each bucket at its unpadded size (the padding that evens the
 buckets out over the DP ranks dropped). Both of its layouts megalite reads rebuild it here: the
-torch_dist ``dp_reshardable`` buckets (megatron_dp_optim.py, whose sizes are saved) and the legacy
-``distrib_optim.pt`` (megatron_distrib_optim.py, where only their total is and the sizes follow the rule).
+torch_dist ``dp_reshardable`` buckets (torch_dist/dp_optim.py, whose sizes are saved) and the legacy
+``distrib_optim.pt`` (legacy/distrib_optim.py, where only their total is and the sizes follow the rule).
 """
 
 from __future__ import annotations

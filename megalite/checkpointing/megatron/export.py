@@ -1,45 +1,30 @@
-"""A megalite checkpoint written as Megatron-LM's ``torch_dist`` checkpoint, loadable at any TP by
-megatron-core's ``dist_checkpointing.load``.
+"""What every export to Megatron-LM shares, whichever format writes it (torch_dist/writer.py: whole
+tensors, loadable at any layout; legacy/writer.py: one file per TP x PP rank): megatron-core's names for
+megalite's tensors, the ``args`` Namespace Megatron-LM saves, the vocabulary padding, and the modules
+that save an ``_extra_state``.
 
-megatron-core's sharded state dict names each tensor by a layout-free key, and its torch_dist loader
-reshards on read: a folder holding every tensor whole (one chunk each) under those keys is a valid
-checkpoint for every TP/PP layout. So the export writes full tensors, no cutting. The keys are the ones
-megatron-core 0.16's ``GPTModel.sharded_state_dict()`` gives the local layer spec (checked by
-tests/test_megatron_export.py against that call):
+The names are the ones megatron-core 0.16's ``GPTModel.sharded_state_dict()`` gives the local layer spec
+(checked by tests/test_megatron_export.py against that call):
 
-- layers stacked on a leading layer axis: ``decoder.layers.<suffix>`` of shape [L, ...]; a model mixing
-  dense and MoE layers (--moe-layer-freq) keyed per layer, ``decoder.layers.<i>.<suffix>`` (global layer
-  numbers), as megatron-core keys non-homogeneous layers;
 - the norms under Transformer Engine's fused names (``self_attention.linear_qkv.layer_norm_weight``,
   ``mlp.linear_fc1.layer_norm_weight``), which the local spec saves its norms under too;
 - SwiGLU's fc1 whole as [gate; up] (megatron-core's factory reads its TP pieces out of that order);
 - a tied model has no ``output_layer.weight`` key; the vocabulary padded to Megatron's padded size;
-- every linear's ``_extra_state`` a sharded object per layer (``<key>/shard_<i>_<L>``, or
-  ``shard_0_1`` under a per-layer key, holding the list ``[None]``), since the loader asks for it and fails
-  on a missing key.
-
-Next to the tensors: ``metadata.json`` (the backend megatron-core's loader dispatches on) and
-``common.pt`` (``args`` as Megatron-LM's training loop saves them, iteration, checkpoint version), so
-Megatron-LM's ``--load`` and this project's ``from-megatron`` both read the folder. Routed experts are
-written as the local spec's SequentialMLP saves them: stacked [L, E, ...] under
-``mlp.experts.experts.linear_fc1.weight`` (fc2 alike), one ``_extra_state`` object per layer and expert.
+- routed experts as the local spec's SequentialMLP saves them: stacked [E, ...] per layer under
+  ``mlp.experts.experts.linear_fc1.weight`` (fc2 alike).
 """
 
 from __future__ import annotations
 
-import json
-import os
 from argparse import Namespace
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from megalite import compat
 from megalite.checkpointing.errors import CheckpointError
 from megalite.checkpointing.megatron.names import LAYER, TOP
 from megalite.checkpointing.metadata import model_config
-from megalite.checkpointing.paths import TRACKER, iter_dirname
 from megalite.checkpointing.stored import all_specs
 from megalite.tensor_parallel.layers import padded_vocab_size
 
@@ -60,8 +45,6 @@ EXPORT_TOP = {"embedding.word.weight": "embedding.word_embeddings.weight",
 assert all(TOP[v] == k for k, v in EXPORT_TOP.items())
 ATTENTION_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj")
 CHECKPOINT_VERSION = 3.0
-BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
-           "common_backend_version": 1}
 
 # Megatron-LM argument names copied from megalite's config unchanged
 ARG_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "kv_channels", "seq_length",
@@ -78,7 +61,7 @@ MOE_ARG_FIELDS = ("num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_
 
 def megatron_args(config: dict[str, Any], padded_vocab: int) -> Namespace:
     """The ``args`` Namespace Megatron-LM would have saved for this model (its own argument names; the
-    inverse of megatron_args.config_from_args), so the folder describes its model without megalite. An MoE
+    inverse of args.config_from_args), so the folder describes its model without megalite. An MoE
     model's experts are written as SequentialMLP's (per-expert keys), so ``moe_grouped_gemm`` is False;
     ``moe_layer_freq`` is 1 when every layer is MoE (stacked keys) and the 0/1 list only for a mixed model,
     since megatron-core keys the layers one by one whenever it is a list."""
@@ -129,23 +112,6 @@ def megatron_layers(config: dict[str, Any], get: Callable[[str], torch.Tensor], 
     return top, layers
 
 
-def _alike(layers: list[dict[str, torch.Tensor]]) -> bool:
-    """Whether every layer holds the same keys (else --moe-layer-freq mixes dense and MoE layers)."""
-    return all(set(layer) == set(layers[0]) for layer in layers)
-
-
-def megatron_tensors(top: dict[str, torch.Tensor], layers: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """megatron-core's sharded keys -> full tensors (megatron_layers' output): the layers stacked on a leading
-    axis, or, for a model whose layers differ (dense and MoE layers), one key per layer under its global
-    number (``decoder.layers.<i>.<suffix>``), as megatron-core's TransformerBlock keys non-homogeneous layers."""
-    if not _alike(layers):
-        return {**top, **{f"decoder.layers.{i}.{suffix}": t for i, layer in enumerate(layers)
-                          for suffix, t in layer.items()}}
-    stacked = {f"decoder.layers.{suffix}": torch.stack([layer[suffix] for layer in layers]).contiguous()
-               for suffix in layers[0]}
-    return {**top, **stacked}
-
-
 def layer_linears(layer: dict[str, torch.Tensor]) -> list[str]:
     """The linear modules of one layer (megatron-core's local-spec names), each of which saves an
     ``_extra_state``: attention's two, the dense MLP's or the shared expert's fc1/fc2 (routed experts
@@ -163,50 +129,3 @@ def export_vocab(config: dict[str, Any], padded_vocab: int | None, tp: int) -> i
     if padded < vocab:
         raise CheckpointError(f"to-megatron: --padded-vocab-size {padded} is below the vocabulary ({vocab})")
     return padded
-
-
-def _shard(axes: list[tuple[int, int]]) -> str:
-    """A sharded object's unique-key suffix from its (offset, size) per axis (one axis (0, 1) if none)."""
-    axes = axes or [(0, 1)]
-    return f"shard_{'.'.join(str(o) for o, _ in axes)}_{'.'.join(str(n) for _, n in axes)}"
-
-
-def _extra_states(layers: list[dict[str, torch.Tensor]]) -> dict[str, list[None]]:
-    """One empty ``_extra_state`` object per linear and layer (per layer and expert for routed experts)
-    under megatron-core's unique keys, ``<key>/shard_<offset>_<shape>``: on the layer axis of stacked keys
-    (``decoder.layers.<module>._extra_state/shard_<i>_<L>``), or under each layer's own key when the layers
-    differ (``decoder.layers.<i>.<module>._extra_state/shard_0_1``), an expert's on the expert axis too.
-    The value is the list megatron-core's loader unpickles (torch's planner pickles a non-tensor value
-    itself; a BytesIO would be pickled as a BytesIO)."""
-    stacked = _alike(layers)
-    out: dict[str, list[None]] = {}
-    for i, layer in enumerate(layers):
-        prefix, axes = ("decoder.layers.", [(i, len(layers))]) if stacked else (f"decoder.layers.{i}.", [])
-        out.update({f"{prefix}{module}._extra_state/{_shard(axes)}": [None] for module in layer_linears(layer)})
-        fc1 = layer.get(EXPERTS["mlp.experts.fc1_weight"])
-        experts = 0 if fc1 is None else fc1.shape[0]
-        out.update({f"{prefix}mlp.experts.experts.{fc}._extra_state/{_shard([*axes, (j, experts)])}": [None]
-                    for fc in ("linear_fc1", "linear_fc2") for j in range(experts)})
-    return out
-
-
-def save_torch_dist(folder: str, config: dict[str, Any], get: Callable[[str], torch.Tensor], iteration: int,
-                    *, tp_hint: int = 1, padded_vocab: int | None = None, dtype: torch.dtype | None = None,
-                    extra_common: dict[str, Any] | None = None) -> str:
-    """Write ``folder``/latest_checkpointed_iteration.txt and ``folder``/iter_XXXXXXX/ in torch_dist format;
-    returns the iteration folder. ``tp_hint``: the TP Megatron-LM will load at, for its vocabulary padding
-    (``padded_vocab`` overrides it; it must equal what the loading run computes)."""
-    padded = export_vocab(config, padded_vocab, tp_hint)
-    top, layers = megatron_layers(config, get, padded, dtype)
-    state: dict[str, Any] = {**megatron_tensors(top, layers), **_extra_states(layers)}
-    it_dir = os.path.join(folder, iter_dirname(iteration))
-    os.makedirs(it_dir, exist_ok=True)
-    compat.save_distributed_checkpoint(state, it_dir)
-    common = {"args": megatron_args(config, padded), "iteration": iteration,
-              "checkpoint_version": CHECKPOINT_VERSION, **(extra_common or {})}
-    torch.save(common, os.path.join(it_dir, "common.pt"))
-    with open(os.path.join(it_dir, "metadata.json"), "w") as f:
-        json.dump(BACKEND, f)
-    with open(os.path.join(folder, TRACKER), "w") as f:
-        f.write(str(iteration))
-    return it_dir

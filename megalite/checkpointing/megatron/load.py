@@ -1,12 +1,12 @@
 """``--load`` of a Megatron-LM checkpoint folder: its weights straight into this run's model, any layout.
 
-Every rank reads the checkpoint as full tensors (megatron.py) and keeps its own shard of each
-(``local_shard``), as the offline import would write them, and so does the Adam state megatron.py
+Every rank reads the checkpoint as full tensors (read.py) and keeps its own shard of each
+(``local_shard``), as the offline import would write them, and so does the Adam state read.py
 reads (torch_dist's model-space state, the distributed optimizer's dp_reshardable buckets, the legacy
 files' numbered one and their distrib_optim.pt); where the checkpoint holds none it reads, the run must
 say it starts a fresh optimizer (``--no-load-optim`` keeps the iteration and consumed samples,
 ``--finetune`` starts from 0). Its RNG states are restored where the run has the layout they were saved
-at (megatron_rng.py). The model flags must describe the checkpoint's model, each differing shape flag named.
+at (rng.py). The model flags must describe the checkpoint's model, each differing shape flag named.
 """
 
 from __future__ import annotations

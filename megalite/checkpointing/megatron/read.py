@@ -5,8 +5,8 @@
                                               legacy torch: mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt
 
 Both formats are read without unpickling anything outside an allow-list (safe_pickle.py), checked file by
-file, and mapped to megalite's names (megatron_names.py); the model config comes from the saved ``args``
-(megatron_args.py). ``tools/convert_checkpoint.py from-megatron`` writes the result as a megalite
+file, and mapped to megalite's names (names.py); the model config comes from the saved ``args``
+(args.py). ``tools/convert_checkpoint.py from-megatron`` writes the result as a megalite
 checkpoint at any layout; ``--load`` of a Megatron folder does the same in-process (load.py's caller).
 """
 
@@ -88,7 +88,7 @@ class MegatronCheckpoint:
     optimizer: dict[str, dict[str, torch.Tensor]] | None = None  # field (exp_avg, exp_avg_sq, main) -> key -> full
     optimizer_step: float = 0.0  # Adam's step count (its bias correction)
     optimizer_note: str = "the checkpoint holds no optimizer state"  # why ``optimizer`` is None
-    rng: SavedRng | None = None  # each saved rank's rng_state (megatron_rng.py), read when a run restores it
+    rng: SavedRng | None = None  # each saved rank's rng_state (rng.py), read when a run restores it
     rng_note: str = "the checkpoint holds no RNG state"  # why ``rng`` is None
 
 
@@ -158,7 +158,7 @@ def _rng(out: MegatronCheckpoint, src: Any) -> None:
 
 def _dp_reshardable(out: MegatronCheckpoint, src: Any, keys: list[str], other: list[str], args: Any,
                     where: str) -> None:
-    """The distributed optimizer's default bucket-flat state (megatron_dp_optim.py) into ``out``, or the note
+    """The distributed optimizer's default bucket-flat state (torch_dist/dp_optim.py) into ``out``, or the note
     why it is not read (the weights are imported either way): every weight must have its fp32 main
     parameter, equal to it, so a buffer cut by another parameter order is refused, never read wrong."""
     from megalite.checkpointing.megatron.torch_dist.dp_optim import dp_reshardable_state

@@ -1,4 +1,4 @@
-"""Megatron-LM's saved RNG states, for ``pretrain_gpt.py --load`` of its folder (megatron_load.py).
+"""Megatron-LM's saved RNG states, for ``pretrain_gpt.py --load`` of its folder (load.py).
 
 Megatron-LM saves per rank the dict its ``get_rng_state`` collects (``random_rng_state``,
 ``np_rng_state``, ``torch_rng_state``, ``cuda_rng_state``, ``rng_tracker_states``) in a list: one entry, or
@@ -52,7 +52,7 @@ def legacy_rng(per_rank: dict[tuple[int, int], Any]) -> SavedRng | None:
 
 
 def dist_rng(src: Any) -> SavedRng | str:
-    """torch_dist's ``rng_state`` items of ``src`` (a megatron_dist.DistCheckpoint) by their names, each
+    """torch_dist's ``rng_state`` items of ``src`` (a torch_dist/reader.DistCheckpoint) by their names, each
     unpickled when read; or why there are none to read."""
     names = src.object_names(KEY)
     if not names:

@@ -14,7 +14,7 @@ another rank; the expert optimizer's buffers (one per chunk with experts) hold t
 
 Only a buffer's total size is saved, so the layout is rebuilt from the rank's own state dict (its
 parameters in registration order, their local shapes) and Megatron-LM's bucket rule as its args configure
-it (megatron_buffer.py), and checked: the total must be the saved one, and each fp32 parameter must be the
+it (buffer.py), and checked: the total must be the saved one, and each fp32 parameter must be the
 saved weight (cast to its dtype). A state that does not fit (another layout, more buffers per chunk: mixed
 dtypes, other chained optimizers, the per-bucket format of before February 2024) is not read, and why is
 returned.

@@ -9,7 +9,7 @@ put into groups by weight decay (none for biases and 1-D tensors) in the order e
 That grouping is rebuilt here and checked against the saved groups' sizes and every tensor's shape; a
 state that does not fit it (another grouping, the chained dense and expert optimizers of an MoE run) is not
 read, and the reason is returned. The distributed optimizer's state (``distrib_optim.pt``) is
-megatron_distrib_optim.py's.
+legacy/distrib_optim.py's.
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ numbers are local to each chunk and expert numbers local to each EP rank. Mergin
 - expert parallel: EP rank e's local expert j is expert e·E/EP + j.
 
 The optimizer state each file holds (torch's numbering of the rank's parameters) is read by
-megatron_legacy_optim.py, the distributed optimizer's (each rank's ``distrib_optim.pt``) by
-megatron_distrib_optim.py; either is joined like the weights and offered under torch_dist's optimizer keys.
+legacy/optim.py, the distributed optimizer's (each rank's ``distrib_optim.pt``) by
+legacy/distrib_optim.py; either is joined like the weights and offered under torch_dist's optimizer keys.
 
 Each file is read through safe_pickle.py; missing files, unknown or inconsistent keys are named.
 """
@@ -34,12 +34,10 @@ from megalite.checkpointing.megatron.legacy.distrib_optim import distrib_file, d
 from megalite.checkpointing.megatron.legacy.optim import BUFFERS, legacy_moments
 from megalite.checkpointing.megatron.names import OPTIMIZER_STATE
 from megalite.checkpointing.megatron.safe_pickle import load_torch_file
+from megalite.checkpointing.megatron.tp import join_tp
 
 FILE = "model_optim_rng.pt"
 RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
-COLUMN = re.compile(r"(word_embeddings\.weight|output_layer\.weight|linear_qkv\.(weight|bias)|linear_fc1\.(weight|bias)"
-                    r"|linear_fc1\.weight\d+)$")
-ROW = re.compile(r"(linear_proj\.weight|linear_fc2\.weight|linear_fc2\.weight\d+)$")
 LAYER = re.compile(r"^(decoder\.layers\.)(\d+)(\..+)$")
 LOCAL_EXPERT_KEY = re.compile(r"(\.mlp\.experts\.local_experts\.)(\d+)(\..+)$")
 SKIPPED = re.compile(r"(^|\.)_extra_state$")
@@ -121,8 +119,8 @@ class LegacyCheckpoint:
             self._read_optimizer(states, chunks, files)
 
     def _read_optimizer(self, states: dict, chunks: dict, files: dict) -> None:
-        """Each rank's Adam state by parameter name (megatron_legacy_optim.py; the distributed optimizer's
-        distrib_optim.pt: megatron_distrib_optim.py), globalised and joined as the weights are; the step into
+        """Each rank's Adam state by parameter name (legacy/optim.py; the distributed optimizer's
+        distrib_optim.pt: legacy/distrib_optim.py), globalised and joined as the weights are; the step into
         ``common`` as torch_dist keeps it. Not read: the reason in the note."""
         args = states[0, 0, 0].get("args")
         if is_distributed(list(files.values()), args):  # its parameter state in each rank's distrib_optim.pt
@@ -195,37 +193,3 @@ class LegacyCheckpoint:
 def _named(path: str, got: Any) -> Any:
     """A reason a rank's state is not read, prefixed with its file."""
     return f"{path}: {got}" if isinstance(got, str) else got
-
-
-def tp_dim(key: str) -> int:
-    """The dimension tensor parallelism cuts the megatron-core tensor ``key`` on (-1: replicated)."""
-    return 1 if ROW.search(key) else 0 if COLUMN.search(key) else -1
-
-
-def join_tp(key: str, parts: list[torch.Tensor], swiglu: bool, where: str) -> torch.Tensor:
-    """The full tensor from its TP shards (rank order): column-parallel ones joined on dim 0 (SwiGLU's fc1
-    shards each [gate_r; up_r], joined as [gates; ups]), row-parallel ones on dim 1; a replicated tensor
-    must be equal on every rank."""
-    if len(parts) == 1:
-        return parts[0]
-    dim = tp_dim(key)
-    if dim == 0 and swiglu and "linear_fc1" in key:
-        halves = [p.chunk(2, dim=0) for p in parts]
-        return torch.cat([_cat(key, [h[0] for h in halves], 0, where), _cat(key, [h[1] for h in halves], 0, where)])
-    if dim >= 0:
-        return _cat(key, parts, dim, where)
-    for t, p in enumerate(parts[1:], 1):
-        if p.shape != parts[0].shape or not torch.equal(p, parts[0]):
-            raise CheckpointError(f"{where}: {key} is replicated over TP but TP rank {t} holds other values")
-    return parts[0]
-
-
-def _cat(key: str, parts: list[torch.Tensor], dim: int, where: str) -> torch.Tensor:
-    if len({p.dim() for p in parts}) != 1 or parts[0].dim() <= dim:
-        raise CheckpointError(f"{where}: {key}: its TP shards cannot be joined on dim {dim} "
-                              f"(shapes {[tuple(p.shape) for p in parts]})")
-    other = {tuple(s for i, s in enumerate(p.shape) if i != dim) for p in parts}
-    if len(other) != 1:
-        raise CheckpointError(f"{where}: {key}: its TP shards' shapes {[tuple(p.shape) for p in parts]} "
-                              f"differ off dim {dim}")
-    return torch.cat(parts, dim=dim)

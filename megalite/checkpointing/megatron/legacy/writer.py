@@ -1,5 +1,5 @@
 """A megalite checkpoint written in Megatron-LM's legacy ``torch`` format at a chosen TP x PP: the
-inverse of megatron_legacy.py's merge.
+inverse of legacy/reader.py's merge.
 
 One ``mp_rank_TT[_PPP]/model_optim_rng.pt`` per (TP rank, PP rank), torch.save'd as Megatron-LM's
 training loop saves it: ``model`` (the rank's state dict under the names of megatron-core's local layer
@@ -39,7 +39,8 @@ from megalite.checkpointing.megatron.export import (
     megatron_args,
     megatron_layers,
 )
-from megalite.checkpointing.megatron.legacy.reader import COLUMN, FILE, ROW
+from megalite.checkpointing.megatron.legacy.reader import FILE
+from megalite.checkpointing.megatron.tp import tp_shard
 from megalite.checkpointing.metadata import model_config
 from megalite.checkpointing.paths import TRACKER, iter_dirname
 from megalite.config.model import ModelConfig
@@ -52,24 +53,6 @@ LOCAL_NORMS = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.w
                "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias"}
 # SequentialMLP's sharded (stacked) expert keys -> one expert's own suffix under local_experts.{j}
 EXPERT_SUFFIXES = {v: v.removeprefix("mlp.experts.experts.") for v in EXPERTS.values()}
-
-
-def tp_shard(key: str, t: torch.Tensor, tp: int, rank: int, swiglu: bool) -> torch.Tensor:
-    """TP rank ``rank``'s piece of the full tensor ``t`` under megatron-core name ``key``."""
-    if tp == 1:
-        return t
-    if ROW.search(key):
-        dim = 1
-    elif COLUMN.search(key):
-        dim = 0
-    else:
-        return t
-    if t.shape[dim] % tp:
-        raise CheckpointError(f"to-megatron: {key} of shape {tuple(t.shape)} does not split over TP={tp}")
-    if swiglu and "linear_fc1" in key:
-        gate, up = t.chunk(2, dim=0)
-        return torch.cat([gate.chunk(tp)[rank], up.chunk(tp)[rank]]).clone()
-    return t.chunk(tp, dim=dim)[rank].clone()
 
 
 def legacy_layout_errors(cfg: ModelConfig, tp: int, pp: int) -> list[str]:

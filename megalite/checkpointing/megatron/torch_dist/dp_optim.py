@@ -5,15 +5,15 @@ That sharding saves each gradient bucket's state flat, as megatron-core's buffer
 one tensor per bucket of its unpadded size, in bucket coordinates (each DP rank's contiguous slice is a chunk
 of it, so the DP split needs no undoing). ``G`` is the rank in the tensor x pipeline group (the expert
 optimizer of an MoE run: in the expert tensor x expert x pipeline group), ``B`` the model chunk's buffer
-(megatron_dp_stages.py says which parameters each holds). The layout is rebuilt from the checkpoint alone
-(megatron_buffer.py, shared with the legacy ``distrib_optim.pt``): a buffer's parameters (the model keys, the
+(torch_dist/dp_stages.py says which parameters each holds). The layout is rebuilt from the checkpoint alone
+(buffer.py, shared with the legacy ``distrib_optim.pt``): a buffer's parameters (the model keys, the
 TP cut of each) walked in reverse of megatron-core's parameter order, each start rounded up to 64 elements, a
 bucket ending exactly where its saved size ends. Every bucket must be filled exactly and agree with the saved
 ``per_bucket_numel_unpadded``, and a replicated parameter's state must be the same on every TP rank; a state
 that does not fit (the legacy GroupedMLP's merged experts, mixed dtypes: more buffers per chunk) is not
 read, and why is returned. Transformer Engine's spec (``transformer_impl`` in the args) orders each layer's
 parameters its own way (``LAYER_TE``), and its grouped experts (``moe_grouped_gemm``) theirs
-(megatron_dp_stages.py); the fp32 main parameters must equal the weights (megatron.py checks), so an order
+(torch_dist/dp_stages.py); the fp32 main parameters must equal the weights (read.py checks), so an order
 that is not megatron-core's is refused, not read wrong.
 """
 
@@ -35,7 +35,6 @@ from megalite.checkpointing.megatron.buffer import (
     optimizer_kind,
     place_buffer,
 )
-from megalite.checkpointing.megatron.legacy.reader import join_tp, tp_dim
 from megalite.checkpointing.megatron.names import SKIPPED
 from megalite.checkpointing.megatron.torch_dist.dp_stages import (
     LAYER_OF,
@@ -47,6 +46,7 @@ from megalite.checkpointing.megatron.torch_dist.dp_stages import (
     stage_layers,
     with_experts,
 )
+from megalite.checkpointing.megatron.tp import join_tp, tp_dim
 
 BUCKET = re.compile(r"^(chained_\d+\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.+)"
                     r"\.bucket_idx_(\d+)\.(param|exp_avg|exp_avg_sq)$")

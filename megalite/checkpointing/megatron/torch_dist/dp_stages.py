@@ -1,6 +1,6 @@
 """Which parameters each distributed-optimizer buffer holds: pipeline stages, model chunks and MoE experts.
 
-megatron_dp_optim.py reads the ``dp_reshardable`` buffers; this module says what lies in each, from
+torch_dist/dp_optim.py reads the ``dp_reshardable`` buffers; this module says what lies in each, from
 megatron-core's source (0.16):
 
 - ``get_megatron_optimizer`` puts the dense parameters in one DistributedOptimizer whose
@@ -37,7 +37,7 @@ import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from megalite.checkpointing.megatron.legacy.reader import tp_dim
+from megalite.checkpointing.megatron.tp import tp_dim
 
 Param = tuple[str, tuple[int, ...], int]  # per-layer name, full shape, cut dim (-1: replicated)
 LAYER_OF = re.compile(r"^decoder\.layers\.(\d+)\.")
