@@ -3,7 +3,8 @@ directory it cannot write to is found before training, not at the first save.
 
 Checked on every rank before any process group exists (each check only reads, except the write probe,
 whose file name is unique per process). Rank 0 first takes the folder's lock (``lock.py``: one writer per
-folder) and removes what killed saves left there (``paths.recover``)."""
+folder) and removes what killed saves left there (``paths.recover``); in a run that continues its own
+folder it then sets a damaged newest checkpoint aside (``fallback.py``) before any rank reads the tracker."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from megalite.checkpointing.fallback import resume_point
 from megalite.checkpointing.load import shape_diffs
 from megalite.checkpointing.lock import holding
 from megalite.checkpointing.paths import TRACKER, iter_dirname, iteration_dir, read_tracker, recover
@@ -114,5 +116,17 @@ def guarded_save(ck: CheckpointConfig, model: ModelConfig, rank: int, say: Calla
                 raise CheckpointError(f"--save {ck.save}: cannot clean up after an interrupted save ({e})") from None
             if done:
                 say(f"--save {ck.save}: cleaned up after an interrupted save: " + "; ".join(done))
-        check_save_target(ck, model)
+            if restarts_in_place(ck):
+                resume_point(ck.save, ck.on_bad_checkpoint == "refuse", say)
+        if rank == 0 or not restarts_in_place(ck):
+            check_save_target(ck, model)
+        else:  # rank 0 checks the folder, after it may have set a damaged newest checkpoint aside
+            probe_writable(ck.save)
         yield
+
+
+def restarts_in_place(ck: CheckpointConfig) -> bool:
+    """Whether the run continues the checkpoint it saves (``--load`` is ``--save``): then rank 0, holding the
+    lock, sets a damaged newest checkpoint aside before anything reads the tracker (``fallback.py``)."""
+    return bool(ck.save and ck.load and not ck.finetune
+                and os.path.abspath(ck.save) == os.path.abspath(ck.load))

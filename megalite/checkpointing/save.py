@@ -59,6 +59,11 @@ class CheckpointSaveError(CheckpointError):
     previous checkpoint."""
 
 
+class CheckpointWriteError(CheckpointSaveError):
+    """Writing a save failed on some rank (a full disk, a file-size limit, an I/O error): nothing about
+    the run is wrong, so the training loop may go on and try again at the next --save-interval."""
+
+
 def _agree(pg: ProcessGroups, error: str | None, payload: Any = None) -> list[tuple[str | None, Any]]:
     """Every rank's (error, payload): a barrier that also tells each rank whether another one failed,
     so a failing rank never leaves its peers waiting in a collective it will not join."""
@@ -88,7 +93,7 @@ def _check(results: list, pg: ProcessGroups, save_dir: str, iteration: int) -> N
     kept = (f"{tracker} still names iteration {open(tracker).read().strip()}" if os.path.isfile(tracker)
             else f"no earlier checkpoint in {save_dir}")
     rank, err = failed[0]
-    raise CheckpointSaveError(f"--save {save_dir}: saving iteration {iteration} failed on rank {rank} ({err}); "
+    raise CheckpointWriteError(f"--save {save_dir}: saving iteration {iteration} failed on rank {rank} ({err}); "
                               f"its staging directory was removed and {kept}")
 
 

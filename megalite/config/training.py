@@ -158,3 +158,14 @@ class CheckpointConfig:
     overwrite_checkpoint: bool = option(False, help="Let --save replace the checkpoint of another run that "
                                         "is already there (another model, no --load, --finetune, or a later "
                                         "iteration than --load's); without it such a run is refused at start-up.")
+    on_bad_checkpoint: str = option(
+        "set-aside", choices=["set-aside", "refuse"],
+        help="When --load equals --save (a run restarting into its own folder) and the newest checkpoint fails "
+        "its checks (a file's CRC, metadata.json, the tracker): set-aside renames it to iter_N.corrupt-TAG "
+        "(never deleted), says so in one line and resumes from the newest one that passes (a garbled or "
+        "missing tracker: the newest complete iteration folder); refuse stops with the error instead.")
+    max_consecutive_failed_saves: int = option(
+        3, domain=count(),
+        help="A periodic save that fails to write (full disk, file-size limit, I/O error) leaves every earlier "
+        "checkpoint intact and training goes on, retrying at the next --save-interval; after this many failed "
+        "saves in a row the run stops. 1 stops at the first failure. The final save's failure always stops it.")

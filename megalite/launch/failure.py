@@ -11,7 +11,9 @@ failed first, in which case it is that failure's echo (e.g. a connection the pee
 Two more endings are one line, not a traceback: Ctrl-C (exit status 130), and a peer that vanished
 without reporting (killed, out of memory), which the backend reports as a closed or reset connection:
 each rank records its host and pid on the board, so the rank that meets the closed connection names the
-peer ranks of its host whose processes are gone (ranks on other hosts cannot be checked from here).
+peer ranks of its host whose processes are gone (ranks on other hosts cannot be checked from here). A
+collective that timed out (a peer hung: stopped, stuck) is one line too, naming the peers of its host
+that are stopped or blocked (``hang.py``), and ends the job so that its launcher can restart it.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from collections.abc import Iterator
 import torch.distributed as dist
 
 from megalite.launch import rendezvous
+from megalite.launch.hang import hang_message, timed_out
 from megalite.launch.rendezvous import Rendezvous, RendezvousError
 
 WHO = "failure/rank"  # the first failing rank, set once
@@ -181,20 +184,24 @@ class FailureBoard:
                 time.sleep(rendezvous.POLL_S)
                 left = self.rv.store.add(LEFT, 0)
 
-    def dead_peers(self) -> list[str]:
-        """'rank R (pid P)' of each peer on this host whose process is gone, as recorded on the board."""
+    def host_peers(self) -> list[tuple[int, int]]:
+        """(rank, pid) of each peer on this host, as recorded on the board."""
         if self.rv is None or self.world > MAX_LOOKUP:
             return []
-        host, dead = socket.gethostname(), []
+        host, peers = socket.gethostname(), []
         with contextlib.suppress(RuntimeError, OSError, ValueError):
             for r in range(self.world):
                 key = f"{PID}/{r}"
                 if r == self.rank or not self.rv.store.check([key]):
                     continue
                 their_host, pid = self.rv.store.get(key).decode().rsplit(" ", 1)
-                if their_host == host and pid_gone(int(pid)):
-                    dead.append(f"rank {r} (pid {pid})")
-        return dead
+                if their_host == host:
+                    peers.append((r, int(pid)))
+        return peers
+
+    def dead_peers(self) -> list[str]:
+        """'rank R (pid P)' of each peer on this host whose process is gone, as recorded on the board."""
+        return [f"rank {r} (pid {pid})" for r, pid in self.host_peers() if pid_gone(pid)]
 
     def _peer_lost_message(self, e: BaseException) -> str:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -228,6 +235,11 @@ class FailureBoard:
             self.leave()
         except Exception as e:
             if self.claim():
+                if timed_out(e):  # a peer hung (stopped, stuck): name it, end the job for the launcher to restart
+                    self._say(hang_message(e, self.host_peers(), self.timeout))
+                    self.exit_code = 2
+                    self.leave()
+                    return
                 if peer_lost(e):  # a peer vanished without a word: name it instead of the backend's traceback
                     self._say(self._peer_lost_message(e))
                     self.exit_code = 2

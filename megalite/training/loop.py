@@ -27,6 +27,7 @@ from megalite.training.log import LogWindow, format_validation_line
 from megalite.training.manual_gc import ManualGC
 from megalite.training.profiling import StepProfiler
 from megalite.training.resume import TrainState, maybe_load, save
+from megalite.training.save_retry import SaveRetry
 from megalite.training.timers import Timers
 from megalite.training.train_step import StepOutput, build_buffers, evaluate, train_step, write_timeline
 from megalite.training.writers import MetricWriters
@@ -67,6 +68,7 @@ class Run:
     say: Callable[[str], None]
     gc: ManualGC
     saver: AsyncSaver | None = None  # --async-save: the save in flight, if any
+    retry: SaveRetry | None = None  # periodic saves that failed to write: go on, up to a limit
 
     @property
     def vocab_size(self) -> int:
@@ -112,21 +114,27 @@ class Run:
     def save(self, final: bool = False) -> None:
         """Save this iteration (with --async-save: start writing it once the previous one is committed; the
         ``final`` save is waited for)."""
-        self.commit_saved(wait=True)
+        self.commit_saved(wait=True, final=final)
         self.optimizer.wait_param_gather()
-        with full_params(self.buffers):  # sharded parameters (ZeRO-3): the checkpoint stores full tensors
-            save(self.cfg, self.state, self.chunks, self.optimizer, self.pg, self.tracker, self.vocab_size, self.say,
-                 self.saver)
+        with self.retry.attempt(final):
+            with full_params(self.buffers):  # sharded parameters (ZeRO-3): the checkpoint stores full tensors
+                save(self.cfg, self.state, self.chunks, self.optimizer, self.pg, self.tracker, self.vocab_size,
+                     self.say, self.saver)
+            if self.saver is None:
+                self.retry.succeeded()
         if final:
-            self.commit_saved(wait=True)
+            self.commit_saved(wait=True, final=True)
 
-    def commit_saved(self, wait: bool) -> None:
+    def commit_saved(self, wait: bool, final: bool = False) -> None:
         """--async-save, at a step boundary on every rank: commit the save in flight once every rank wrote
-        it (``wait``: wait for the writers first)."""
+        it (``wait``: wait for the writers first; ``final``: a failure ends the run even below the limit)."""
         if self.saver is None:
             return
-        done = self.saver.finish() if wait else self.saver.poll()
+        done = None
+        with self.retry.attempt(final):
+            done = self.saver.finish() if wait else self.saver.poll()
         if done is not None:
+            self.retry.succeeded()
             path = os.path.join(done.save_dir, iter_dirname(done.iteration))
             self.say(f" saved checkpoint at iteration {done.iteration} to {path} (written in the background)")
 
@@ -151,7 +159,9 @@ def start_run(cfg: MegaliteConfig, pg: ProcessGroups, data: RunData | None, say:
     with full_params(buffers if cfg.checkpoint.load else [], write_back=True):
         state = maybe_load(cfg, chunks, optimizer, pg, tracker, vocab, say)
     saver = AsyncSaver(pg) if cfg.checkpoint.async_save else None
-    return Run(cfg, pg, data, tracker, chunks, buffers, optimizer, schedule, state, result, say, ManualGC(t), saver)
+    retry = SaveRetry(cfg.checkpoint.max_consecutive_failed_saves, say)
+    return Run(cfg, pg, data, tracker, chunks, buffers, optimizer, schedule, state, result, say, ManualGC(t), saver,
+               retry)
 
 
 def stop_reason(cfg: MegaliteConfig, exits: ExitConditions, step: int) -> str | None:
@@ -205,7 +215,7 @@ def pretrain(cfg: MegaliteConfig, pg: ProcessGroups, data: RunData | None = None
                 run.say(f" exiting at iteration {step}: {reason}")
                 run.result.exit_reason = reason
                 break
-        run.commit_saved(wait=True)  # e.g. a periodic save still in flight when --train-iters ends unsaved
+        run.commit_saved(wait=True, final=True)  # e.g. a periodic save still in flight when --train-iters ends unsaved
         run.optimizer.wait_param_gather()  # the returned chunks hold the last step's parameters
         if run.validating and run.state.iteration == t.train_iters:
             run.evaluate(writers)
