@@ -45,9 +45,10 @@ from megalite.parallel.groups import ProcessGroups  # noqa: E402
 from megalite.parallel.layout import RankLayout  # noqa: E402
 from megalite.tensor_parallel.random import model_parallel_seed  # noqa: E402
 from megalite.training.batches import build_run_data, global_batch  # noqa: E402
-from megalite.training.loop import TrainResult, pretrain  # noqa: E402
+from megalite.training.loop import pretrain  # noqa: E402
 from megalite.training.train_step import build_buffers, reported_loss, run_microbatches  # noqa: E402
 from tests.harness import run_ranks  # noqa: E402
+from tests.run_counts import storage_by_kind  # noqa: E402
 
 QUIET = lambda s: None  # noqa: E731
 ITERS = 2
@@ -76,36 +77,6 @@ def make_cfg(world: int, model: dict, vocab: int, iters: int, m: int = MICROBATC
 
 def groups(world: int, rank: int) -> ProcessGroups:
     return ProcessGroups.build(RankLayout(world), rank)
-
-
-def _nbytes(t: torch.Tensor) -> tuple[int, int]:
-    s = t.untyped_storage()
-    return s.data_ptr(), s.nbytes()
-
-
-def storage_by_kind(res: TrainResult) -> dict[str, float]:
-    """Bytes of distinct storages this rank holds for params, grads, main params, Adam moments."""
-    opt = res.optimizer
-    params = {p for c in res.chunks for p in c.parameters()}
-    seen: set[int] = set()
-
-    def total(tensors) -> int:
-        n = 0
-        for t in tensors:
-            key, size = _nbytes(t)
-            if key not in seen:
-                seen.add(key)
-                n += size
-        return n
-
-    out = {"params": total(p.data for p in params)}
-    out["grads"] = total([b.grad_data for b in opt.buffers] + [p.grad for p in params if p.grad is not None])
-    out["main params"] = total(e.main for e in opt.entries if not e.alias)
-    states = list(opt.adam.state.values())
-    out["adam moments"] = total([s["exp_avg"] for s in states] + [s["exp_avg_sq"] for s in states])
-    out["numel"] = sum(p.numel() for p in params)
-    out["adam states"] = len(states)
-    return out
 
 
 def _memory_worker(rank: int, world: int) -> dict:

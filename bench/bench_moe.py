@@ -2,7 +2,7 @@
 
 1. bytes: ``ProcessGroups.comm_bytes`` of the token dispatch over the steps of real ``pretrain()`` runs on
    gloo ranks (tests/harness.py), mock data, at EP2, EP4 and EP2 x expert-TP2 (TP2, sequence parallel),
-   with both dispatchers (and alltoall padded to the capacity), against bench/moe_formulas.py (exact);
+   with both dispatchers (and alltoall padded to the capacity), against tests/moe_formulas.py (exact);
 2. time: the step time of an MoE GPT (8 experts, top-2, expert hidden F) against the dense GPT with the
    same active parameters (MLP hidden 2F), one process, steps of both timed in alternating blocks;
 3. grouped: one MoE layer's forward + backward with --moe-grouped-gemm (torch._grouped_mm) against the
@@ -25,42 +25,21 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.moe_formulas import allgather_bytes, alltoall_bytes, step_bytes  # noqa: E402
 from megalite.config import validate  # noqa: E402
 from megalite.config.arguments import MegaliteConfig  # noqa: E402
 from megalite.moe.layer import MoELayer  # noqa: E402
-from megalite.moe.router import capacity  # noqa: E402
 from megalite.parallel.groups import ProcessGroups  # noqa: E402
 from megalite.parallel.layout import RankLayout  # noqa: E402
 from megalite.tensor_parallel.context import BuildContext  # noqa: E402
 from megalite.tensor_parallel.random import RNGTracker  # noqa: E402
 from megalite.training.loop import pretrain  # noqa: E402
 from tests.harness import run_ranks  # noqa: E402
+from tests.moe_bytes_run import ITERS, MBS, MODEL, MOE, MOE_LABELS, SEQ, VOCAB, M, bytes_cfg, formula  # noqa: E402
 from tests.tp_utils import mock_data  # noqa: E402
 
-VOCAB = 512
-MODEL = dict(num_layers=2, hidden_size=32, num_attention_heads=4, swiglu=True, normalization="RMSNorm",
-             position_embedding_type="rope", untie_embeddings_and_output_weights=True, disable_bias_linear=True,
-             hidden_dropout=0.0, attention_dropout=0.0)
-MOE = dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_aux_loss_coeff=0.01)
-SEQ, MBS, M, ITERS = 32, 2, 2, 2  # micro-batch size, micro-batches per DP rank and step, steps
 # (name, world, tp, ep, etp, extra flags)
 LAYOUTS = [("EP2", 2, 1, 2, 1), ("EP4", 4, 1, 4, 1), ("EP2 x ETP2, TP2 SP", 4, 2, 2, 2)]
-MOE_LABELS = ("moe_counts", "moe_all_to_all", "moe_routing_all_gather", "moe_all_gather", "moe_reduce_scatter")
 QUIET = lambda s: None  # noqa: E731
-
-
-def bytes_cfg(world: int, tp: int, ep: int, etp: int, dispatcher: str, pad: bool) -> MegaliteConfig:
-    dp = world // tp
-    extra = dict(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True) if pad else {}
-    cfg = MegaliteConfig.from_flat(dict(
-        MODEL, **MOE, **extra, seq_length=SEQ, max_position_embeddings=SEQ, micro_batch_size=MBS,
-        global_batch_size=dp * MBS * M, train_iters=ITERS, lr=1e-4, log_interval=1, eval_iters=0,
-        eval_interval=10_000, mock_data=True, vocab_size=VOCAB, seed=1234, tensor_model_parallel_size=tp,
-        sequence_parallel=tp > 1, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
-        moe_token_dispatcher_type=dispatcher))
-    validate(cfg, world)
-    return cfg
 
 
 def runs() -> list[tuple[str, int, int, int, int, str, bool]]:
@@ -81,18 +60,6 @@ def _bytes_worker(rank: int, world: int) -> dict:
         pretrain(bytes_cfg(world, tp, ep, etp, disp, pad), pg, data=mock_data(VOCAB, SEQ, 1234, 64), log=QUIET)
         out[key] = Counter({k: v // ITERS for k, v in pg.comm_bytes.items() if k[1] in MOE_LABELS})
     return out
-
-
-def formula(key: tuple) -> tuple[Counter, bool]:
-    """Step bytes summed over the world, and whether every rank's share is the same (the world / ranks)."""
-    name, world, tp, ep, etp, disp, pad = key
-    T, h, k, E = SEQ * MBS // tp, MODEL["hidden_size"], MOE["moe_router_topk"], MOE["num_experts"]
-    layers = MODEL["num_layers"]
-    if disp == "allgather":
-        per = allgather_bytes(T, h, k, ep, etp, 4)
-        return step_bytes(Counter({key: v * world for key, v in per.items()}), layers, M), True
-    padded = E * capacity(T, k, E, 1.0) if pad else None
-    return step_bytes(alltoall_bytes(T, h, k, E, ep, etp, world, 4, padded), layers, M), pad
 
 
 def bench_bytes() -> None:

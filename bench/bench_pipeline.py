@@ -39,6 +39,7 @@ from megalite.parallel.layout import RankLayout  # noqa: E402
 from megalite.pipeline.schedule_table import ScheduleSpec, build_tables, simulate  # noqa: E402
 from megalite.training.loop import pretrain  # noqa: E402
 from tests.harness import run_ranks  # noqa: E402
+from tests.run_counts import SavedTensor, peak_saved_bytes  # noqa: E402
 from tools.plot_pipeline_timeline import bubble, from_table, load_record  # noqa: E402
 
 VOCAB = 512
@@ -179,42 +180,6 @@ def bench_bytes() -> list[dict]:
 
 
 # ---- 3. live activations ----------------------------------------------------------------------------
-class _Saved:
-    """What the autograd graph holds for one saved tensor; logs its storage when packed and freed."""
-
-    __slots__ = ("tensor", "key", "log")
-
-    def __init__(self, tensor: torch.Tensor, log: list) -> None:
-        storage = tensor.untyped_storage()
-        self.tensor, self.key, self.log = tensor, storage.data_ptr(), log
-        log.append((1, self.key, storage.nbytes()))
-
-    def __del__(self) -> None:
-        self.log.append((-1, self.key, 0))
-
-
-def peak_saved_bytes(log: list, exclude: set[int]) -> int:
-    """Peak over time of the bytes of distinct storages saved for backward (parameters excluded)."""
-    count: dict[int, int] = {}
-    size: dict[int, int] = {}
-    live = peak = 0
-    for sign, key, nbytes in log:
-        if key in exclude:
-            continue
-        if sign > 0:
-            size.setdefault(key, nbytes)
-            count[key] = count.get(key, 0) + 1
-            if count[key] == 1:
-                live += size[key]
-        else:
-            count[key] -= 1
-            if count[key] == 0:
-                live -= size.pop(key)
-                del count[key]
-        peak = max(peak, live)
-    return peak
-
-
 def _memory_worker(rank: int, world: int, runs: list[tuple[str, dict]], root: str) -> dict:
     out = {}
     for name, kw in runs:
@@ -222,7 +187,7 @@ def _memory_worker(rank: int, world: int, runs: list[tuple[str, dict]], root: st
         cfg = make_cfg(world, iters=2, record=record, **kw)
         pg = groups(cfg, world, rank)
         log: list = []
-        pack = lambda t, log=log: _Saved(t, log)  # noqa: E731
+        pack = lambda t, log=log: SavedTensor(t, log)  # noqa: E731
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda s: s.tensor):
             res = pretrain(cfg, pg, log=QUIET)
         params = {p.untyped_storage().data_ptr() for c in res.chunks for p in c.parameters()}

@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.bench_data_parallel import MEM_MODEL, MEM_VOCAB, QUIET, groups, make_cfg, storage_by_kind  # noqa: E402
+from bench.bench_data_parallel import MEM_MODEL, MEM_VOCAB, QUIET, groups, make_cfg  # noqa: E402
 from bench.peak_memory import labelled, measure  # noqa: E402
 from megalite.config import validate  # noqa: E402
 from megalite.config.arguments import MegaliteConfig  # noqa: E402
@@ -53,6 +53,7 @@ from megalite.distributed import grad_buffer, param_shard  # noqa: E402
 from megalite.training import loop  # noqa: E402
 from megalite.training.loop import TrainResult, pretrain  # noqa: E402
 from tests.harness import run_ranks  # noqa: E402
+from tests.run_counts import storage_by_kind  # noqa: E402
 
 ITERS = 2
 M = 4

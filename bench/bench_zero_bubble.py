@@ -35,7 +35,6 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.bench_pipeline import MICRO_BATCH, MODEL, VOCAB, groups, make_cfg  # noqa: E402
-from bench.zero_bubble_formulas import paper_bubble  # noqa: E402
 from megalite.config.arguments import MegaliteConfig  # noqa: E402
 from megalite.config.model import ModelConfig  # noqa: E402
 from megalite.model.gpt import GPTModel  # noqa: E402
@@ -47,6 +46,7 @@ from megalite.tensor_parallel.context import BuildContext  # noqa: E402
 from megalite.tensor_parallel.init import initialize_parameters  # noqa: E402
 from megalite.tensor_parallel.random import model_parallel_seed  # noqa: E402
 from megalite.tensor_parallel.weight_grad import WeightGradStore  # noqa: E402
+from tests.zero_bubble_formulas import paper_bubble  # noqa: E402
 
 FFN = 4 * MODEL["hidden_size"]
 

@@ -1,4 +1,4 @@
-"""The MoE dispatch bytes formula of docs/moe.md (bench/moe_formulas.py) holds to the byte on a real
+"""The MoE dispatch bytes formula of docs/moe.md (tests/moe_formulas.py) holds to the byte on a real
 2-rank EP2 run, for both dispatchers and alltoall padded to the capacity (bench/bench_moe.py runs the
 larger layouts)."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from bench.bench_moe import ITERS, MOE_LABELS, bytes_cfg, formula
 from tests.harness import run_ranks
+from tests.moe_bytes_run import ITERS, MOE_LABELS, bytes_cfg, formula
 from tests.tp_utils import mock_data
 
 CASES = [("EP2", 2, 1, 2, 1, "alltoall", False), ("EP2", 2, 1, 2, 1, "alltoall", True),

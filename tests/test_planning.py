@@ -108,11 +108,11 @@ def _state_flags(flat: dict) -> dict:
 
 
 def _state_worker(rank: int, world: int) -> dict:
-    from bench.bench_data_parallel import storage_by_kind
     from megalite.config import validate
     from megalite.parallel.groups import ProcessGroups
     from megalite.parallel.layout import RankLayout
     from megalite.training.loop import pretrain
+    from tests.run_counts import storage_by_kind
 
     out = {}
     for name, flat in STATE_ROWS:
@@ -159,11 +159,11 @@ PEAK_ROWS = [
 def _peak_worker(rank: int, world: int) -> dict:
     import torch
 
-    from bench.bench_pipeline import _Saved, peak_saved_bytes
     from megalite.config import validate
     from megalite.parallel.groups import ProcessGroups
     from megalite.parallel.layout import RankLayout
     from megalite.training.loop import pretrain
+    from tests.run_counts import SavedTensor, peak_saved_bytes
 
     out = {}
     for name, flat in PEAK_ROWS:
@@ -173,7 +173,7 @@ def _peak_worker(rank: int, world: int) -> dict:
         pg = ProcessGroups.build(RankLayout(world, p.tensor_model_parallel_size, p.pipeline_model_parallel_size),
                                  rank)
         log: list = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda t, log=log: _Saved(t, log), lambda s: s.tensor):
+        with torch.autograd.graph.saved_tensors_hooks(lambda t, log=log: SavedTensor(t, log), lambda s: s.tensor):
             res = pretrain(cfg, pg, log=lambda s: None)
         params = {q.untyped_storage().data_ptr() for c in res.chunks for q in c.parameters()}
         out[name] = (pg.pp_rank, peak_saved_bytes(log, params))

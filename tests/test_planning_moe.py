@@ -98,12 +98,12 @@ MOE_STATE_MODEL = dict(num_layers=4, hidden_size=64, num_attention_heads=4, seq_
 
 
 def _moe_state_worker(rank: int, world: int) -> dict:
-    from bench.bench_data_parallel import storage_by_kind
     from megalite.config import validate
     from megalite.parallel.groups import ProcessGroups
     from megalite.parallel.layout import RankLayout
     from megalite.training.loop import pretrain
     from tests.plan_measure import dispatch_comm_bytes
+    from tests.run_counts import storage_by_kind
 
     out = {}
     for name, flat in MOE_STATE_ROWS:
@@ -150,10 +150,10 @@ def test_moe_state_and_dispatch_bytes_match_measured():
 @pytest.mark.parametrize("ep,etp,tp,pad", [(2, 1, 1, False), (4, 1, 1, False), (2, 2, 2, False), (2, 1, 2, False),
                                             (4, 1, 1, True)])
 def test_moe_dispatch_bytes_agree_with_the_bench_formulas(ep, etp, tp, pad):
-    """The planner's per-rank dispatch bytes x the world = bench/moe_formulas.py's world totals (which
+    """The planner's per-rank dispatch bytes x the world = tests/moe_formulas.py's world totals (which
     bench/bench_moe.py holds to real runs); allgather per rank."""
-    from bench.moe_formulas import allgather_bytes, alltoall_bytes
     from megalite.planning.moe import dispatch_comm_bytes, routed_tokens, sent_rows
+    from tests.moe_formulas import allgather_bytes, alltoall_bytes
 
     world = 8
     for kind in ("alltoall",) if pad else ("alltoall", "allgather"):  # only alltoall pads

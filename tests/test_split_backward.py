@@ -361,7 +361,7 @@ MOE = {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 32}
 def test_deferred_bytes_equal_the_formula(extra):
     """docs/design.md's deferred-W bytes: what the store keeps after one B equals the formula exactly (with
     MoE layers, the routed experts' rows and the shared expert included)."""
-    from bench.split_backward_memory import measure
+    from tests.split_backward_counts import measure
 
     cfg = ModelConfig(**{**LLAMA_GQA, "hidden_size": 32, "num_layers": 2, **extra})
     got, want = measure(cfg, PG, 16, 2, 64)
@@ -369,9 +369,9 @@ def test_deferred_bytes_equal_the_formula(extra):
 
 
 def _tp_bytes(rank: int, world: int) -> tuple[int, int]:
-    from bench.split_backward_memory import _rank
+    from tests.split_backward_counts import measure_on_rank
 
-    return _rank(rank, world, {**LLAMA_GQA, "hidden_size": 32, "num_layers": 2}, 16, 2, 64)
+    return measure_on_rank(rank, world, {**LLAMA_GQA, "hidden_size": 32, "num_layers": 2}, 16, 2, 64)
 
 
 def test_deferred_bytes_equal_the_formula_at_tp2_sp():

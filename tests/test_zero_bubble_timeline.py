@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import pytest
 
-from bench.zero_bubble_formulas import paper_bubble
 from megalite.pipeline.p2p_plan import produced
 from megalite.pipeline.schedule_table import bubble_fraction, build_tables
 from megalite.pipeline.timeline import SCHEDULES, idle_per_rank, peak_in_flight, peak_pending_w, play, spec_for
+from tests.zero_bubble_formulas import paper_bubble
 
 GRID = [(p, m) for p in (2, 3, 4, 8) for m in (1, 2, p, 2 * p, 4 * p)]
 
