@@ -1,12 +1,17 @@
-"""What the dense and the MoE Hugging Face mappings share: the conversion error, one tensor's rule, and
-how a RoPE base is written to an HF config."""
+"""What every Hugging Face adapter shares and no architecture owns: the conversion error, one tensor's
+rule, megalite's QKV interleave, how a RoPE base and RoPE parameters are read and written, and the
+training-flag rules a converted config must pass (named by the HF keys they come from)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from megalite.checkpointing.config_rules import model_rule_errors
+from megalite.config.model import ModelConfig
 
 
 class HFConversionError(ValueError):
@@ -18,12 +23,34 @@ def rope_theta(value: float) -> int | float:
     return int(value) if float(value).is_integer() else float(value)
 
 
+def rope_parameters(hf_config, kind: str | None = None) -> dict[str, Any]:
+    """The RoPE parameters of an HF config as one dict with ``rope_type`` and ``rope_theta``: transformers
+    5.x's ``rope_parameters`` (flat, or keyed by layer kind such as ``sliding_attention`` /
+    ``full_attention``: pass ``kind``), else 4.x's ``rope_scaling`` with ``rope_theta`` beside it."""
+    rope = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
+    if kind is not None and isinstance(rope.get(kind), Mapping):
+        rope = dict(rope[kind])
+    rope.setdefault("rope_type", rope.pop("type", "default"))
+    rope.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    return rope
+
+
 def _same(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return (t,)
 
 
 def transposed(t: torch.Tensor) -> torch.Tensor:
     return t.t().contiguous()
+
+
+def halves(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """megalite's fused [gate; up] rows -> (gate, up)."""
+    return tuple(x.contiguous() for x in t.chunk(2, dim=0))
+
+
+def cat_rows(*parts: torch.Tensor) -> torch.Tensor:
+    """Inverse of halves (and of any split into row blocks)."""
+    return torch.cat(parts)
 
 
 @dataclass(frozen=True)
@@ -39,44 +66,41 @@ class TensorRule:
     zeros_like_rows_of: str | None = None
 
 
-# megalite flag -> the HF config key it is read from, per family (named in rule errors)
-_GPT2_KEYS = {"--num-layers": "n_layer", "--hidden-size": "n_embd", "--num-attention-heads": "n_head",
-              "--ffn-hidden-size": "n_inner", "--seq-length": "n_positions", "--max-position-embeddings": "n_positions",
-              "--hidden-dropout": "resid_pdrop", "--attention-dropout": "attn_pdrop",
-              "--norm-epsilon": "layer_norm_epsilon", "--init-method-std": "initializer_range"}
-_LLAMA_KEYS = {"--num-layers": "num_hidden_layers", "--hidden-size": "hidden_size",
-               "--num-attention-heads": "num_attention_heads", "--num-query-groups": "num_key_value_heads",
-               "--kv-channels": "head_dim", "--ffn-hidden-size": "intermediate_size",
-               "--seq-length": "max_position_embeddings", "--max-position-embeddings": "max_position_embeddings",
-               "--norm-epsilon": "rms_norm_eps", "--rotary-base": "rope_theta",
-               "--attention-dropout": "attention_dropout",
-               "--init-method-std": "initializer_range", "--moe-router-topk": "num_experts_per_tok",
-               "--moe-aux-loss-coeff": "router_aux_loss_coef",
-               "--moe-shared-expert-intermediate-size": "shared_expert_intermediate_size"}
-_MOE_KEYS = {"mixtral": {"--num-experts": "num_local_experts", "--moe-ffn-hidden-size": "intermediate_size"},
-             "qwen2_moe": {"--num-experts": "num_experts", "--moe-ffn-hidden-size": "moe_intermediate_size",
-                           "--moe-layer-freq": "mlp_only_layers"}}
+# ---- the QKV interleave -----------------------------------------------------------------------
 
 
-def _hf_keys(model_type: str) -> dict[str, str]:
-    return _GPT2_KEYS if model_type == "gpt2" else {**_LLAMA_KEYS, **_MOE_KEYS.get(model_type, {})}
+def split_qkv(fused: torch.Tensor, heads: int, groups: int, head_dim: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """megalite's per-group [q_g..., k_g, v_g] rows -> (q [heads*d, ...], k [groups*d, ...], v)."""
+    rest = fused.shape[1:]
+    x = fused.reshape(groups, heads // groups + 2, head_dim, *rest)
+    q = x[:, :-2].reshape(heads * head_dim, *rest)
+    k = x[:, -2].reshape(groups * head_dim, *rest)
+    v = x[:, -1].reshape(groups * head_dim, *rest)
+    return q.contiguous(), k.contiguous(), v.contiguous()
 
 
-def check_model_rules(cfg, hf_config, where: str) -> None:
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, groups: int, head_dim: int
+             ) -> torch.Tensor:
+    """Inverse of split_qkv: separate q/k/v rows -> megalite's per-group interleave."""
+    rest = q.shape[1:]
+    per = heads // groups
+    blocks = [q.reshape(groups, per, head_dim, *rest), k.reshape(groups, 1, head_dim, *rest),
+              v.reshape(groups, 1, head_dim, *rest)]
+    return torch.cat(blocks, dim=1).reshape((heads + 2 * groups) * head_dim, *rest).contiguous()
+
+
+# ---- the training flags' rules ----------------------------------------------------------------------
+
+
+def check_model_rules(cfg: ModelConfig, hf_config, where: str, keys: Mapping[str, str]) -> None:
     """The model a Hugging Face config describes must pass the rules its training flags would
-    (config/validate.py: every value in its domain, the model's shape; config/validate_moe.py: the MoE flags), so
-    that it is refused at conversion, not in training or generation. Each error names the HF keys it
-    comes from, with their values."""
-    from megalite.config.arguments import MegaliteConfig
-    from megalite.config.validate import domain_check, model_errors
-    from megalite.config.validate_moe import moe_errors
-
-    full = MegaliteConfig(model=cfg)
-    errors = domain_check(full)
-    errors = errors or model_errors(cfg) + moe_errors(full)
+    (checkpointing/config_rules.py), so that it is refused at conversion, not in training or generation.
+    Each error names the HF keys it comes from (``keys``: megalite flag -> HF key, the adapter's), with
+    their values."""
+    errors = model_rule_errors(cfg)
     if not errors:
         return
-    keys = _hf_keys(getattr(hf_config, "model_type", ""))
     lines = []
     for e in errors:
         named = dict.fromkeys(keys[f] for f in keys if f in e)

@@ -11,7 +11,7 @@ random values and fails late on a truncated file. Here, in order and before any 
    meta device: names and shapes, no memory): a tensor the model has no place for, one it lacks, and a
    shape that differs are refused by name, expected and found shapes given;
 3. only then are the tensors loaded, into the names and layout transformers itself uses (MoE experts
-   stacked as in hf_moe.py).
+   stacked as in moe.py; the per-expert patterns and stored-name renames are the adapter's).
 
 What the files may hold besides: buffers transformers never loads (GPT-2's causal-mask ``attn.bias`` /
 ``attn.masked_bias``, ``rotary_emb.inv_freq``), an ``lm_head.weight`` of a tied model (transformers ties
@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -37,11 +37,16 @@ BIN, BIN_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
 NEVER_LOADED = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")  # buffers, not weights
 DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
                "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
-# per-expert files -> transformers' stacked experts (hf_moe.py): (stored name pattern, part)
-EXPERT_FILES = [(re.compile(r"^(model\.layers\.\d+\.)block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\.weight$"),
-                 {"w1": "gate", "w3": "up", "w2": "down"}),
-                (re.compile(r"^(model\.layers\.\d+\.)mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$"),
-                 {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"})]
+
+
+@dataclass(frozen=True)
+class ExpertFiles:
+    """Per-expert tensors as some files store them, stacked into transformers' ``mlp.experts.gate_up_proj``
+    and ``down_proj`` (moe.py). ``pattern``'s groups: the layer prefix (``model.layers.3.``), the expert
+    index and the part's stored name, which ``parts`` maps to gate, up or down."""
+
+    pattern: re.Pattern
+    parts: Mapping[str, str]
 
 
 @dataclass
@@ -187,17 +192,20 @@ def _natural(name: str) -> list:
     return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
 
 
-def _canonical_names(stored: dict[str, Stored], shapes: dict, prefix: str) -> dict[str, Stored]:
+def _canonical_names(stored: dict[str, Stored], shapes: dict, prefix: str,
+                     renames: Sequence[tuple[str, str]] = ()) -> dict[str, Stored]:
     """Stored names as transformers names them: the base-model prefix added where the files leave it
-    out, Mixtral's ``block_sparse_moe`` router under ``mlp``; buffers transformers never loads dropped."""
+    out, the adapter's ``renames`` (stored infix -> transformers infix) applied where the stored name is not
+    the model's; buffers transformers never loads dropped."""
     out = {}
     for name, t in stored.items():
         if name.endswith(NEVER_LOADED):
             continue
         if name not in shapes and prefix and not name.startswith(prefix + ".") and f"{prefix}.{name}" in shapes:
             name = f"{prefix}.{name}"
-        if name.endswith(".block_sparse_moe.gate.weight"):
-            name = name.replace(".block_sparse_moe.gate.", ".mlp.gate.")
+        for old, new in renames:
+            if name not in shapes and old in name and name.replace(old, new) in shapes:
+                name = name.replace(old, new)
         out[name] = t
     return out
 
@@ -207,16 +215,17 @@ def _shape_error(name: str, t: Stored, want: tuple[int, ...], where: str) -> HFC
                              f"{list(want)}: the config's sizes contradict the weights")
 
 
-def _stack_experts(stored: dict[str, Stored], shapes: dict, where: str) -> dict[str, Callable[[], torch.Tensor]]:
-    """Per-expert files (Mixtral's w1/w3/w2, Qwen2-MoE's gate/up/down_proj) -> transformers' stacked
+def _stack_experts(stored: dict[str, Stored], shapes: dict, where: str,
+                   expert_files: Sequence[ExpertFiles] = ()) -> dict[str, Callable[[], torch.Tensor]]:
+    """Per-expert files (the adapter's ``expert_files`` patterns) -> transformers' stacked
     ``mlp.experts.gate_up_proj`` [E, 2F, h] and ``down_proj`` [E, h, F]; each file's name and shape
     checked. The per-expert names are taken out of ``stored``."""
     groups: dict[str, dict[tuple[int, str], str]] = {}
     for name in list(stored):
-        for pattern, parts in EXPERT_FILES:
-            m = pattern.match(name)
+        for files in expert_files:
+            m = files.pattern.match(name)
             if m:
-                groups.setdefault(m.group(1), {})[(int(m.group(2)), parts[m.group(3)])] = name
+                groups.setdefault(m.group(1), {})[(int(m.group(2)), files.parts[m.group(3)])] = name
     out: dict[str, Callable[[], torch.Tensor]] = {}
     for layer, files in sorted(groups.items(), key=lambda kv: _natural(kv[0])):
         up_name, down_name = layer + "mlp.experts.gate_up_proj", layer + "mlp.experts.down_proj"
@@ -241,11 +250,12 @@ def _stack_experts(stored: dict[str, Stored], shapes: dict, where: str) -> dict[
 
 
 def matched_weights(stored: dict[str, Stored], shapes: dict[str, tuple[int, ...]], prefix: str, tied: bool,
-                    where: str) -> dict[str, Callable[[], torch.Tensor]]:
+                    where: str, expert_files: Sequence[ExpertFiles] = (),
+                    renames: Sequence[tuple[str, str]] = ()) -> dict[str, Callable[[], torch.Tensor]]:
     """{transformers name: loader} once every stored tensor has its place in the model and every
     tensor of the model is stored with its shape; else the first offending tensor is named."""
-    stored = _canonical_names(stored, shapes, prefix)
-    loads = _stack_experts(stored, shapes, where)
+    stored = _canonical_names(stored, shapes, prefix, renames)
+    loads = _stack_experts(stored, shapes, where, expert_files)
     unused = sorted((n for n in stored if n not in shapes), key=_natural)
     if unused:
         more = f" (and {len(unused) - 1} more)" if len(unused) > 1 else ""
@@ -262,10 +272,13 @@ def matched_weights(stored: dict[str, Stored], shapes: dict[str, tuple[int, ...]
     return {**{n: t.load for n, t in stored.items()}, **loads}
 
 
-def read_checked_weights(folder: str, model_cls: type, hf_config, where: str) -> dict[str, torch.Tensor]:
+def read_checked_weights(folder: str, model_cls: type, hf_config, where: str,
+                         expert_files: Sequence[ExpertFiles] = (),
+                         renames: Sequence[tuple[str, str]] = ()) -> dict[str, torch.Tensor]:
     """The folder's state dict in transformers' names, every tensor checked against ``hf_config``
     before any is loaded (module doc)."""
     stored = stored_tensors(folder)
     shapes, prefix = expected_shapes(model_cls, hf_config, where)
-    loads = matched_weights(stored, shapes, prefix, bool(getattr(hf_config, "tie_word_embeddings", False)), where)
+    loads = matched_weights(stored, shapes, prefix, bool(getattr(hf_config, "tie_word_embeddings", False)), where,
+                            expert_files, renames)
     return {name: load() for name, load in loads.items()}
