@@ -214,8 +214,8 @@ def target_split(a: argparse.Namespace, num_layers: int) -> LayerSplit | None:
 
 def cmd_reshard(a: argparse.Namespace) -> None:
     _check_source(a.load, a.iteration)
+    split = target_split(a, int(FullCheckpoint(a.load, a.iteration).config.get("num_layers", 0)))
     with _claimed(a) as lock:
-        split = target_split(a, int(FullCheckpoint(a.load, a.iteration).config.get("num_layers", 0)))
         with _staged_output(a, lock) as staged:
             path = reshard(a.load, staged, a.tensor_model_parallel_size, a.pipeline_model_parallel_size,
                            a.num_layers_per_virtual_pipeline_stage, iteration=a.iteration,

@@ -14,9 +14,9 @@ import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from megalite.checkpointing.destination import claim
 from megalite.checkpointing.fallback import resume_point
 from megalite.checkpointing.load import shape_diffs
-from megalite.checkpointing.lock import holding
 from megalite.checkpointing.paths import TRACKER, iter_dirname, iteration_dir, read_tracker, recover
 from megalite.checkpointing.reader import CheckpointError
 from megalite.checkpointing.schema import load_metadata
@@ -109,7 +109,7 @@ def guarded_save(ck: CheckpointConfig, model: ModelConfig, rank: int, say: Calla
     with contextlib.ExitStack() as stack:
         if ck.save and rank == 0:
             probe_writable(ck.save)
-            stack.enter_context(holding(ck.save, say))
+            stack.enter_context(claim(ck.save, [("--load", ck.load)], say, in_place=True))  # the rule of every writer
             try:
                 done = recover(ck.save)
             except OSError as e:

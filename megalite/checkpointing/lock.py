@@ -170,6 +170,15 @@ class SaveLock:
         raise CheckpointError(f"{self.flag} {self.save_dir}: could not take its lock {self.path} (other runs keep "
                               "starting into this folder)")
 
+    def plant(self, folder: str) -> None:
+        """Write this lock's owner into ``folder`` too: a folder about to replace the locked one as a whole
+        (see destination.py) carries the lock, so the destination is never unlocked while switched."""
+        assert self.owner is not None, "plant() needs the lock held"
+        with open(os.path.join(folder, LOCK), "w") as f:
+            json.dump(asdict(self.owner), f)
+            f.flush()
+            os.fsync(f.fileno())
+
     def release(self) -> None:
         """Remove the lock if it is still this run's."""
         if self.owner is not None and read_owner(self.path) == self.owner:
