@@ -12,7 +12,10 @@ chunk 0 feeds its own chunk 1) the hand-off stays on the rank, no message.
 Tables with W actions (the zero-bubble schedules) split each backward: B runs inside
 ``weight_grads.collect((chunk, micro-batch))``, so the layers that support it compute only their input
 gradient and queue their weight gradients, and W runs ``weight_grads.run((chunk, micro-batch))``
-(``tensor_parallel/weight_grad.py``). Without a store, B is the whole backward and W does nothing (the same
+(``tensor_parallel/weight_grad.py``). The output layer's weight gradient is the exception: it runs right
+after its B's batch is posted (``store.run_prompt()``), so the loss rank holds one micro-batch's logits
+gradient at a time, as 1F1B does, and the stage before it still gets its input gradient at the end of B
+(the timeline counts that work in B). Without a store, B is the whole backward and W does nothing (the same
 gradients, the same messages).
 """
 
@@ -198,6 +201,15 @@ class _Run:
         self.hand_on(action, hidden.grad if hidden is not None else None)
         return start, end
 
+    def prompt_weights(self, end: float) -> float:
+        """After a B's batch is posted: the output layer's weight gradient it queued (none elsewhere);
+        returns when B's work ended."""
+        store = self.job.weight_grads
+        if store is None or not self.split:
+            return end
+        store.run_prompt()
+        return self.clock()
+
     def weights(self, action: Action, before: Callable[[], None] | None) -> tuple[float, float]:
         """W: the weight gradients the action's B queued (nothing without a store)."""
         start = self.clock()
@@ -248,21 +260,25 @@ def run_table(tables: Sequence[Sequence[Action]], job: PipelinePass) -> list[tor
     done = 0
     for step in plan:
         action = step.action
-        if action is not None:
-            assert action == table[done], f"round plan out of step with the table at {action}"
-            received = run.take(action)
-            before = None
-            if last_backward is not None and action.kind == final and last_of_chunk[action.chunk] == done:
-                before = run.before_last(last_backward, action.chunk)
-            if action.kind == "F":
-                start, end = run.forward(action, received)
-            elif action.kind == "B":
-                start, end = run.backward(action, received, before if not run.split else None)
-            else:
-                start, end = run.weights(action, before)
-            run.note(action, start, end)
-            done += 1
-        run.exchange(step)
+        if action is None:
+            run.exchange(step)
+            continue
+        assert action == table[done], f"round plan out of step with the table at {action}"
+        received = run.take(action)
+        before = None
+        if last_backward is not None and action.kind == final and last_of_chunk[action.chunk] == done:
+            before = run.before_last(last_backward, action.chunk)
+        if action.kind == "F":
+            start, end = run.forward(action, received)
+        elif action.kind == "B":
+            start, end = run.backward(action, received, before if not run.split else None)
+        else:
+            start, end = run.weights(action, before)
+        run.exchange(step)  # B's input gradient leaves before the output layer's weight gradient runs
+        if action.kind == "B":
+            end = run.prompt_weights(end)
+        run.note(action, start, end)
+        done += 1
     for work in run.in_flight:
         work.wait()
     pg.end_step("pipeline pass")  # every batch of the pass waited on (checked when emulating or recording NCCL)

@@ -5,6 +5,7 @@ idle time, for the zero-bubble figures (bench/bench_zero_bubble.py, docs/paralle
   activations autograd keeps) or their W (the split backward also keeps what the W needs);
 - ``peak_pending_w`` / ``peak_pending_w_bytes``: the most W's pending at once, and the most bytes they keep
   when each W keeps its own chunk's (ZB-V's pending W's mix chunks of different sizes);
+- ``peak_loss_buffers``: the most loss-chunk micro-batches holding the logits (or their gradient) at once;
 - ``play``: a named schedule (``SCHEDULES``) run on the ideal machine with given F, B, W times per chunk;
 - ``idle_per_rank``: each rank's idle time within the step's span (``bubble_fraction`` divides by busy).
 """
@@ -53,16 +54,40 @@ def peak_pending_w(table: list[Action]) -> int:
     return peak if any(a.kind == "W" for a in table) else 0
 
 
-def peak_pending_w_bytes(table: list[Action], w_bytes: Callable[[int], int]) -> int:
+def peak_pending_w_bytes(table: list[Action], w_bytes: Callable[[int], int],
+                         prompt_bytes: Callable[[int], int] | None = None) -> int:
     """Most bytes the pending W's keep at once, a W of chunk c keeping ``w_bytes(c)``: the count times one
-    W's bytes only where every chunk keeps the same, which ZB-V's loss chunk on rank 0 does not."""
+    W's bytes only where every chunk keeps the same, which ZB-V's chunks of uneven splits do not.
+    ``prompt_bytes(c)``: what a B of chunk c keeps only until just after it (the output layer's weight
+    gradient, run as soon as B's input gradient is sent), on top of the pending W's at that moment."""
     if not any(a.kind == "W" for a in table):
         return 0  # an unsplit table: its B's are whole backwards and keep nothing for later
     pending = peak = 0
     for a in table:
         if a.kind in ("B", "W"):
             pending += w_bytes(a.chunk) if a.kind == "B" else -w_bytes(a.chunk)
-        peak = max(peak, pending)
+        extra = prompt_bytes(a.chunk) if prompt_bytes is not None and a.kind == "B" else 0
+        peak = max(peak, pending + extra)
+    return peak
+
+
+def peak_loss_buffers(table: list[Action], loss_chunk: int, prompt: bool = True) -> int:
+    """Most micro-batches of the loss chunk whose logits or logits gradient (the fused path: its fp32 partial
+    weight gradient) are held at once: from their F to their B (the cross-entropy's saved logits) and, in a
+    split table, on to the output layer's weight gradient, which runs right after B with ``prompt`` (the
+    executor) or at the table's W without (1F1B holds one; a W deferred p − 1 micro-batches held p)."""
+    live: set[int] = set()
+    peak = 0
+    split = any(a.kind == "W" for a in table)
+    free_at = "B" if prompt or not split else "W"
+    for a in table:
+        if a.chunk != loss_chunk:
+            continue
+        if a.kind == "F":
+            live.add(a.microbatch)
+        peak = max(peak, len(live))
+        if a.kind == free_at:
+            live.discard(a.microbatch)
     return peak
 
 

@@ -70,23 +70,42 @@ def deferred_w_bytes(cfg: ModelConfig, layers: int, tokens: int, padded_vocab: i
 
 
 def chunk_w_bytes(cfg: ModelConfig, stages: StageMap, rank: int, chunk: int, tokens: int, padded_vocab: int,
-                  tp: int = 1, sp: bool = False, element: int = 4) -> int:
-    """One pending W of (rank, chunk) with the layers cut evenly over the virtual stages: its layers', plus
-    the output layer's where it holds the last stage (under the V, rank 0's chunk 1). The embedding adds
-    nothing: its gradient is computed in B."""
-    layers = cfg.num_layers // (stages.last + 1)
-    output = stages.stage(rank, chunk) == stages.last
-    return deferred_w_bytes(cfg, layers, tokens, padded_vocab, tp, sp, output, element)
+                  tp: int = 1, sp: bool = False, element: int = 4, layers: int | None = None) -> int:
+    """One pending W of (rank, chunk): its ``layers`` layers' (default: the layers cut evenly over the virtual
+    stages). The output layer's weight gradient is not among them: it runs right after its B (``prompt_bytes``);
+    the embedding's is computed in B."""
+    layers = cfg.num_layers // (stages.last + 1) if layers is None else layers
+    return deferred_w_bytes(cfg, layers, tokens, padded_vocab, tp, sp, False, element)
+
+
+def prompt_bytes(cfg: ModelConfig, stages: StageMap, rank: int, chunk: int, tokens: int, padded_vocab: int,
+                 tp: int = 1, sp: bool = False, element: int = 4) -> int:
+    """What a B of (rank, chunk) keeps until just after it: the output layer's W bytes where the chunk holds
+    the last stage (ZB-H1: the last rank; ZB-V: rank 0's chunk 1), run once B's input gradient is sent."""
+    if stages.stage(rank, chunk) != stages.last:
+        return 0
+    return output_bytes(cfg, tokens, padded_vocab, tp, sp, element)
 
 
 def peak_table_bytes(cfg: ModelConfig, spec: ScheduleSpec, rank: int, tokens: int, padded_vocab: int,
-                     tp: int = 1, sp: bool = False, element: int = 4) -> int:
+                     tp: int = 1, sp: bool = False, element: int = 4,
+                     chunk_layers: tuple[int, ...] | None = None) -> int:
     """The most bytes rank ``rank``'s pending W's keep at once: its table played, each B adding and each W
-    freeing its own chunk's ``chunk_w_bytes`` (ZB-H1: the count times one W; ZB-V: mixed chunks)."""
+    freeing its own chunk's ``chunk_w_bytes`` (``chunk_layers``: the rank's layers per chunk, from the run's
+    split; default even), and the loss chunk's B adding its output layer's bytes for that moment only."""
     def one(chunk: int) -> int:
-        return chunk_w_bytes(cfg, spec.stages, rank, chunk, tokens, padded_vocab, tp, sp, element)
+        n = None if chunk_layers is None else chunk_layers[chunk]
+        return chunk_w_bytes(cfg, spec.stages, rank, chunk, tokens, padded_vocab, tp, sp, element, n)
 
-    return peak_pending_w_bytes(build_tables(spec)[rank], one)
+    def prompt(chunk: int) -> int:
+        return prompt_bytes(cfg, spec.stages, rank, chunk, tokens, padded_vocab, tp, sp, element)
+
+    return peak_pending_w_bytes(_tables(spec)[rank], one, prompt)
+
+
+@lru_cache(maxsize=64)
+def _tables(spec: ScheduleSpec) -> tuple[tuple, ...]:
+    return tuple(tuple(t) for t in build_tables(spec))
 
 
 def steady_micro_batches(p: int, m: int) -> int:

@@ -15,6 +15,12 @@ its scaling and per-token corrections move to W) and the routed experts. What st
 embeddings, the router and the shared-expert gate (vectors or small GEMMs; their gradients come with the
 input gradient's own kernels).
 
+The output layer's W is queued apart and run as soon as its B's input gradient is on its way (the executor
+calls ``store.run_prompt()`` right after posting B's send): it keeps a [s·b, v/tp] logits gradient (or the
+fused path's fp32 [v/tp, h] partial gradient), which, left for the table's W, a zero-bubble schedule would
+hold for up to p micro-batches on the loss rank, where 1F1B holds one. The stage before waits for B only, so
+the critical path is unchanged; the loss rank runs the same work in the same steady-state order.
+
 The deferrable path is taken only where a store is armed: in forwards run under ``store.deferrable()``
 and in everything under ``collect`` (recomputation replays the forward there). Elsewhere the layers run
 their usual kernels and nothing changes.
@@ -29,6 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megalite.tensor_parallel.param_meta import param_meta
+
 WeightGradFn = Callable[[], torch.Tensor]
 
 _ARMED: WeightGradStore | None = None  # the store whose deferrable path is in use (forward or B)
@@ -42,6 +50,7 @@ class WeightGradStore:
 
     def __init__(self) -> None:
         self._queues: dict[Hashable, list[tuple[nn.Parameter, WeightGradFn, tuple[torch.Tensor, ...]]]] = {}
+        self._prompt: dict[Hashable, list[tuple[nn.Parameter, WeightGradFn, tuple[torch.Tensor, ...]]]] = {}
         self.deferred: dict[int, set[nn.Parameter]] = {}  # chunk -> parameters whose gradient W computes
 
     @contextmanager
@@ -67,20 +76,29 @@ class WeightGradStore:
             _ARMED, _COLLECTING = before
 
     def defer(self, key: Hashable, param: nn.Parameter, fn: WeightGradFn, kept: tuple[torch.Tensor, ...]) -> None:
+        """Queue ``param``'s weight gradient for the W of ``key``; the output layer's (a vocabulary-sized
+        weight, ``ParamMeta.embedding_or_output``) for ``run_prompt`` instead, right after this B. That one
+        is not counted in ``deferred``: its gradient is complete before any W of the chunk runs."""
+        if param_meta(param).embedding_or_output:
+            self._prompt.setdefault(key, []).append((param, fn, kept))
+            return
         self._queues[key].append((param, fn, kept))
         if isinstance(key, tuple) and key:
             self.deferred.setdefault(key[0], set()).add(param)
 
     def run(self, key: Hashable) -> None:
-        """W of ``key``: compute its queued weight gradients and accumulate them (hooks fire)."""
-        for param, fn, _ in self._queues.pop(key, []):
-            with torch.no_grad():  # as inside a backward: W records no graph
-                grad = fn()
-            torch.autograd.backward([param], [grad.to(param.dtype)])
+        """W of ``key``: compute its queued weight gradients and accumulate them (hooks fire); the output
+        layer's too if ``run_prompt`` has not run them."""
+        _accumulate(self._prompt.pop(key, []) + self._queues.pop(key, []))
+
+    def run_prompt(self) -> None:
+        """The output layer's weight gradients the B's so far queued: run once B's input gradient is sent."""
+        for key in list(self._prompt):
+            _accumulate(self._prompt.pop(key))
 
     def queued(self) -> set[nn.Parameter]:
         """The parameters with a weight gradient still queued."""
-        return {p for q in self._queues.values() for p, _, _ in q}
+        return {p for q in [*self._queues.values(), *self._prompt.values()] for p, _, _ in q}
 
     def pending(self) -> int:
         """W's queued and not yet run (micro-batches of model chunks)."""
@@ -88,9 +106,18 @@ class WeightGradStore:
 
     def pending_bytes(self) -> int:
         """Bytes kept for the queued weight gradients (output gradients and inputs), each tensor once."""
-        seen = {(t.data_ptr(), t.numel() * t.element_size()) for q in self._queues.values() for _, _, kept in q
-                for t in kept}
+        seen = {(t.data_ptr(), t.numel() * t.element_size()) for q in [*self._queues.values(),
+                                                                          *self._prompt.values()]
+                for _, _, kept in q for t in kept}
         return sum(n for _, n in seen)
+
+
+def _accumulate(queue: list[tuple[nn.Parameter, WeightGradFn, tuple[torch.Tensor, ...]]]) -> None:
+    """Compute each queued weight gradient and accumulate it through autograd (its hooks fire)."""
+    for param, fn, _ in queue:
+        with torch.no_grad():  # as inside a backward: W records no graph
+            grad = fn()
+        torch.autograd.backward([param], [grad.to(param.dtype)])
 
 
 def armed() -> bool:
