@@ -76,7 +76,9 @@ def _finish(procs: dict[int, subprocess.Popen]) -> dict[int, subprocess.Complete
 
 def test_a_failure_on_one_rank_is_printed_once_by_that_rank(saved, tmp_path):
     ck, path = _corrupt_rng(saved, tmp_path, rank=1)  # rank 0 reads only its own file and goes on
-    proc = run_pretrain([*ARGS, "--train-iters", "3", "--load", ck, "--save", ck], nproc=2, timeout=120)
+    # --save elsewhere: a run restarting into its own folder would set the damaged checkpoint aside first
+    proc = run_pretrain([*ARGS, "--train-iters", "3", "--load", ck, "--save", str(tmp_path / "next")], nproc=2,
+                        timeout=120)
     stderr = _failed(proc, f"{ERROR} rank 1: checkpoint file {path} is corrupt", launcher=True)
     assert stderr.count(ERROR) == 1, stderr[-3000:]
     assert "Connection closed" not in stderr  # rank 0's echo of rank 1 leaving is not reported
