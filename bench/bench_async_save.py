@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from megalite.checkpointing.paths import iter_dirname  # noqa: E402
 from megalite.config import validate  # noqa: E402
 from megalite.config.arguments import MegaliteConfig  # noqa: E402
 from megalite.parallel.groups import ProcessGroups  # noqa: E402
@@ -108,7 +109,7 @@ def main() -> None:
             figures[name] = summary(gaps, committed, a.save_interval, a.iters)
             figures[name]["stop"] = statistics.median(stops) if stops else float("nan")
         size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(os.path.join(root, "sync",
-                   f"iter_{a.save_interval:07d}")) for f in fs)
+                   iter_dirname(a.save_interval))) for f in fs)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(f"checkpoint {size / 1e9:.3f} GB, {a.iters} steps, a save every {a.save_interval}, "

@@ -22,6 +22,7 @@ from megalite.checkpointing.errors import CheckpointError, CheckpointNotFoundErr
 from megalite.tensor_parallel.param_meta import ParamFamily
 
 TRACKER = "latest_checkpointed_iteration.txt"
+RELEASE = "release"  # what a Megatron-LM tracker may name instead of an iteration: its release/ folder
 TRACKER_MAX_BYTES = 32  # an iteration number and a newline; anything longer is not a tracker
 # Called with the name of each commit step just done; tests set it to simulate a kill between steps.
 FAULT: Callable[[str], None] | None = None
@@ -138,8 +139,18 @@ def _bad_tracker(text: bytes) -> str:
 
 def read_tracker(load_dir: str, flag: str = "--load") -> int:
     """The iteration ``load_dir``'s tracker names: ASCII digits, optionally one trailing newline; any
-    other content raises CheckpointError naming the file and what it holds."""
+    other content, a tracker that is a directory or cannot be read raises CheckpointError naming the file
+    and what it holds. The one tracker reader of both checkpoint formats (a Megatron-LM folder's goes
+    through :func:`tracked_dir`, which also takes its ``release``)."""
+    return int(_read_tracker(load_dir, flag, release=False))
+
+
+def _read_tracker(load_dir: str, flag: str, *, release: bool) -> int | str:
+    """read_tracker(); with ``release`` also the word ``release`` (returned as :data:`RELEASE`)."""
     path = os.path.join(load_dir, TRACKER)
+    if os.path.isdir(path):
+        raise CheckpointError(f"{flag} {load_dir}: {path} is a directory, expected the tracker file (an "
+                              "iteration number, as --save writes it)")
     if not os.path.isfile(path):
         raise CheckpointNotFoundError(
             f"{flag} {load_dir}: no {TRACKER} there; expected a checkpoint directory written by --save "
@@ -152,9 +163,32 @@ def read_tracker(load_dir: str, flag: str = "--load") -> int:
     body = raw[:-1] if raw.endswith(b"\n") else raw
     if len(raw) <= TRACKER_MAX_BYTES and re.fullmatch(rb"[0-9]{1,12}", body):
         return int(body)
+    if release and body == RELEASE.encode():
+        return RELEASE
     what = f"{len(raw)}+ bytes" if len(raw) > TRACKER_MAX_BYTES else _bad_tracker(raw)
+    also = " or 'release'" if release else ""
     raise CheckpointError(f"{flag} {load_dir}: {path} holds {what}, expected an iteration number (ASCII "
-                          "digits, as --save writes it)")
+                          f"digits, as --save writes it){also}")
+
+
+def tracked_dir(load_dir: str, iteration: int | None = None, flag: str = "--load", *, release: bool = False
+                ) -> tuple[str, int | str]:
+    """(the iteration folder to read, its iteration) — the tracker's (:func:`read_tracker`) or the given
+    ``iteration``'s: ``iter_N`` (:func:`iteration_dir`), or ``release/`` where a Megatron-LM tracker says
+    ``release`` (its iteration then :data:`RELEASE`). The one iteration-folder rule of both formats."""
+    it = _read_tracker(load_dir, flag, release=release) if iteration is None else iteration
+    if it == RELEASE:
+        return os.path.join(load_dir, RELEASE), it
+    return iteration_dir(load_dir, int(it)), it
+
+
+def check_recorded_iteration(recorded: object, iteration: int, where: str, what: str) -> None:
+    """A checkpoint's recorded iteration (``what`` in ``where``) must be its folder's and so its tracker's:
+    a folder renamed or copied under another iteration's name would otherwise resume at the wrong step."""
+    if type(recorded) is not int or recorded != iteration:
+        raise CheckpointError(f"{where}: {what} is {recorded!r:.40}, but the checkpoint's folder is "
+                              f"{iter_dirname(iteration)} (named by the tracker or --iteration); a checkpoint folder "
+                              "must keep the iteration it was saved at")
 
 
 def swap_into_place(staged: str, final: str) -> None:

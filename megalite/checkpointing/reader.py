@@ -18,7 +18,14 @@ from safetensors import safe_open
 
 from megalite.checkpointing.checksum import file_checksum
 from megalite.checkpointing.errors import CheckpointError
-from megalite.checkpointing.paths import family_dirname, iteration_dir, optim_filename, read_tracker, shard_dirname
+from megalite.checkpointing.paths import (
+    check_recorded_iteration,
+    family_dirname,
+    iteration_dir,
+    optim_filename,
+    read_tracker,
+    shard_dirname,
+)
 from megalite.checkpointing.schema import check_optim_meta, load_metadata
 from megalite.parallel.groups import Group
 from megalite.tensor_parallel.param_meta import DENSE, FAMILIES, ParamFamily
@@ -35,6 +42,9 @@ class CheckpointReader:
         if not os.path.isfile(meta_path):
             raise CheckpointError(f"{meta_path} is missing: the tracker points at an incomplete checkpoint")
         self.meta: dict[str, Any] = load_metadata(meta_path)
+        check_recorded_iteration(self.meta["iteration"], self.iteration, meta_path, "'iteration'")
+        check_recorded_iteration(self.meta["state"].get("iteration", self.iteration), self.iteration, meta_path,
+                                 "'state.iteration'")
         lay = self.meta["layout"]
         self.tp, self.pp, self.dp = lay["tp"], lay["pp"], lay["dp"]
         self.ep, self.etp = lay.get("ep", 1), lay.get("etp", self.tp)  # none recorded before experts existed

@@ -25,6 +25,7 @@ from megalite.checkpointing.paths import (
     TRACKER,
     commit,
     family_dirname,
+    iter_dirname,
     optim_filename,
     rng_filename,
     staging_dir,
@@ -259,4 +260,4 @@ def save_checkpoint(save_dir: str, iteration: int, chunks: list[nn.Module], opti
         if pg.rank == 0:  # next run's start-up removes it)
             shutil.rmtree(staged, ignore_errors=True)
         raise
-    return os.path.join(save_dir, f"iter_{iteration:07d}")
+    return os.path.join(save_dir, iter_dirname(iteration))

@@ -28,31 +28,19 @@ from megalite.checkpointing.megatron.names import (
     to_megalite,
 )
 from megalite.checkpointing.megatron.rng import SavedRng, dist_rng, legacy_rng
+from megalite.checkpointing.paths import RELEASE, TRACKER, check_recorded_iteration, tracked_dir
 
-TRACKER = "latest_checkpointed_iteration.txt"
 TOKENIZER_ARGS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model")
 
 
 def iteration_folder(load_dir: str, iteration: int | None = None) -> tuple[str, int]:
-    """(the iteration folder to read, its iteration: 0 for ``release``) from the tracker or ``iteration``."""
-    if iteration is None:
-        path = os.path.join(load_dir, TRACKER)
-        try:
-            text = open(path).read().strip()
-        except FileNotFoundError:
-            raise CheckpointError(f"{path} is missing: not a Megatron-LM checkpoint folder") from None
-        if text == "release":
-            folder, iteration = os.path.join(load_dir, "release"), 0
-        elif text.isdigit():
-            iteration = int(text)
-            folder = os.path.join(load_dir, f"iter_{iteration:07d}")
-        else:
-            raise CheckpointError(f"{path}: holds {text[:40]!r}, not an iteration number or 'release'")
-    else:
-        folder = os.path.join(load_dir, f"iter_{iteration:07d}")
+    """(the iteration folder to read, its iteration: 0 for ``release``) from the tracker or ``iteration``:
+    megalite's one tracker reader and iteration-folder rule (paths.tracked_dir), which also takes the
+    ``release`` a Megatron-LM tracker may hold."""
+    folder, it = tracked_dir(load_dir, iteration, release=True)
     if not os.path.isdir(folder):
         raise CheckpointError(f"{folder} is missing (named by {os.path.join(load_dir, TRACKER)})")
-    return folder, iteration
+    return folder, 0 if it == RELEASE else int(it)
 
 
 def checkpoint_format(folder: str) -> str | None:
@@ -100,6 +88,19 @@ def _vocab(args: Any, rows: int, vocab_size: int | None, where: str) -> int:
     return int(vocab)
 
 
+def _recorded_iteration(common: dict[str, Any], folder: str, it: int, where: str) -> int:
+    """The iteration the checkpoint records, which must be its folder's (iter_N named by the tracker or
+    --iteration); a ``release/`` folder has no number to agree with: its recorded one, else 0."""
+    recorded = common.get("iteration")
+    if os.path.basename(folder) == RELEASE:
+        if recorded is not None and (type(recorded) is not int or recorded < 0):
+            raise CheckpointError(f"{where}: records iteration {recorded!r:.40}, not an integer >= 0")
+        return recorded or 0
+    if recorded is not None:
+        check_recorded_iteration(recorded, it, where, "the saved 'iteration'")
+    return it
+
+
 def _state(common: dict[str, Any], args: Any, iteration: int) -> dict[str, Any]:
     consumed = common.get("consumed_train_samples", getattr(args, "consumed_train_samples", 0)) or 0
     valid = getattr(args, "consumed_valid_samples", 0) or 0
@@ -132,7 +133,9 @@ def read_megatron(load_dir: str, iteration: int | None = None, vocab_size: int |
         raise CheckpointError(f"{where}: has no embedding.word_embeddings.weight")
     config = config_from_args(args, _vocab(args, emb.shape[0], vocab_size, where), where)
     params = check_params(params, config, where)
-    it = int(common.get("iteration", it) or it)
+    recorded_in = os.path.join(folder, "common.pt") if fmt == "torch_dist" else \
+        f"{folder} (TP 0, PP 0's model_optim_rng.pt)"
+    it = _recorded_iteration(common, folder, it, recorded_in)
     layout = {"tp": getattr(args, "tensor_model_parallel_size", None),
               "pp": getattr(args, "pipeline_model_parallel_size", None)}
     tokenizer = {k: getattr(args, k, None) for k in TOKENIZER_ARGS} if getattr(args, "tokenizer_type", None) else None
