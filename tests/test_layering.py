@@ -209,3 +209,70 @@ def test_an_upward_import_is_found(tmp_path):
     (tmp_path / "megalite" / "training" / "loop.py").write_text("")
     (tmp_path / "megalite" / "model" / "bad.py").write_text("def f():\n    from megalite.training import loop\n")
     assert upward_imports(tmp_path) == [("megalite/model/bad.py", 2, "megalite.model.bad", "megalite.training.loop")]
+
+
+# Inside checkpointing/ (docs/checkpoints.md, "Rooms"): the native format at its top level, one room per
+# foreign format. The native format imports no room; a room imports the native format and itself, never
+# another room; Megatron-LM's two formats (torch_dist/, legacy/) never import each other and share only what
+# lies at megatron/'s own level (whose read.py opens either one).
+CHECKPOINTING = "megalite.checkpointing"
+ROOM_MAY_IMPORT = {
+    "native": {"native"},
+    "hf": {"native", "hf"},
+    "megatron": {"native", "megatron", "megatron.torch_dist", "megatron.legacy"},
+    "megatron.torch_dist": {"native", "megatron", "megatron.torch_dist"},
+    "megatron.legacy": {"native", "megatron", "megatron.legacy"},
+}
+
+
+def room_of(module: str) -> str | None:
+    """The checkpoint room a module lies in (None: outside megalite/checkpointing)."""
+    parts = module.split(".")
+    if parts[:2] != CHECKPOINTING.split("."):
+        return None
+    if len(parts) == 2 or parts[2] not in ("hf", "megatron"):
+        return "native"
+    if parts[2] == "megatron" and len(parts) > 3 and f"megatron.{parts[3]}" in ROOM_MAY_IMPORT:
+        return f"megatron.{parts[3]}"
+    return parts[2]
+
+
+def room_violations(root: Path = ROOT) -> list[str]:
+    """Imports inside checkpointing/ that cross from one room into a room ROOM_MAY_IMPORT does not allow."""
+    found = []
+    for path in sorted((root / "megalite" / "checkpointing").rglob("*.py")):
+        mine = room_of(module_name(path, root))
+        for line, target in imports(path, root):
+            theirs = room_of(target)
+            if theirs is not None and theirs not in ROOM_MAY_IMPORT[mine]:
+                found.append(f"{path.relative_to(root)}:{line}: {mine} imports {target} ({theirs})")
+    return list(dict.fromkeys(found))  # one line per import statement, however many names it takes
+
+
+def test_checkpoint_rooms_do_not_import_each_other():
+    bad = room_violations()
+    assert not bad, "imports between checkpoint rooms (docs/checkpoints.md, Rooms):\n  " + "\n  ".join(bad)
+
+
+def test_a_planted_import_between_rooms_is_found(tmp_path):
+    """The check can fail: the native format importing a room, one room importing another, and torch_dist/
+    importing legacy/ (lazily) are each reported; a room importing the native format and megatron/'s own
+    level opening a format's room are not."""
+    ck = tmp_path / "megalite" / "checkpointing"
+    for d in ("hf", "megatron/torch_dist", "megatron/legacy"):
+        (ck / d).mkdir(parents=True)
+    files = {
+        "reader.py": "from megalite.checkpointing.megatron import read\n",
+        "megatron/read.py": "def f():\n    from megalite.checkpointing.megatron.legacy import reader\n",
+        "megatron/legacy/reader.py": "from megalite.checkpointing.reader import X\n",
+        "megatron/torch_dist/dp_optim.py": "def f():\n    from megalite.checkpointing.megatron.legacy.reader "
+                                           "import j\n",
+        "hf/convert.py": "import megalite.checkpointing.megatron.names\n",
+    }
+    for name, text in files.items():
+        (ck / name).write_text(text)
+    assert room_violations(tmp_path) == [
+        "megalite/checkpointing/hf/convert.py:1: hf imports megalite.checkpointing.megatron.names (megatron)",
+        "megalite/checkpointing/megatron/torch_dist/dp_optim.py:2: megatron.torch_dist imports "
+        "megalite.checkpointing.megatron.legacy.reader (megatron.legacy)",
+        "megalite/checkpointing/reader.py:1: native imports megalite.checkpointing.megatron.read (megatron)"]
