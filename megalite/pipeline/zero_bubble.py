@@ -7,8 +7,9 @@ can run wherever the rank would otherwise wait.
 - **ZB-H1** (one chunk per rank, any m): 1F1B's order of F and B, and rank r runs the W of micro-batch k
   right after the B of micro-batch k + r (the last r W's at the end). So rank r holds at most p - r
   micro-batches between their F and their B (1F1B's count) and at most p between their F and their W
-  (1F1B's peak, on rank 0): 1F1B's activation memory, plus what the r deferred W's keep (each layer's
-  GEMM inputs and output gradients). With F = B = W the bubble is (p - 1)(F + B - W) against 1F1B's
+  (1F1B's count on rank 0): 1F1B's activation memory, plus what the r deferred W's keep (each layer's
+  GEMM inputs and output gradients; not the output layer's, whose W the executor runs right after its B,
+  docs/design.md §3.4). With F = B = W the bubble is (p - 1)(F + B - W) against 1F1B's
   (p - 1)(F + B + W): a third (checked for p up to 8 by the simulator in the tests).
 - **ZB-V** (two chunks per rank in a V, ``stages.StageMap``, any m): a micro-batch runs down the ranks
   through chunk 0 and back up through chunk 1, so rank 0 holds the first and the last stage. The table is
