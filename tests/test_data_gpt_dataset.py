@@ -216,7 +216,7 @@ def test_bad_data_flags_name_the_problem():
         ours(data_path=[a + "missing_prefix"])
     with pytest.raises(ValueError, match="weight"):
         ours(data_path=["0.5", a, a, "0.5"])
-    with pytest.raises(ValueError, match="positive"):
+    with pytest.raises(ValueError, match="must be a finite number > 0"):
         ours(data_path=["0", a, "1", a])
     with pytest.raises(ValueError, match="--split"):
         ours(data_path=[a], split="1,2,3,4")

@@ -22,7 +22,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-from megalite.config.domain import MAX_SIZE, Domain, domain_option  # noqa: E402
+from megalite.config.domain import MAX_SIZE, Domain, domain_option, in_fp32  # noqa: E402
 from megalite.config.validate import ConfigError  # noqa: E402
 from megalite.inference.generation import GenerationError, check_lengths, generate  # noqa: E402
 from megalite.inference.loading import (  # noqa: E402
@@ -49,7 +49,7 @@ def build_parser():
                   domain=Domain(lo=1, hi=MAX_SIZE, off=0, off_means="generates nothing: the prompts are printed"))
     g.add_argument("--greedy", action="store_true", help="Take the most likely token (no sampling).")
     domain_option(g, "--temperature", integer=False, default=1.0, help="Divide the logits by this before sampling.",
-                  domain=Domain(lo=0, lo_open=True, off=0, off_means="is greedy"))
+                  domain=in_fp32(Domain(lo=0, lo_open=True, off=0, off_means="is greedy")))
     domain_option(g, "--top-k", integer=True, default=0, help="Sample among the k most likely tokens.",
                   domain=Domain(lo=1, hi=MAX_SIZE, off=0, off_means="samples among all tokens"))
     domain_option(g, "--top-p", integer=False, default=0.0, help="Sample among the most likely tokens holding "

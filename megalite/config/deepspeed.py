@@ -224,6 +224,10 @@ def _scheduler(m: DeepSpeedMapping, sec: dict | None, lr: float | None) -> None:
         m.refuse(f"{where}.{key}", f"not a parameter of {kind} megalite knows")
 
 
+MAX_SCALE_POWER = 64  # 2^64: --initial-loss-scale's bound (MAX_LOSS_SCALE)
+MIN_SCALE_POWER = -126  # 2^-126: the least normal fp32 number
+
+
 def _fp16(m: DeepSpeedMapping, sec: dict) -> None:
     if not sec.get("enabled", False):
         return
@@ -234,6 +238,10 @@ def _fp16(m: DeepSpeedMapping, sec: dict) -> None:
     else:
         m.rows.append(Row("fp16.loss_scale", "(dynamic loss scaling)", "", "0: dynamic"))
     power = _number(m, "fp16.initial_scale_power", sec.get("initial_scale_power", 16), int)
+    if power is not None and not MIN_SCALE_POWER <= power <= MAX_SCALE_POWER:  # before 2**power is computed
+        m.refuse("fp16.initial_scale_power", f"2^power is the initial loss scale, a normal fp32 number <= 2^"
+                 f"{MAX_SCALE_POWER}: expects an integer in [{MIN_SCALE_POWER}, {MAX_SCALE_POWER}], got {power}")
+        power = None
     m.set("fp16.initial_scale_power", "initial_loss_scale", None if power is None else float(2**power),
           f"2^{power}" + ("" if "initial_scale_power" in sec else ", DeepSpeed's default"))
     for key, name, default, kind in (("loss_scale_window", "loss_scale_window", 1000, int),

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import argparse
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 MAX_SIZE = 2**30  # a model dimension, batch size or vocabulary past this is a typo (and no device holds it)
 MAX_HIDDEN = 2**26  # so that the derived sizes (4h FFN, h / heads) stay below MAX_SIZE
 MAX_RANKS = 2**20  # a parallel size, node or GPU count
 MAX_COUNT = 2**53  # iterations, samples, intervals: every integer up to here is exact in a float
+FP32_MAX = 3.4028234663852886e38  # the largest finite fp32 number
+FP32_TINY = 1.1754943508222875e-38  # the least normal fp32 number: below it a value is 0 or denormal in fp32
 
 
 def _num(x: float) -> str:
@@ -35,11 +37,14 @@ class Domain:
     hi_open: bool = False
     off: float | None = None  # one value outside [lo, hi] that switches the feature off
     off_means: str = ""  # what ``off`` does, as the help states it: "disables clipping"
+    fp32: bool = False  # the value ends up in an fp32 tensor: it must be 0 or a normal fp32 number there
 
     def admits(self, value: float) -> bool:
         if self.off is not None and value == self.off:
             return True
         if not math.isfinite(value):
+            return False
+        if self.fp32 and value != 0 and not FP32_TINY <= abs(value) <= FP32_MAX:
             return False
         if self.lo is not None and (value <= self.lo if self.lo_open else value < self.lo):
             return False
@@ -57,6 +62,8 @@ class Domain:
             text = f"{kind} {'<' if self.hi_open else '<='} {_num(hi)}"
         else:
             text = kind
+        if self.fp32:
+            text += f" that fp32 holds ({'0, or ' if self.admits(0.0) else ''}1.2e-38 to 3.4e38 in size)"
         if self.off is not None:
             text += f", or {_num(self.off)} ({_num(self.off)} {self.off_means})"
         return text
@@ -86,6 +93,12 @@ def size(hi: float = MAX_SIZE) -> Domain:
 def count() -> Domain:
     """Iterations, samples, intervals: 1 .. MAX_COUNT."""
     return Domain(lo=1, hi=MAX_COUNT)
+
+
+def in_fp32(domain: Domain) -> Domain:
+    """``domain`` for a value that ends up in fp32 (a learning rate, a temperature): a value fp32 rounds to
+    infinity, or to 0 or a denormal (whose reciprocal overflows), is outside it."""
+    return replace(domain, fp32=True)
 
 
 def fraction(lo_open: bool = False, hi_open: bool = False) -> Domain:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megalite.config.domain import MAX_COUNT, MAX_RANKS, Domain, at_least, count, fraction, positive, size
+from megalite.config.domain import MAX_COUNT, MAX_RANKS, Domain, at_least, count, fraction, in_fp32, positive, size
 from megalite.config.flags import option
 
 
@@ -71,8 +71,8 @@ class OptimizerConfig:
     """Optimizer: AdamW, learning-rate schedule and clipping."""
 
     optimizer: str = option("adam", help="Optimizer (AdamW with decoupled weight decay).", choices=["adam"])
-    lr: float = option(1e-4, help="Peak learning rate.", domain=at_least(0))
-    min_lr: float = option(0.0, help="Learning rate at the end of the decay.", domain=at_least(0))
+    lr: float = option(1e-4, help="Peak learning rate.", domain=in_fp32(at_least(0)))
+    min_lr: float = option(0.0, help="Learning rate at the end of the decay.", domain=in_fp32(at_least(0)))
     lr_decay_style: str = option("cosine", help="Decay after warm-up (WSD: warm-up, stable, then an anneal "
                                  "over the last --lr-wsd-decay-iters).",
                                  choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"])
@@ -82,10 +82,10 @@ class OptimizerConfig:
                                           "--train-samples.", domain=count())
     decoupled_lr: float | None = option(
         None, help="Peak learning rate of the input embedding and the output layer (only these), in the same "
-        "schedule as --lr (same warm-up and decay shape).", domain=at_least(0))
+        "schedule as --lr (same warm-up and decay shape).", domain=in_fp32(at_least(0)))
     decoupled_min_lr: float | None = option(
         None, help="Learning rate of the input embedding and the output layer at the end of the decay, with "
-        "--decoupled-lr; default --min-lr.", domain=at_least(0))
+        "--decoupled-lr; default --min-lr.", domain=in_fp32(at_least(0)))
     lr_warmup_iters: int = option(0, help="Linear warm-up iterations from --lr-warmup-init to --lr.",
                                   domain=at_least(0, MAX_COUNT))
     lr_warmup_samples: int = option(0, help="Linear warm-up samples (with --train-samples).",
@@ -93,7 +93,8 @@ class OptimizerConfig:
     lr_warmup_fraction: float | None = option(
         None, help="Warm-up as a fraction of the decay span, instead of --lr-warmup-iters/-samples.",
         domain=fraction(hi_open=True))
-    lr_warmup_init: float = option(0.0, help="Learning rate at the start of the warm-up.", domain=at_least(0))
+    lr_warmup_init: float = option(0.0, help="Learning rate at the start of the warm-up.",
+                                   domain=in_fp32(at_least(0)))
     lr_wsd_decay_style: str = option("exponential", help="Anneal shape of the WSD schedule.",
                                      choices=["exponential", "linear", "cosine", "minus_sqrt"])
     lr_wsd_decay_iters: int | None = option(None, help="Iterations of the WSD anneal (the end of the decay "

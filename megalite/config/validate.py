@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from megalite.config.data_values import data_string_errors
 from megalite.config.flags import domain_errors
 from megalite.config.validate_cp import context_parallel_errors, cp_comm_errors
 from megalite.config.validate_moe import expert_layout_errors, moe_errors
@@ -335,7 +336,8 @@ def data_errors(d: "DataConfig") -> list[str]:
         errors.append("give --data-path (or --train-data-path), or --mock-data for synthetic data")
     if d.tokenizer_type == "NullTokenizer" and d.vocab_size is None:
         errors.append("--tokenizer-type NullTokenizer needs --vocab-size")
-    return errors
+    return errors + data_string_errors(d.data_path, [d.train_data_path, d.valid_data_path, d.test_data_path],
+                                       d.split)
 
 
 def fill_derived_defaults(cfg: "MegaliteConfig", world_size: int) -> None:

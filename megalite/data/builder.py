@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
+from megalite.config.data_values import blend_weights, split_proportions
 from megalite.data.errors import DataError, MissingFileError
 from megalite.data.gpt_dataset import BlendedDataset, GPTDataset, default_cache_dir
 from megalite.data.indexed_dataset import IndexedDataset, bin_path, idx_path
@@ -30,41 +30,20 @@ SPLITS = ("train", "valid", "test")
 
 
 def parse_blend(values: list[str] | None, flag: str) -> tuple[list[str], list[float] | None] | None:
-    """``['a']`` / ``['a', 'b']`` -> prefixes without weights; ``['0.7', 'a', '0.3', 'b']`` -> weighted."""
-    if not values:
-        return None
-    values = [v.strip() for v in values]
-
-    def weight(v: str) -> float | None:
-        try:
-            return float(v)
-        except ValueError:
-            return None
-
-    if len(values) % 2 == 0:
-        weights = [weight(v) for v in values[0::2]]
-        if all(w is not None for w in weights):
-            if any(w <= 0 for w in weights):
-                raise DataError(f"{flag}: blend weights must be positive, got {weights}")
-            return values[1::2], weights
-        if any(w is not None for w in weights):
-            raise DataError(f"{flag}: give either prefixes only or 'weight prefix' pairs, got {values}")
-    for v in values:
-        if weight(v) is not None:
-            raise DataError(f"{flag}: {v!r} looks like a weight but weights need one prefix each: {values}")
-    return values, None
+    """``['a']`` / ``['a', 'b']`` -> prefixes without weights; ``['0.7', 'a', '0.3', 'b']`` -> weighted
+    (the rules: megalite.config.data_values)."""
+    try:
+        return blend_weights(values, flag)
+    except ValueError as e:
+        raise DataError(str(e)) from None
 
 
 def parse_split(split: str) -> list[float]:
     """'969,30,1' -> normalised proportions (missing trailing entries are 0)."""
-    parts = [float(x) for x in re.findall(r"[.0-9]+", split)]
-    if not parts or len(parts) > 3:
-        raise DataError(f"--split {split!r}: expected up to three comma-separated proportions")
-    parts += [0.0] * (3 - len(parts))
-    w = np.asarray(parts, dtype=np.float64)
-    if w.sum() <= 0:
-        raise DataError(f"--split {split!r}: proportions must not all be zero")
-    return (w / w.sum()).tolist()
+    try:
+        return split_proportions(split)
+    except ValueError as e:
+        raise DataError(str(e)) from None
 
 
 def split_bounds(split: list[float]) -> list[tuple[float, float] | None]:

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megalite.config.domain import FP32_TINY
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -25,8 +27,9 @@ class SamplingParams:
     top_p: float = 0.0  # 0 or 1: off
 
     def __post_init__(self) -> None:
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"--temperature must be >= 0 and finite (0 is greedy), got {self.temperature}")
+        if not math.isfinite(self.temperature) or self.temperature < 0 or 0 < self.temperature < FP32_TINY:
+            raise ValueError(f"--temperature must be >= 0 and finite (0 is greedy), and not below {FP32_TINY:.2g} "
+                             f"(the least normal fp32 number) unless 0, got {self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"--top-k must be >= 0, got {self.top_k}")
         if not 0.0 <= self.top_p <= 1.0:
@@ -41,7 +44,13 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """fp32 logits [b, V] after temperature, top-k and top-p (removed tokens are -inf)."""
     logits = logits.float()
     if params.temperature != 1.0:
-        logits = logits / params.temperature
+        scaled = logits / params.temperature
+        # a small temperature can overflow fp32 (inf - inf in softmax is NaN): its limit, the argmax, is kept
+        overflow = (torch.isinf(scaled) & torch.isfinite(logits)).any(dim=-1, keepdim=True)
+        if overflow.any():
+            top = torch.where(logits == logits.amax(dim=-1, keepdim=True), 0.0, float("-inf"))
+            scaled = torch.where(overflow, top, scaled)
+        logits = scaled
     if 0 < params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
