@@ -22,7 +22,8 @@
     python tools/convert_checkpoint.py from-hf --load hf_folder --save ckpt \\
         --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
 
-Nothing is downloaded. Every output appears only once complete. See docs/checkpoints.md.
+Every subcommand is one path: a reader gives the layout-free full checkpoint (megalite/checkpointing/full.py),
+a writer writes it. Nothing is downloaded. Every output appears only once complete. See docs/checkpoints.md.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from megalite.checkpointing import destination  # noqa: E402
+from megalite.checkpointing.full import Full  # noqa: E402
 from megalite.checkpointing.full_reader import FullCheckpoint  # noqa: E402
 from megalite.checkpointing.hf.convert import (  # noqa: E402
     HFConversionError,
@@ -60,7 +62,6 @@ from megalite.checkpointing.hf.moe import moe_tp_errors  # noqa: E402
 from megalite.checkpointing.lock import LOCK  # noqa: E402
 from megalite.checkpointing.megatron.legacy.writer import save_legacy  # noqa: E402
 from megalite.checkpointing.megatron.read import (  # noqa: E402
-    MegatronCheckpoint,
     checkpoint_format,
     is_megatron_checkpoint,
     iteration_folder,
@@ -71,7 +72,7 @@ from megalite.checkpointing.metadata import model_config  # noqa: E402
 from megalite.checkpointing.paths import TRACKER, iter_dirname  # noqa: E402
 from megalite.checkpointing.reader import CheckpointError  # noqa: E402
 from megalite.checkpointing.reshard import reshard  # noqa: E402
-from megalite.checkpointing.writer import OptimizerSource, write_checkpoint  # noqa: E402
+from megalite.checkpointing.writer import write_full  # noqa: E402
 from megalite.config.domain import MAX_COUNT, Domain, domain_option  # noqa: E402
 from megalite.config.flags import domain_of  # noqa: E402
 from megalite.config.parallel import ParallelConfig  # noqa: E402
@@ -124,21 +125,13 @@ def _check_source(load: str, iteration: int | None) -> None:
                               f"iterations {held or 'none'})")
 
 
-class _MegatronSource:
-    """A Megatron-LM checkpoint seen as FullCheckpoint's few members that to-hf reads."""
-
-    def __init__(self, load: str, iteration: int | None) -> None:
-        src = read_megatron(load, iteration)
-        self.config, self.param, self.iteration = src.config, src.params.__getitem__, src.iteration
-        self.layout = src.layout
-        self.reader = SimpleNamespace(meta={"tokenizer": src.tokenizer} if src.tokenizer else {})
-
-
-def _open_checkpoint(load: str, iteration: int | None) -> FullCheckpoint | _MegatronSource:
+def _open_checkpoint(load: str, iteration: int | None) -> Full:
+    """The weights of a megalite or a Megatron-LM checkpoint as the layout-free Full (full.py) the
+    exporters write from."""
     if is_megatron_checkpoint(load):
-        return _MegatronSource(load, iteration)
+        return read_megatron(load, iteration).full(with_optimizer=False)
     _check_source(load, iteration)
-    return FullCheckpoint(load, iteration)
+    return FullCheckpoint(load, iteration).full(with_optimizer=False)
 
 
 def _check_tokenizer_flags(a: argparse.Namespace) -> None:
@@ -230,12 +223,12 @@ def cmd_reshard(a: argparse.Namespace) -> None:
              else "") + ")")
 
 
-def _tokenizer_source(a: argparse.Namespace, ckpt: FullCheckpoint) -> dict | None:
+def _tokenizer_source(a: argparse.Namespace, ckpt: Full) -> dict | None:
     """Tokenizer flags given here, else one the checkpoint names (metadata) or holds (from-hf)."""
     if a.tokenizer_type:
         return {"tokenizer_type": a.tokenizer_type, "vocab_file": a.vocab_file, "merge_file": a.merge_file,
                 "tokenizer_model": a.tokenizer_model}
-    named = ckpt.reader.meta.get("tokenizer")
+    named = ckpt.tokenizer
     if named and named.get("tokenizer_type"):
         return named
     held = os.path.join(a.load, TOKENIZER_DIR)
@@ -308,10 +301,10 @@ def _from_hf_into(a: argparse.Namespace, lock: destination.SaveLock) -> None:
     note = {"tool": "convert_checkpoint.py from-hf", "source": os.path.abspath(a.load),
             "architecture": type(hf_config).__name__}
     with _staged_output(a, lock) as staged:
-        path = write_checkpoint(staged, config, params.__getitem__, tp=a.tensor_model_parallel_size,
-                                pp=a.pipeline_model_parallel_size, note=note, dtype=dtype,
-                                layers_per_virtual_stage=a.num_layers_per_virtual_pipeline_stage,
-                                ep=a.expert_model_parallel_size, etp=a.expert_tensor_parallel_size, split=split)
+        path = write_full(staged, Full(config, params.__getitem__, source="hf"), tp=a.tensor_model_parallel_size,
+                          pp=a.pipeline_model_parallel_size, note=note, dtype=dtype,
+                          layers_per_virtual_stage=a.num_layers_per_virtual_pipeline_stage,
+                          ep=a.expert_model_parallel_size, etp=a.expert_tensor_parallel_size, split=split)
         tok = copy_tokenizer_files(a.load, os.path.join(staged, TOKENIZER_DIR))
     path = os.path.join(a.save, os.path.basename(path))
     print(f"wrote {path} (TP={a.tensor_model_parallel_size} PP={a.pipeline_model_parallel_size}, "
@@ -340,37 +333,20 @@ def _from_megatron_into(a: argparse.Namespace, lock: destination.SaveLock) -> No
     errors = layout_errors(cfg, tp, pp, a.num_layers_per_virtual_pipeline_stage, split) + moe_tp_errors(cfg, tp)
     if errors:
         raise ValueError(f"--load {a.load}: this model cannot be cut into TP={tp} PP={pp}:\n  " + "\n  ".join(errors))
-    optimizer = None if a.no_load_optim else _megatron_optimizer(src)
+    full = src.full(with_optimizer=not a.no_load_optim)
+    optimizer = full.optimizer
     note = {"tool": "convert_checkpoint.py from-megatron", "source": os.path.abspath(a.load),
             "format": src.format, "weights_only": optimizer is None}
     with _staged_output(a, lock) as staged:
-        path = write_checkpoint(staged, src.config, src.params.__getitem__, tp=tp, pp=pp, note=note,
-                                optimizer=optimizer,
-                                layers_per_virtual_stage=a.num_layers_per_virtual_pipeline_stage,
-                                ep=a.expert_model_parallel_size, etp=a.expert_tensor_parallel_size,
-                                iteration=src.iteration, state=src.state, split=split,
-                                extra={"tokenizer": src.tokenizer} if src.tokenizer else None,
-                                dtype=DTYPES[a.dtype] if a.dtype else None)
+        path = write_full(staged, full, tp=tp, pp=pp, note=note, split=split,
+                          layers_per_virtual_stage=a.num_layers_per_virtual_pipeline_stage,
+                          ep=a.expert_model_parallel_size, etp=a.expert_tensor_parallel_size,
+                          dtype=DTYPES[a.dtype] if a.dtype else None)
     path = os.path.join(a.save, os.path.basename(path))
     what = src.optimizer_note if optimizer else "weights only" + ("" if a.no_load_optim else f"; {src.optimizer_note}")
     print(f"wrote {path} (TP={tp} PP={pp}, {src.format} checkpoint of iteration {src.iteration}, vocab "
           f"{src.config['vocab_size']}; {what}). Continue with:\n  --load {a.save}"
           f"{' --no-load-optim' if optimizer is None else ''} {model_flags(src.config)}")
-
-
-def _megatron_optimizer(src: MegatronCheckpoint) -> OptimizerSource | None:
-    """The imported Adam state as the writer's source (fp32 main params: Megatron's fp32_param where it kept
-    one, else the weights themselves), or None when the checkpoint holds none megalite reads."""
-    if src.optimizer is None:
-        return None
-    state = src.optimizer
-
-    def get(key: str, name: str) -> torch.Tensor:
-        if name == "main" and key not in state.get("main", {}):
-            return src.params[key].float()
-        return state[name][key]
-
-    return OptimizerSource(get, src.optimizer_step)
 
 
 def _add_from_megatron(sub, layout) -> None:
@@ -396,7 +372,7 @@ def cmd_to_megatron(a: argparse.Namespace) -> None:
         if a.format == "torch_dist" and getattr(a, flag) != 1:
             raise ValueError(f"--{flag.replace('_', '-')}: a torch_dist export holds whole tensors and loads at "
                              "any layout; the flag is for --format torch")
-    ckpt = FullCheckpoint(a.load, a.iteration)
+    ckpt = FullCheckpoint(a.load, a.iteration).full(with_optimizer=False)
     tp, pp, ep = a.tensor_model_parallel_size, a.pipeline_model_parallel_size, a.expert_model_parallel_size
     dtype = DTYPES[a.dtype] if a.dtype else None
     with _claimed(a) as lock, _staged_output(a, lock) as staged:

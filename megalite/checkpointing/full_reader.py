@@ -1,5 +1,6 @@
 """A checkpoint of any layout read one full (layout-free) tensor at a time, checked against the
-parameters its model config says it must hold."""
+parameters its model config says it must hold: megalite's reader of the meeting point (``.full()``, a
+full.Full, which every converter and the resharder write from)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Any
 
 import torch
 
+from megalite.checkpointing.full import Full, OptimizerSource
 from megalite.checkpointing.reader import CheckpointError, CheckpointReader
 from megalite.checkpointing.stored import all_specs
 
@@ -46,3 +48,11 @@ class FullCheckpoint:
     def params(self) -> dict[str, torch.Tensor]:
         """Every parameter, full (the whole model in memory)."""
         return {k: self.param(k) for k in self.keys()}
+
+    def full(self, with_optimizer: bool = True) -> Full:
+        """This checkpoint as the layout-free Full every writer takes (tensors still read lazily); its optimizer
+        state when saved and ``with_optimizer``."""
+        optimizer = OptimizerSource(self.optim, self.optimizer_step()) if with_optimizer and self.has_optimizer() \
+            else None
+        return Full(self.config, self.param, self.iteration, self.state, optimizer, self.reader.meta.get("tokenizer"),
+                    self.layout)

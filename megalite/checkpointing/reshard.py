@@ -2,7 +2,8 @@
 
 ``tools/convert_checkpoint.py reshard`` and ``bench/bench_checkpoint.py`` use this; the parts live in
 their own modules: the layout rules (config/validate.py), which parameters a layout stores (stored.py),
-the full-tensor reader (full_reader.py) and the writer (writer.py).
+the full-tensor reader (full_reader.py) and the writer (writer.py), met at the layout-free Full (full.py):
+the same path as every conversion.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import os
 
 from megalite.checkpointing.full_reader import FullCheckpoint
 from megalite.checkpointing.metadata import model_config
-from megalite.checkpointing.writer import OptimizerSource, expert_errors, write_checkpoint
+from megalite.checkpointing.writer import expert_errors, write_full
 from megalite.config.validate import layout_errors
 from megalite.parallel.placement import LayerSplit
 
@@ -32,12 +33,7 @@ def reshard(load_dir: str, save_dir: str, tp: int, pp: int, layers_per_virtual_s
     if errors:
         where = f"TP={tp} PP={pp}" + (f" EP={ep} ETP={etp}" if cfg.is_moe else "")
         raise ValueError(f"--load {load_dir} cannot be resharded to {where}:\n  " + "\n  ".join(errors))
-    optimizer = None
-    if with_optimizer and src.has_optimizer():
-        optimizer = OptimizerSource(src.optim, src.optimizer_step())
-    kept = {k: src.reader.meta[k] for k in ("tokenizer",) if k in src.reader.meta}  # so to-hf still finds it
     note = {"tool": "convert_checkpoint.py reshard", "source": os.path.abspath(load_dir),
             "source_layout": src.layout}
-    return write_checkpoint(save_dir, src.config, src.param, tp=tp, pp=pp,
-                            layers_per_virtual_stage=layers_per_virtual_stage, ep=ep, etp=etp, optimizer=optimizer,
-                            iteration=src.iteration, state=src.state, note=note, extra=kept, split=split)
+    return write_full(save_dir, src.full(with_optimizer), tp=tp, pp=pp, ep=ep, etp=etp, note=note, split=split,
+                      layers_per_virtual_stage=layers_per_virtual_stage)

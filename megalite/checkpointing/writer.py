@@ -17,13 +17,13 @@ import json
 import os
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from safetensors import SafetensorError
 
 from megalite.checkpointing.errors import CheckpointError
+from megalite.checkpointing.full import Full, OptimizerSource
 from megalite.checkpointing.metadata import OPTIM_FIELDS, layout_meta, model_config, save_tensors, write_metadata
 from megalite.checkpointing.paths import commit, family_dirname, optim_filename, staging_dir
 from megalite.checkpointing.stored import StoredParam, stage_params
@@ -36,14 +36,6 @@ from megalite.pipeline.partition import num_chunks
 from megalite.tensor_parallel.param_meta import FAMILIES, ParamFamily
 
 STATE_KEYS = ("iteration", "consumed_samples", "valid_consumed", "skipped_iterations", "nan_iterations")
-
-
-@dataclass
-class OptimizerSource:
-    """Full fp32 optimizer tensors: ``get(key, field)`` for field in main/exp_avg/exp_avg_sq."""
-
-    get: Callable[[str, str], torch.Tensor]
-    step: float
 
 
 def expert_errors(config: dict[str, Any], ep: int, etp: int) -> list[str]:
@@ -60,6 +52,18 @@ def expert_errors(config: dict[str, Any], ep: int, etp: int) -> list[str]:
         errors.append(f"--expert-tensor-parallel-size ({etp}) must divide the expert hidden size "
                       f"(--moe-ffn-hidden-size {cfg.expert_ffn_hidden_size})")
     return errors
+
+
+def write_full(save_dir: str, full: Full, *, tp: int, pp: int, with_optimizer: bool = True,
+               extra: dict[str, Any] | None = None, **layout: Any) -> str:
+    """Write the layout-free checkpoint ``full`` (full.py, what every reader returns) at layout (tp, pp, ...):
+    its weights, its optimizer state unless ``with_optimizer`` is False, its iteration, training state and
+    recorded tokenizer. ``layout``: write_checkpoint's other keywords (layers_per_virtual_stage, ep, etp,
+    split, note, dtype). Every conversion and every reshard ends here."""
+    kept = {"tokenizer": full.tokenizer} if full.tokenizer else {}
+    return write_checkpoint(save_dir, full.config, full.param, tp=tp, pp=pp,
+                            optimizer=full.optimizer if with_optimizer else None, iteration=full.iteration,
+                            state=full.state, extra={**kept, **(extra or {})} or None, **layout)
 
 
 def write_checkpoint(save_dir: str, config: dict[str, Any], get_param: Callable[[str], torch.Tensor], *,

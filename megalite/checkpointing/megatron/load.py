@@ -40,14 +40,12 @@ def load_megatron(load_dir: str, chunks: list[nn.Module], pg: ProcessGroups, mod
     check_config(src.config, model_config, f"--load {load_dir} (Megatron-LM, {src.format})")
     for _, key, p in named_params(chunks):
         p.copy_(_local(load_dir, src.params, key, p, pg).to(p.dtype))
-    if not weights_only and optimizer is not None:
-        state = src.optimizer or {}
-
+    opt = src.optimizer_source()  # the import's rule for the main parameters, as from-megatron writes them
+    if not weights_only and optimizer is not None and opt is not None:
         def shard(key: str, field: str, p: nn.Parameter) -> torch.Tensor:
-            full = state.get(field, {}).get(key)
-            return _local(load_dir, {key: src.params[key].float() if full is None else full}, key, p, pg)
+            return _local(load_dir, {key: opt.get(key, field)}, key, p, pg)
 
-        load_optimizer_state(chunks, optimizer, shard, src.optimizer_step)
+        load_optimizer_state(chunks, optimizer, shard, opt.step)
     rng, note = (rng_to_restore(src.rng, src.rng_note, pg, rng_now) if rng_now is not None
                  else (None, "RNG states not loaded"))
     return LoadedState(src.iteration, src.state, same_layout=False), rng, note

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from megalite.checkpointing.errors import CheckpointError
+from megalite.checkpointing.full import Full, OptimizerSource
 from megalite.checkpointing.megatron.args import config_from_args
 from megalite.checkpointing.megatron.buffer import main_mismatch
 from megalite.checkpointing.megatron.names import (
@@ -63,7 +64,9 @@ def is_megatron_checkpoint(load_dir: str) -> bool:
 
 @dataclass
 class MegatronCheckpoint:
-    """What an import needs: megalite's model ``config``, the full ``params``, the training state."""
+    """What an import needs: megalite's model ``config``, the full ``params``, the training state, and what
+    was (or was not) read of its optimizer and RNG states; ``full()`` is it as the layout-free Full that
+    every writer takes (full.py), the same shape as a megalite checkpoint's FullCheckpoint.full()."""
 
     folder: str
     format: str
@@ -78,6 +81,27 @@ class MegatronCheckpoint:
     optimizer_note: str = "the checkpoint holds no optimizer state"  # why ``optimizer`` is None
     rng: SavedRng | None = None  # each saved rank's rng_state (rng.py), read when a run restores it
     rng_note: str = "the checkpoint holds no RNG state"  # why ``rng`` is None
+
+    def optimizer_source(self) -> OptimizerSource | None:
+        """The imported Adam state as full fp32 tensors by megalite key (the main parameters: Megatron's
+        fp32_param where it kept one, else the weights themselves), or None when none was read."""
+        if self.optimizer is None:
+            return None
+        state = self.optimizer
+
+        def get(key: str, name: str) -> torch.Tensor:
+            if name == "main" and key not in state.get("main", {}):
+                return self.params[key].float()
+            return state[name][key]
+
+        return OptimizerSource(get, self.optimizer_step)
+
+    def full(self, with_optimizer: bool = True) -> Full:
+        """This checkpoint as the layout-free Full every writer takes (full.py); ``optimizer`` when read and
+        ``with_optimizer``."""
+        return Full(self.config, self.params.__getitem__, self.iteration, self.state,
+                    self.optimizer_source() if with_optimizer else None, self.tokenizer, self.layout, self.rng,
+                    self.format)
 
 
 def _vocab(args: Any, rows: int, vocab_size: int | None, where: str) -> int:
