@@ -54,6 +54,7 @@ VOCAB = 64
 MODEL = {**LLAMA_GQA, "num_layers": 2, "hidden_size": 16, "num_attention_heads": 4, "num_query_groups": 2}
 tool = load_tool("convert_checkpoint")
 
+WRITE_FULL = "write_full" if hasattr(tool, "write_full") else "write_checkpoint"  # the importers' writer
 # Every conversion: name -> (the source it reads, its argv without --load/--save, the tool's function that
 # writes the output, and which of that function's positional arguments is the folder it writes).
 CONVERSIONS = {
@@ -61,9 +62,9 @@ CONVERSIONS = {
     "to-hf": ("megalite", ["to-hf"], "save_hf_model", 0),
     "to-megatron torch_dist": ("megalite", ["to-megatron", "--format", "torch_dist"], "save_torch_dist", 0),
     "to-megatron torch": ("megalite", ["to-megatron", "--format", "torch"], "save_legacy", 0),
-    "from-hf": ("hf", ["from-hf"], "write_checkpoint", 0),
-    "from-megatron torch_dist": ("megatron torch_dist", ["from-megatron"], "write_checkpoint", 0),
-    "from-megatron torch": ("megatron torch", ["from-megatron"], "write_checkpoint", 0),
+    "from-hf": ("hf", ["from-hf"], WRITE_FULL, 0),
+    "from-megatron torch_dist": ("megatron torch_dist", ["from-megatron"], WRITE_FULL, 0),
+    "from-megatron torch": ("megatron torch", ["from-megatron"], WRITE_FULL, 0),
 }
 WRITERS = [*CONVERSIONS, "training"]
 # Where a checkpoint folder is written from, found by grepping megalite/, tools/ and pretrain_gpt.py for the
@@ -72,11 +73,11 @@ CALLERS = {
     "tools/convert_checkpoint.py": "every subcommand claims --save (destination.claim + replacing)",
     "megalite/training/resume.py": "training's saves, under pretrain_gpt.py's guarded_save (destination.claim)",
     "megalite/checkpointing/reshard.py": "the library reshard(), called by convert_checkpoint.py reshard",
-    "megalite/checkpointing/writer.py": "write_checkpoint itself (commits its own staging folder)",
+    "megalite/checkpointing/writer.py": "write_checkpoint / write_full themselves (commit their own staging folder)",
     "megalite/checkpointing/save.py": "save_checkpoint itself (commits its own staging folder)",
 }
-LOW_LEVEL = re.compile(r"(?<![\w.])(?:\w+\.)?(write_checkpoint|save_checkpoint|save_hf_model|save_torch_dist|"
-                       r"save_legacy|reshard|commit|swap_into_place)\(")
+LOW_LEVEL = re.compile(r"(?<![\w.])(?:\w+\.)?(write_checkpoint|write_full|save_checkpoint|save_hf_model|"
+                       r"save_torch_dist|save_legacy|reshard|commit|swap_into_place)\(")
 
 
 def _shapes() -> dict[str, tuple[int, ...]]:
