@@ -16,6 +16,11 @@ class CorruptDatasetError(DataError):
     """A ``.bin/.idx`` pair is truncated or inconsistent; the message names the file and the reason."""
 
 
+class CorruptCacheError(DataError):
+    """A dataset index cache file (.npy) is truncated or its header is garbled; the message names the file
+    and says to delete it (the builder rank rebuilds it)."""
+
+
 class UnwritableError(PermissionError, DataError):
     """An output or cache location cannot be written; the message says which and what to do."""
 

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
+import sys
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from megalite.data.errors import MissingFileError, UnwritableError
+from megalite.data.errors import CorruptCacheError, MissingFileError, UnwritableError
 
 
 def digest(key: dict) -> str:
@@ -74,14 +76,49 @@ class IndexCache:
                 f"dataset index cache {self._base}-* is missing: the builder rank (global rank 0) writes "
                 f"it before the barrier; with several nodes, --data-cache-path must be a directory "
                 f"every node sees")
-        return {n: np.load(self.path(n), mmap_mode="r", allow_pickle=False) for n in self.names}
+        return {n: _map_checked(self.path(n)) for n in self.names}
+
+    def damaged(self) -> str | None:
+        """Why a complete entry cannot be mapped (a truncated or garbled .npy), or None."""
+        for name in self.names:
+            try:
+                _map_checked(self.path(name))
+            except CorruptCacheError as e:
+                return str(e)
+        return None
 
     def get_or_build(self, build: bool, compute: Callable[[], dict[str, np.ndarray]],
                      info: dict | None = None) -> tuple[dict[str, np.ndarray], bool]:
-        """Load the entry; if missing and ``build``, compute and save it first. Returns the arrays and
-        whether they were computed now."""
+        """Load the entry; if missing (or damaged) and ``build``, compute and save it first. Returns the
+        arrays and whether they were computed now."""
         built = False
-        if build and not self.complete():
+        why = self.damaged() if build and self.complete() else None
+        if why is not None:  # the builder replaces it (the files are derived data); others only load
+            print(f"warning: {why}; rebuilding it", file=sys.stderr, flush=True)
+        if build and (why is not None or not self.complete()):
             self.save(compute(), info)
             built = True
         return self.load(), built
+
+
+def _map_checked(path: str) -> np.ndarray:
+    """The .npy at ``path`` mapped read-only, after its header is checked against the file's size (a
+    truncated file, or a header claiming a huge shape, is named before numpy maps or allocates it)."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            fmt = np.lib.format
+            version = fmt.read_magic(f)
+            read_header = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
+            shape, fortran, dtype = read_header(f)
+            offset = f.tell()
+    except (OSError, ValueError) as e:
+        raise CorruptCacheError(f"dataset index cache file {path} is unreadable ({e}): delete it (it is "
+                                f"rebuilt by the next run)") from None
+    if dtype.hasobject or fortran or any(int(d) < 0 for d in shape):
+        raise CorruptCacheError(f"dataset index cache file {path} does not hold a plain array: delete it")
+    need = offset + math.prod(int(d) for d in shape) * dtype.itemsize
+    if need != size:
+        raise CorruptCacheError(f"dataset index cache file {path} is {size} bytes, its header says {need} "
+                                f"(truncated or damaged): delete it (it is rebuilt by the next run)")
+    return np.load(path, mmap_mode="r", allow_pickle=False)

@@ -25,9 +25,10 @@ def _expand(text: str) -> str:
         body, times = (match[1], match[2]) if match[1] is not None else (match[3], match[4])
         if int(times) > MAX_REPEAT:
             raise ValueError(f"{FLAG}: repeat count {times} exceeds {MAX_REPEAT}")
-        text = text[:match.start()] + body * int(times) + text[match.end():]
-        if len(text) > 10 * MAX_REPEAT:
+        # the length is checked before the string is built: nested repeats multiply ("((t)*99999)*99999")
+        if len(text) - (match.end() - match.start()) + len(body) * int(times) > 10 * MAX_REPEAT:
             raise ValueError(f"{FLAG}: the layout expands past {10 * MAX_REPEAT} symbols")
+        text = text[:match.start()] + body * int(times) + text[match.end():]
 
 
 def parse_layout(text: str) -> tuple[int, ...]:

@@ -16,6 +16,7 @@ The names are the ones megatron-core 0.16's ``GPTModel.sharded_state_dict()`` gi
 
 from __future__ import annotations
 
+import os
 from argparse import Namespace
 from collections.abc import Callable
 from typing import Any
@@ -26,6 +27,7 @@ from megalite.checkpointing.errors import CheckpointError
 from megalite.checkpointing.megatron.names import LAYER, TOP
 from megalite.checkpointing.metadata import model_config
 from megalite.checkpointing.stored import all_specs
+from megalite.config.domain import MAX_SIZE
 from megalite.tensor_parallel.layers import padded_vocab_size
 
 # megalite layer suffix -> megatron-core's sharded key suffix (local spec; norms under the fused names; a
@@ -128,4 +130,12 @@ def export_vocab(config: dict[str, Any], padded_vocab: int | None, tp: int) -> i
     padded = padded_vocab or padded_vocab_size(vocab, cfg.make_vocab_size_divisible_by, tp)
     if padded < vocab:
         raise CheckpointError(f"to-megatron: --padded-vocab-size {padded} is below the vocabulary ({vocab})")
+    need = padded * cfg.hidden_size * 2  # bytes of the padded embedding at 2 bytes an element, at least
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if padded > MAX_SIZE or need > memory:  # checked before the padded embedding is allocated
+        how = "--padded-vocab-size" if padded_vocab else (f"the vocabulary ({vocab}) padded to a multiple of "
+                                                         f"{cfg.make_vocab_size_divisible_by} x TP {tp}")
+        raise CheckpointError(f"to-megatron: {how} gives {padded} embedding rows: x hidden {cfg.hidden_size} "
+                              f"that is {need / 2**30:.1f} GiB or more, past this machine's {memory / 2**30:.1f} "
+                              f"GiB (or past {MAX_SIZE} rows)")
     return padded

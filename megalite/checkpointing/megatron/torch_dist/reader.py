@@ -12,6 +12,7 @@ chunk is checked against its index entry (inside its tensor, its size, the tenso
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -34,6 +35,7 @@ class DistCheckpoint:
 
     def __init__(self, folder: str) -> None:
         self.folder = folder
+        self._data_bytes: int | None = None  # the .distcp files' bytes, once a tensor's claim is checked
         self._check_backend()
         self.common: dict[str, Any] = self._common()
         meta_path = os.path.join(folder, ".metadata")
@@ -102,6 +104,7 @@ class DistCheckpoint:
         props = getattr(md.properties, "state", None)
         dtype = props[0] if isinstance(props, tuple) and isinstance(props[0], torch.dtype) else None
         out: torch.Tensor | None = None
+        self._check_claim(key, size, md.chunks)  # before anything of that size is allocated
         covered = torch.zeros(size, dtype=torch.bool)
         for chunk in md.chunks:
             offsets, sizes = tuple(int(o) for o in chunk.offsets), tuple(int(s) for s in chunk.sizes)
@@ -116,6 +119,23 @@ class DistCheckpoint:
         if out is None or not covered.all():
             raise CheckpointError(f"{self.folder}/.metadata: {key}: its chunks do not cover its size {size}")
         return out
+
+    def _check_claim(self, key: str, size: tuple[int, ...], chunks: Any) -> None:
+        """A size in .metadata is only believed when the chunks add up to it and the data files can hold
+        it (at least a byte per element): a damaged index claiming a huge tensor is named, not allocated."""
+        where = f"{self.folder}/.metadata: {key}"
+        if any(n < 0 for n in size):
+            raise CheckpointError(f"{where}: negative size {size}")
+        numel = math.prod(size)
+        parts = sum(math.prod(max(int(s), 0) for s in c.sizes) for c in chunks)
+        if parts != numel:
+            raise CheckpointError(f"{where}: its chunks hold {parts} elements, its size {size} has {numel}")
+        if self._data_bytes is None:
+            self._data_bytes = sum(os.path.getsize(os.path.join(self.folder, f)) for f in os.listdir(self.folder)
+                                   if f.endswith(".distcp"))
+        if numel > self._data_bytes:
+            raise CheckpointError(f"{where}: its size {size} ({numel} elements) is more than the checkpoint's "
+                                  f"data files ({self._data_bytes} bytes) hold: the index is damaged")
 
     def _chunk(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...], size: tuple[int, ...]
                ) -> torch.Tensor:
