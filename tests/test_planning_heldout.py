@@ -87,7 +87,7 @@ def test_round5_rows_are_no_calibration_rows():
 def test_held_out_rows_are_enough_and_reported_rows_plan():
     for run in REPORTED:
         plan, predicted = plan_row(run)
-        assert predicted > 0 and plan.shape.is_moe
+        assert predicted > 0 and plan.shape.model_shape.moe_layers
 
 
 LLAMA70 = ["--num-layers", "80", "--hidden-size", "8192", "--num-attention-heads", "64", "--group-query-attention",

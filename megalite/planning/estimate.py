@@ -11,6 +11,7 @@ from megalite.planning.hardware import ClusterConfig
 from megalite.planning.headroom import overhead_terms
 from megalite.planning.layout import Layout
 from megalite.planning.memory import MemoryReport, active_params, peak_memory, total_params
+from megalite.planning.model_shape import EXPERT_FAMILY
 from megalite.planning.shape import RunShape
 from megalite.planning.timing import TimeReport, crosses_nodes, step_time
 
@@ -69,14 +70,15 @@ def _where(sh: RunShape, cl: ClusterConfig, axis: str, size: int) -> str:
 
 def _moe_model(plan: Plan) -> str:
     m = plan.shape.cfg.model
-    if not plan.shape.is_moe:
+    n_moe = plan.shape.model_shape.moe_layers
+    if not n_moe:
         return ""
     return (f" ({plan.active_params / 1e9:.2f} B active per token: {m.num_experts} experts, top-"
-            f"{m.moe_router_topk}, {sum(plan.shape.moe)} MoE layers)")
+            f"{m.moe_router_topk}, {n_moe} MoE layers)")
 
 
 def _experts(sh: RunShape, cl: ClusterConfig) -> str:
-    if not sh.is_moe:
+    if EXPERT_FAMILY not in sh.families:
         return ""
     return (f"; experts: EP {sh.ep}{_where(sh, cl, 'ep', sh.ep)} x expert-TP {sh.etp}{_where(sh, cl, 'etp', sh.etp)}"
             f" x expert-DP {sh.edp}{_where(sh, cl, 'edp', sh.edp)}, {sh.cfg.model.moe_token_dispatcher_type} dispatch")
@@ -87,7 +89,9 @@ def _overlap(cl: ClusterConfig) -> str:
 
 
 def _imbalance(plan: Plan) -> str:
-    return f"; MoE routing imbalance (max/mean, assumed) {plan.cluster.moe_imbalance:.2f}" if plan.shape.is_moe else ""
+    if not plan.shape.model_shape.moe_layers:
+        return ""
+    return f"; MoE routing imbalance (max/mean, assumed) {plan.cluster.moe_imbalance:.2f}"
 
 
 def format_report(plan: Plan) -> str:

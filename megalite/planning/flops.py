@@ -10,6 +10,7 @@ experts a token goes through (expert hidden size) and the shared expert and its 
 from __future__ import annotations
 
 from megalite.config.model import ModelConfig
+from megalite.planning.model_shape import DENSE_LAYER, LayerShape, ModelShape
 
 
 def mlp_macs(cfg: ModelConfig, ffn: int) -> int:
@@ -27,21 +28,21 @@ def moe_mlp_macs(cfg: ModelConfig) -> int:
     return n
 
 
-def layer_flops_per_token(cfg: ModelConfig, seq_length: int, moe: bool = False) -> float:
-    """Forward FLOPs per token of one transformer layer (an MoE one: its active experts)."""
+def layer_flops_per_token(cfg: ModelConfig, seq_length: int, layer: LayerShape = DENSE_LAYER) -> float:
+    """Forward FLOPs per token of one transformer layer of kind ``layer`` (an MoE one: its active experts)."""
     h, d = cfg.hidden_size, cfg.kv_channels
     nq, nkv = cfg.num_attention_heads, cfg.num_query_groups
     qkv = h * (nq + 2 * nkv) * d
     proj = nq * d * h
     attn = 2 * seq_length * nq * d
-    return 2 * (qkv + proj + (moe_mlp_macs(cfg) if moe else mlp_macs(cfg, cfg.ffn_hidden_size)) + attn)
+    return 2 * (qkv + proj + (moe_mlp_macs(cfg) if layer.moe else mlp_macs(cfg, cfg.ffn_hidden_size)) + attn)
 
 
 def flops_per_token(cfg: ModelConfig, vocab_size: int, seq_length: int) -> float:
-    layers = {False: layer_flops_per_token(cfg, seq_length)}
-    if cfg.is_moe:
-        layers[True] = layer_flops_per_token(cfg, seq_length, moe=True)
-    return sum(layers[is_moe] for is_moe in cfg.moe_layers()) + 2 * cfg.hidden_size * vocab_size
+    """Forward FLOPs per token: each layer's, by its kind (model_shape.py), and the output layer's."""
+    model = ModelShape.of(cfg)
+    per_kind = {kind: layer_flops_per_token(cfg, seq_length, kind) for kind in model.kinds}
+    return sum(per_kind[layer] for layer in model.layers) + 2 * cfg.hidden_size * vocab_size
 
 
 def training_flops(cfg: ModelConfig, vocab_size: int, seq_length: int, tokens: int, recompute: bool = False

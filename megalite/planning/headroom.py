@@ -17,6 +17,7 @@ report (not to the start-up memory check, whose CPU ranks have none of them).
 from __future__ import annotations
 
 from megalite.planning.hardware import ClusterConfig
+from megalite.planning.model_shape import EXPERT_FAMILY
 from megalite.planning.shape import RunShape
 
 MIB = 2**20
@@ -30,7 +31,7 @@ def communicators(sh: RunShape) -> int:
     """Process groups of more than one rank this rank communicates in (TP, CP, DP x CP, PP, the
     embedding pair, EP, expert-TP, expert-DP)."""
     sizes = [sh.tp, sh.cp, sh.dp * sh.cp, sh.pp, 2 if sh.pp > 1 and sh.cfg.model.tied_embeddings else 1]
-    if sh.is_moe:
+    if EXPERT_FAMILY in sh.families:  # the expert family's groups
         sizes += [sh.ep, sh.etp, sh.edp]
     return sum(1 for n in sizes if n > 1)
 

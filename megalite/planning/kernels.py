@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 
 from megalite.planning.hardware import ClusterConfig
+from megalite.planning.model_shape import DENSE_LAYER, LayerShape
 from megalite.planning.moe import expert_rows, routed_tokens
 from megalite.planning.shape import RunShape
 
@@ -55,15 +56,16 @@ def _forwards(sh: RunShape) -> float:
     return 1 + sh.recomputed_share
 
 
-def linear_s(sh: RunShape, cl: ClusterConfig, moe: bool = False) -> float:
-    """The layer's linear GEMMs (QKV, projection, and the MLP unless ``moe``) per micro-batch, forward and
-    backward, on one rank: tokens b·s/c, output features split over TP."""
+def linear_s(sh: RunShape, cl: ClusterConfig, layer: LayerShape = DENSE_LAYER) -> float:
+    """A layer's linear GEMMs (QKV, projection, and the MLP of a dense layer; an MoE layer's experts are
+    ``moe_mlp_s``) per micro-batch, forward and backward, on one rank: tokens b·s/c, output features split
+    over TP."""
     m, t, h, T = sh.cfg.model, sh.tp, sh.h, sh.local_tokens
     a, g, d, f = m.num_attention_heads, m.num_query_groups, m.kv_channels, m.ffn_hidden_size
     args = (cl, sh.dtype, sh.act_bytes)
     kw = {"forwards": _forwards(sh)}
     out = train_gemm_s(T, (a + 2 * g) * d / t, h, *args, **kw) + train_gemm_s(T, h, a * d / t, *args, **kw)
-    if not moe:
+    if not layer.moe:
         out += mlp_s(sh, cl, T, f / t)
     return out
 
@@ -132,8 +134,9 @@ def stage_paces(sh: RunShape, cl: ClusterConfig) -> list[float]:
 
 def layers_compute_s(sh: RunShape, cl: ClusterConfig, stage: int) -> float:
     """One micro-batch through the transformer layers of pipeline rank ``stage`` (all its chunks)."""
-    n_moe = sh.moe_layers_in(stage)
-    out = (sh.layers_in(stage) - n_moe) * (linear_s(sh, cl) + attention_s(sh, cl))
-    if n_moe:
-        out += n_moe * (linear_s(sh, cl, moe=True) + attention_s(sh, cl) + moe_mlp_s(sh, cl))
-    return out
+    return sum(n * layer_compute_s(sh, cl, kind) for kind, n in sh.kinds_in(stage).items())
+
+
+def layer_compute_s(sh: RunShape, cl: ClusterConfig, layer: LayerShape) -> float:
+    """One micro-batch through one layer of kind ``layer``: its GEMMs, attention and (MoE) experts."""
+    return linear_s(sh, cl, layer) + attention_s(sh, cl) + (moe_mlp_s(sh, cl) if layer.moe else 0.0)

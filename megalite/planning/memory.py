@@ -15,6 +15,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from megalite.pipeline.timeline import spec_for
+from megalite.planning.model_shape import DENSE_LAYER, EXPERT_FAMILY, LayerShape
 from megalite.planning.moe import (
     active_mlp_params,
     dispatch_buffer_bytes,
@@ -30,17 +31,17 @@ UNFUSED_BACKENDS = ("unfused", "local")  # the explicit softmax(QK^T)V; others a
 
 
 # ---- parameters ------------------------------------------------------------------------------------
-def layer_params(sh: RunShape, moe: bool = False) -> int:
+def layer_params(sh: RunShape, layer: LayerShape = DENSE_LAYER) -> int:
     """One transformer layer's parameters on one TP rank (norms and row-parallel biases replicated) that
     the dense gradient buffer holds; an MoE layer's router, shared expert and gate in place of the MLP
-    (its routed experts: ``planning/moe.py:expert_params``)."""
+    (its routed experts, the expert family: ``planning/moe.py:expert_params``)."""
     m, t, h = sh.cfg.model, sh.tp, sh.h
     a, g, d, f = m.num_attention_heads, m.num_query_groups, m.kv_channels, m.ffn_hidden_size
     bias = m.add_bias_linear
     qkv_rows = (a // t + 2 * max(g // t, 1)) * d
     n = qkv_rows * h + (qkv_rows if bias or m.add_qkv_bias else 0)
     n += (a * d // t) * h + (h if bias else 0)
-    if moe:
+    if layer.moe:
         n += moe_dense_params(sh)
     else:
         fc1_rows = (2 * f if m.swiglu else f) // t
@@ -68,8 +69,7 @@ def output_params(sh: RunShape) -> int:
 
 def _stage_layer_params(sh: RunShape, stage: int) -> int:
     """The dense-buffer parameters of the stage's transformer layers."""
-    n_moe = sh.moe_layers_in(stage)
-    return (sh.layers_in(stage) - n_moe) * layer_params(sh) + (n_moe * layer_params(sh, moe=True) if n_moe else 0)
+    return sum(n * layer_params(sh, kind) for kind, n in sh.kinds_in(stage).items())
 
 
 def stage_dense_params(sh: RunShape, stage: int) -> int:
@@ -84,13 +84,14 @@ def stage_dense_params(sh: RunShape, stage: int) -> int:
 
 
 def stage_expert_params(sh: RunShape, stage: int) -> int:
-    """Routed-expert parameters of pipeline rank ``stage``: reduced and sharded over expert-DP."""
-    return sh.moe_layers_in(stage) * expert_params(sh) if sh.is_moe else 0
+    """Routed-expert parameters of pipeline rank ``stage`` (the expert family): reduced and sharded over
+    expert-DP."""
+    return sum(n * expert_params(sh) for kind, n in sh.kinds_in(stage).items() if kind.moe)
 
 
 def stage_frozen_params(sh: RunShape, stage: int) -> int:
-    """fp32 parameters without gradient (the MoE expert bias)."""
-    return sh.moe_layers_in(stage) * frozen_params(sh) if sh.is_moe else 0
+    """fp32 parameters without gradient (the MoE layers' expert bias)."""
+    return sum(n * frozen_params(sh) for kind, n in sh.kinds_in(stage).items() if kind.moe)
 
 
 def stage_params(sh: RunShape, stage: int) -> int:
@@ -99,13 +100,15 @@ def stage_params(sh: RunShape, stage: int) -> int:
 
 
 def active_params(sh: RunShape) -> int:
-    """The whole model's parameters one token goes through (unsplit; dense models: all of them)."""
+    """The whole model's parameters one token goes through (unsplit): all of them but, in each MoE layer,
+    the routed experts (and bias) a token is not routed to (a dense model: all of them)."""
     one = dataclasses.replace(sh, tp=1, pp=1, v=1, ep=1, etp=1)
-    n = stage_params(one, 0)
-    if not sh.is_moe:
-        return n
-    per_layer = expert_params(one) + frozen_params(one) + moe_dense_params(one) - active_mlp_params(one)
-    return n - sum(sh.moe) * per_layer
+    return stage_params(one, 0) - sum(_inactive_params(one) for layer in sh.model_shape.layers if layer.moe)
+
+
+def _inactive_params(one: RunShape) -> int:
+    """Of one MoE layer (unsplit), the parameters a token does not go through."""
+    return expert_params(one) + frozen_params(one) + moe_dense_params(one) - active_mlp_params(one)
 
 
 def total_params(sh: RunShape) -> int:
@@ -123,7 +126,7 @@ def _bucket_numel(sh: RunShape, n: int, dp: int | None = None) -> int:
 
 
 def _largest_layer(sh: RunShape) -> int:
-    return max(layer_params(sh, moe) for moe in {False, sh.is_moe})
+    return max(layer_params(sh, kind) for kind in sh.model_shape.kinds)
 
 
 def weight_bytes(sh: RunShape, n: int, stage: int = 0) -> float:
@@ -196,7 +199,7 @@ def expert_state_terms(sh: RunShape, stage: int) -> dict[str, float]:
 
 
 # ---- activations (docs/design.md §3.5) ----------------------------------------------------------------
-def layer_outside_core_bytes(sh: RunShape, moe: bool = False) -> float:
+def layer_outside_core_bytes(sh: RunShape, layer: LayerShape = DENSE_LAYER) -> float:
     """Per micro-batch: what one layer keeps outside the core attention (selective recomputation's
     total), in elements of the activation dtype per token unless said otherwise.
 
@@ -215,13 +218,13 @@ def layer_outside_core_bytes(sh: RunShape, moe: bool = False) -> float:
     # fused SwiGLU keeps fc1's output and its own (3f), the fused RMSNorm no decomposition
     te = sh.te_layers
     proj = 0 if te and m.attention_backend not in UNFUSED_BACKENDS else a * d
-    sharded = (qkv + proj + (0 if moe else (3 if te else 4) * f if m.swiglu else 2 * f)) * e
+    sharded = (qkv + proj + (0 if layer.moe else (3 if te else 4) * f if m.swiglu else 2 * f)) * e
     replicated = (4 + (2 if m.hidden_dropout > 0 else 0)) * h * e + 4 * e
     if m.normalization == "RMSNorm" and not te:
         replicated += 12 * h
     per_token = (replicated + sharded) / t if sh.sp else replicated + sharded / t
     tables = 4 * (sh.s // sh.cp) * int(d * m.rotary_percent) * e if rope else 0
-    return per_token * sh.local_tokens + tables + (moe_mlp_activation_bytes(sh) if moe else 0.0)
+    return per_token * sh.local_tokens + tables + (moe_mlp_activation_bytes(sh) if layer.moe else 0.0)
 
 
 def core_attention_bytes(sh: RunShape) -> float:
@@ -243,14 +246,13 @@ def core_attention_bytes(sh: RunShape) -> float:
     return a * d * tokens / t * e + 4 * a * tokens / t
 
 
-def full_layer_bytes(sh: RunShape, moe: bool = False) -> float:
-    return layer_outside_core_bytes(sh, moe) + core_attention_bytes(sh)
+def full_layer_bytes(sh: RunShape, layer: LayerShape = DENSE_LAYER) -> float:
+    return layer_outside_core_bytes(sh, layer) + core_attention_bytes(sh)
 
 
 def stage_layer_bytes(sh: RunShape, stage: int) -> float:
     """All of a pipeline rank's layers, one micro-batch each, without recomputation."""
-    n_moe = sh.moe_layers_in(stage)
-    return (sh.layers_in(stage) - n_moe) * full_layer_bytes(sh) + (n_moe * full_layer_bytes(sh, True) if n_moe else 0)
+    return sum(n * full_layer_bytes(sh, kind) for kind, n in sh.kinds_in(stage).items())
 
 
 def layer_input_bytes(sh: RunShape) -> float:
@@ -258,41 +260,42 @@ def layer_input_bytes(sh: RunShape) -> float:
     return sh.local_tokens * sh.h * sh.act_bytes / (sh.tp if sh.sp else 1)
 
 
-def _kept_moe_layers(sh: RunShape, stage: int, chunk: int | None) -> float:
-    """MoE layers of a chunk whose activations are kept (not recomputed); chunk None: the mean over the
-    rank's chunks."""
-    n_moe = sh.moe_layers_in(stage, chunk) / (sh.v if chunk is None else 1)
+def _kept_layers(sh: RunShape, stage: int, chunk: int | None) -> dict[LayerShape, float]:
+    """Layers of each kind in a chunk whose activations are kept (not recomputed); chunk None: the mean
+    over the rank's chunks."""
+    counts = {kind: n / (sh.v if chunk is None else 1) for kind, n in sh.kinds_in(stage, chunk).items()}
     if sh.recompute != "full":
-        return n_moe
+        return counts
     n = sh.chunk_size(stage, chunk)
     k = min(sh.cfg.model.recompute_num_layers, n)
-    return n_moe * (n - k) / n if sh.cfg.model.recompute_method == "block" and n else 0.0
+    block = sh.cfg.model.recompute_method == "block" and n
+    return {kind: c * (n - k) / n if block else 0.0 for kind, c in counts.items()}
 
 
 def chunk_activation_bytes(sh: RunShape, stage: int = 0, chunk: int | None = None) -> float:
     """One model chunk of one micro-batch, as kept between its forward and backward, by recomputation
-    granularity (chunk None: the mean over the rank's chunks, which differ in how many MoE layers they
-    hold and, under an uneven layout string, in their layers)."""
+    granularity (chunk None: the mean over the rank's chunks, which differ in how many layers of each kind
+    they hold and, under an uneven layout string, in their layers)."""
     m, n = sh.cfg.model, sh.chunk_size(stage, chunk)
-    # an MoE layer keeps what a dense one does, its MLP's bytes replaced by the MoE layer's
-    moe = _kept_moe_layers(sh, stage, chunk) * (full_layer_bytes(sh, True) - full_layer_bytes(sh)) \
-        if sh.is_moe else 0.0
+    # each kept layer keeps what a dense one does, plus what its kind keeps besides (an MoE layer: its MLP's
+    # bytes replaced by the MoE layer's)
+    other = sum(c * (full_layer_bytes(sh, kind) - full_layer_bytes(sh)) for kind, c in
+                _kept_layers(sh, stage, chunk).items() if kind != DENSE_LAYER)
     if sh.recompute == "selective":
-        return n * layer_outside_core_bytes(sh) + moe
+        return n * layer_outside_core_bytes(sh) + other
     if sh.recompute != "full":
-        return n * full_layer_bytes(sh) + moe
+        return n * full_layer_bytes(sh) + other
     k = min(m.recompute_num_layers, n)
     if m.recompute_method == "block":  # the first k layers recomputed, the rest kept
-        return k * layer_input_bytes(sh) + (n - k) * full_layer_bytes(sh) + moe
+        return k * layer_input_bytes(sh) + (n - k) * full_layer_bytes(sh) + other
     return -(-n // k) * layer_input_bytes(sh) if k else 0.0  # uniform: one input per group of k layers
 
 
 def moe_activation_bytes(sh: RunShape, stage: int) -> float:
     """The MoE layers' part of the stage's peak activations (router, dispatch, experts' rows): the
     report's "MoE activations" line (included in activation_bytes)."""
-    if not sh.is_moe:
-        return 0.0
-    return in_flight_chunks(sh, stage) * _kept_moe_layers(sh, stage, None) * moe_mlp_activation_bytes(sh)
+    kept = sum(c for kind, c in _kept_layers(sh, stage, None).items() if kind.moe)
+    return in_flight_chunks(sh, stage) * kept * moe_mlp_activation_bytes(sh) if kept else 0.0
 
 
 def recompute_working_bytes(sh: RunShape) -> float:
@@ -300,7 +303,7 @@ def recompute_working_bytes(sh: RunShape) -> float:
     --recompute-num-layers layers (uniform), one layer (block: each of its layers is checkpointed alone)."""
     if sh.recompute != "full":
         return 0.0
-    layer = max(full_layer_bytes(sh, moe) for moe in {False, sh.is_moe})
+    layer = max(full_layer_bytes(sh, kind) for kind in sh.model_shape.kinds)
     group = 1 if sh.cfg.model.recompute_method == "block" else sh.cfg.model.recompute_num_layers
     return min(group, sh.layers_per_chunk) * layer
 
@@ -397,13 +400,13 @@ def stage_memory(sh: RunShape, stage: int) -> MemoryReport:
     n = stage_dense_params(sh, stage)
     terms = {"weights": weight_bytes(sh, n, stage) + 4 * stage_frozen_params(sh, stage),
              "gradients": grad_bytes(sh, n), "optimizer state": optimizer_bytes(sh, n)}
-    if sh.is_moe:
+    if EXPERT_FAMILY in sh.families:
         terms.update(expert_state_terms(sh, stage))
     act, moe_act = activation_bytes(sh, stage), moe_activation_bytes(sh, stage)
     terms.update({"activations": act - moe_act, "communication buffers": comm_buffer_bytes(sh)})
     if sh.cfg.parallel.pipeline_schedule in ZERO_BUBBLE and sh.pp > 1:
         terms["deferred W (zero bubble)"] = deferred_w_term(sh, stage)
-    if sh.is_moe:
+    if EXPERT_FAMILY in sh.families:
         terms.update({"MoE activations": moe_act, "MoE dispatch buffers": dispatch_buffer_bytes(sh)})
     return MemoryReport(stage, stage_params(sh, stage), terms)
 

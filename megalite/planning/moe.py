@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 
+from megalite.planning.model_shape import EXPERT_FAMILY
 from megalite.planning.shape import RunShape
 
 INDEX_BYTES = 8  # int64 token / expert indices
@@ -148,7 +149,7 @@ def moe_mlp_activation_bytes(sh: RunShape) -> float:
 def dispatch_buffer_bytes(sh: RunShape) -> float:
     """Transient, one MoE layer at a time: alltoall's sent and received rows; allgather's gathered tokens
     and the fp32 weighted sum it reduce-scatters."""
-    if not sh.cfg.model.is_moe:
+    if EXPERT_FAMILY not in sh.families:
         return 0.0
     if sh.cfg.model.moe_token_dispatcher_type == "alltoall":
         return (sent_rows(sh) + expert_rows(sh)) * sh.h * sh.act_bytes

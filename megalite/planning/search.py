@@ -14,6 +14,7 @@ from megalite.parallel.placement import LayerSplit
 from megalite.planning.estimate import Plan, estimate
 from megalite.planning.hardware import ClusterConfig
 from megalite.planning.layout import Layout, layout_rule_errors
+from megalite.planning.model_shape import EXPERT_FAMILY, ModelShape
 
 MICRO_BATCHES = (1, 2, 4, 8)
 RECOMPUTE = (None, "selective", "full")
@@ -105,9 +106,9 @@ def _end_counts(num_layers: int, pp: int, share: int) -> Iterator[tuple[int | No
 
 def expert_layouts(cfg: MegaliteConfig, stage_ranks: int, tp: int) -> list[tuple[int, int | None]]:
     """(EP, expert-TP) pairs for a stage of ``stage_ranks`` ranks: EP divides the experts, expert-TP is TP
-    (None) or 1, and EP x expert-TP divides the stage's ranks; (1, None) for a dense model."""
+    (None) or 1, and EP x expert-TP divides the stage's ranks; (1, None) for a model without experts."""
     E = cfg.model.num_experts
-    if not cfg.model.is_moe:
+    if EXPERT_FAMILY not in ModelShape.of(cfg.model).families:
         return [(1, None)]
     out: list[tuple[int, int | None]] = []
     for etp in dict.fromkeys([tp, 1]):
@@ -137,7 +138,8 @@ def search(cfg: MegaliteConfig, cluster: ClusterConfig, vocab: int, context_para
             out.refused[errors[0].split(" (")[0]] += 1
             continue
         plan = estimate(run, cluster, vocab)
-        zeros = ("optim_grads",) if cfg.model.is_moe else ("optim_grads", "optim_grads_params")  # MoE: no ZeRO-3
+        # ZeRO-3 does not shard the expert family
+        zeros = ("optim_grads",) if EXPERT_FAMILY in plan.shape.families else ("optim_grads", "optim_grads_params")
         for zero in zeros if layout.sharding == "optim" else ():
             if plan.fits and not plan.within_headroom:  # ZeRO-2/3 only where the distributed optimizer alone
                 # does not fit with the headroom: they move more
@@ -190,7 +192,7 @@ def best_variants(result: SearchResult) -> list[Plan]:
 def label(plan: Plan) -> str:
     lay, sh = plan.layout, plan.shape
     v = sh.v
-    experts = (f" EP{sh.ep}" + (f" ETP{sh.etp}" if sh.etp != sh.tp else "")) if sh.is_moe else ""
+    experts = (f" EP{sh.ep}" + (f" ETP{sh.etp}" if sh.etp != sh.tp else "")) if EXPERT_FAMILY in sh.families else ""
     pipe = f"TP{lay.tp} PP{lay.pp}" + ("+L" if lay.account_loss else "")  # +L: the loss counted as a layer
     if lay.first_layers is not None or lay.last_layers is not None:  # the first/last stage counts
         pipe += f" {lay.first_layers or '-'}/{lay.last_layers or '-'}"

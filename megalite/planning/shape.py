@@ -7,6 +7,7 @@ from functools import cached_property
 
 from megalite.config.arguments import MegaliteConfig
 from megalite.parallel.placement import LayerSplit
+from megalite.planning.model_shape import EXPERT_FAMILY, LayerShape, ModelShape
 
 
 def padded_vocab(vocab: int, divisible_by: int, tp: int) -> int:
@@ -35,7 +36,7 @@ class RunShape:
     grad_bytes: int  # bytes per gradient element in the gradient buffer
     ep: int = 1  # expert parallel: a stage's ranks cut as expert-TP x EP x expert-DP
     etp: int = 1  # expert tensor parallel
-    moe: tuple[bool, ...] = ()  # whether each of the model's layers is an MoE layer (empty: dense)
+    model_shape: ModelShape = ModelShape(())  # each layer's kind (model_shape.py); every layer term sums over it
     te_layers: bool = False  # activations as Megatron-Core's Transformer Engine layers keep them (memory.py)
 
     @classmethod
@@ -49,12 +50,13 @@ class RunShape:
         gbs = t.global_batch_size or t.micro_batch_size * dp
         m = max(gbs // (t.micro_batch_size * dp), 1)
         low = pr.bf16 or pr.fp16
-        moe = tuple(cfg.model.moe_layers()) if cfg.model.is_moe else ()
+        model = ModelShape.of(cfg.model)
+        experts = EXPERT_FAMILY in model.families  # EP and expert-TP cut only the expert family
         return cls(cfg, world, vocab, tp, pp, cp, dp, v, m, t.micro_batch_size, cfg.model.seq_length,
                    cfg.model.hidden_size, p.sequence_parallel and tp > 1, cfg.model.recompute_granularity,
                    2 if low else 4, 2 if cfg.ddp.grad_reduce_in_bf16 else 4,
-                   p.expert_model_parallel_size if moe else 1, (p.expert_tensor_parallel_size or tp) if moe else 1,
-                   moe)
+                   p.expert_model_parallel_size if experts else 1,
+                   (p.expert_tensor_parallel_size or tp) if experts else 1, model)
 
     @property
     def edp(self) -> int:
@@ -68,8 +70,9 @@ class RunShape:
         return sizes[0] if sizes else self.cp
 
     @property
-    def is_moe(self) -> bool:
-        return any(self.moe)
+    def families(self) -> tuple[str, ...]:
+        """The parameter families the model has (model_shape.py): "expert" only with MoE layers."""
+        return self.model_shape.families
 
     @cached_property
     def split(self) -> LayerSplit:
@@ -108,17 +111,27 @@ class RunShape:
         return self.split.stages.holder(self.split.stages.last)[0] if self.pp > 1 else 0
 
     @cached_property
-    def _moe_per_chunk(self) -> dict[tuple[int, int], int]:
-        return {(r, c): sum(self.moe[i] for i in self.chunk_layers(r, c)) for r in range(self.pp)
+    def _kinds_per_chunk(self) -> dict[tuple[int, int], dict[LayerShape, int]]:
+        return {(r, c): self.model_shape.count(self.chunk_layers(r, c)) for r in range(self.pp)
                 for c in range(self.v)}
+
+    @cached_property
+    def _kinds_per_stage(self) -> dict[int, dict[LayerShape, int]]:
+        out: dict[int, dict[LayerShape, int]] = {r: {} for r in range(self.pp)}
+        for (r, _), kinds in self._kinds_per_chunk.items():
+            for kind, n in kinds.items():
+                out[r][kind] = out[r].get(kind, 0) + n
+        return out
+
+    def kinds_in(self, stage: int, chunk: int | None = None) -> dict[LayerShape, int]:
+        """How many layers of each kind a pipeline rank holds (one chunk of it, or all its chunks)."""
+        if chunk is not None:
+            return self._kinds_per_chunk[(stage, chunk)]
+        return self._kinds_per_stage[stage]
 
     def moe_layers_in(self, stage: int, chunk: int | None = None) -> int:
         """MoE layers on a pipeline rank (one chunk of it, or all its chunks)."""
-        if not self.moe:
-            return 0
-        if chunk is not None:
-            return self._moe_per_chunk[(stage, chunk)]
-        return sum(self._moe_per_chunk[(stage, c)] for c in range(self.v))
+        return sum(n for kind, n in self.kinds_in(stage, chunk).items() if kind.moe)
 
     @property
     def layers_per_stage(self) -> int:

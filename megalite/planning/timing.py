@@ -19,6 +19,7 @@ from megalite.planning.flops import training_flops
 from megalite.planning.hardware import ClusterConfig
 from megalite.planning.kernels import linear_s, stage_compute_s
 from megalite.planning.memory import stage_dense_params, stage_expert_params, stage_layer_bytes
+from megalite.planning.model_shape import EXPERT_FAMILY, LayerShape
 from megalite.planning.moe import dispatch_comm_bytes
 from megalite.planning.shape import RunShape
 from megalite.planning.zero_bubble import ZERO_BUBBLE, zero_bubble_idle_s
@@ -75,7 +76,8 @@ def optimizer_s(sh: RunShape, cl: ClusterConfig) -> float:
     n = stage_dense_params(sh, stage)
     shards = sh.dp * sh.cp if sh.cfg.ddp.shards_optimizer else 1
     per = OPTIMIZER_BYTES if sh.param_bytes == 2 else 32
-    experts = stage_expert_params(sh, stage) / (sh.edp if sh.cfg.ddp.shards_optimizer else 1) if sh.is_moe else 0.0
+    experts = stage_expert_params(sh, stage) / (sh.edp if sh.cfg.ddp.shards_optimizer else 1) \
+        if EXPERT_FAMILY in sh.families else 0.0
     return (n / shards + experts) * per / cl.hbm_bytes_per_s()
 
 
@@ -187,13 +189,15 @@ def tp_comm_s(sh: RunShape, cl: ClusterConfig) -> float:
     per = 2 * (t - 1) / t * sh.local_tokens * sh.h * sh.act_bytes / ring_link(sh, cl, "tp", t)
     per += (2 if sh.sp else 1) * ring_latency_s(sh, cl, "tp", t, all_reduce=not sh.sp)  # SP: a gather and a scatter
     reps = 2 + sh.recomputed_share
-    stage = sh.busiest_stage  # rank 0 under an even split
-    n_moe = sh.moe_layers_in(stage)
-    dense, moe = 2 * reps * per, (2 if sh.cfg.model.moe_shared_expert_intermediate_size else 1) * reps * per
-    if cl.model_tp_comm_overlap:
-        dense = max(0.0, dense - linear_s(sh, cl))
-        moe = max(0.0, moe - linear_s(sh, cl, moe=True)) if n_moe else 0.0
-    return ((sh.layers_in(stage) - n_moe) * dense + n_moe * moe) * sh.m
+    shared = sh.cfg.model.moe_shared_expert_intermediate_size
+
+    def layer_s(kind: LayerShape) -> float:
+        ops = 1 if kind.moe and not shared else 2  # the attention's, and the MLP's unless all routed
+        out = ops * reps * per
+        return max(0.0, out - linear_s(sh, cl, kind)) if cl.model_tp_comm_overlap else out
+
+    # the busiest stage: rank 0 under an even split
+    return sum(n * layer_s(kind) for kind, n in sh.kinds_in(sh.busiest_stage).items()) * sh.m
 
 
 def cp_layer_bytes(sh: RunShape, kind: str) -> list[tuple[str, int, float]]:
@@ -310,7 +314,7 @@ def dp_comm_s(sh: RunShape, cl: ClusterConfig) -> float:
 def expert_dp_comm_s(sh: RunShape, cl: ClusterConfig) -> float:
     """The routed experts' gradient buffer over expert-DP, as the dense one over DP (their weights are
     never sharded by ZeRO-3)."""
-    if sh.edp == 1 or not sh.is_moe:
+    if sh.edp == 1 or EXPERT_FAMILY not in sh.families:
         return 0.0
     n = max(stage_expert_params(sh, r) for r in {0, sh.pp - 1})
     return _grad_sync_s(sh, cl, n, sh.edp, ring_link(sh, cl, "edp", sh.edp), False,
@@ -329,7 +333,7 @@ def moe_step_comm_bytes(sh: RunShape, stage: int = 0) -> dict[tuple[str, str], f
     """Bytes one rank of pipeline rank ``stage`` hands to each token-dispatch collective per step (keyed as
     ProcessGroups.comm_bytes): per MoE layer and micro-batch the forward's (twice with full
     recomputation) and the backward's."""
-    if not sh.is_moe:
+    if EXPERT_FAMILY not in sh.families:
         return {}
     times = sh.m * sh.moe_layers_in(stage)
     again = 1 + sh.recomputed_share
@@ -397,7 +401,7 @@ def step_time(sh: RunShape, cl: ClusterConfig) -> TimeReport:
         terms["dropout masks"] = dropout_mask_s(sh, cl)
     if spec.eager_score_passes:
         terms["attention score passes"] = eager_scores_s(sh, cl)
-    if sh.is_moe:
+    if EXPERT_FAMILY in sh.families:
         terms.update({"MoE dispatch (EP)": ep_comm_s(sh, cl), "MoE expert-TP comm": etp_comm_s(sh, cl),
                       "expert DP comm": expert_dp_comm_s(sh, cl)})
     return TimeReport(terms, step_flops(sh, False), step_flops(sh, True), sh.world)

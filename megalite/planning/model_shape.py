@@ -1,0 +1,78 @@
+"""The model's description of itself, layer by layer, as the planner sums it.
+
+Every memory, time and FLOP term of the transformer layers is a sum over the layers of a term of the
+layer's kind (``LayerShape``), so a dense model is simply one whose layers are all dense, an MoE model one
+with some MoE layers (Megatron's --moe-layer-freq), and no term asks which kind of model it is. A layer's
+kind is read from the same config method the model builds the layer from (``ModelConfig.moe_layers()``,
+read by model/transformer.py's ``TransformerLayer``), and its parameters fall into the families the
+runtime cuts, averages and counts them by (tensor_parallel/param_meta.py's ``ParamFamily``, named here:
+the planner imports no torch); tests/test_planning_moe.py builds the model and checks both agree.
+
+The attention kind is per layer too: every layer attends over the whole causal past today ("causal");
+a sliding-window (local) kind, with its window, adds its value here and its terms where the attention's
+are computed (kernels.attention_s, memory.core_attention_bytes, flops.layer_flops_per_token).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from megalite.config.model import ModelConfig
+
+DENSE_FAMILY, EXPERT_FAMILY = "dense", "expert"  # ParamFamily.name of param_meta.DENSE / param_meta.EXPERT
+FAMILY_ORDER = (DENSE_FAMILY, EXPERT_FAMILY)  # as param_meta.FAMILIES keeps them
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """One transformer layer's kind: what its terms depend on besides the run's sizes."""
+
+    mlp: str = "dense"  # "dense": an MLP; "moe": router, routed experts (the expert family), optional shared expert
+    attention: str = "causal"  # the whole causal past (the only kind so far; sliding-window layers add theirs)
+
+    @property
+    def moe(self) -> bool:
+        return self.mlp == "moe"
+
+    @property
+    def families(self) -> tuple[str, ...]:
+        """The parameter families the layer's parameters belong to."""
+        return (DENSE_FAMILY, EXPERT_FAMILY) if self.moe else (DENSE_FAMILY,)
+
+
+DENSE_LAYER, MOE_LAYER = LayerShape(), LayerShape(mlp="moe")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The kind of each of the model's layers, in order."""
+
+    layers: tuple[LayerShape, ...]
+
+    @classmethod
+    def of(cls, model: ModelConfig) -> ModelShape:
+        """Each layer as the model builds it (``moe_layers()``: all False for a model without experts)."""
+        return cls(tuple(MOE_LAYER if moe else DENSE_LAYER for moe in model.moe_layers()))
+
+    @property
+    def families(self) -> tuple[str, ...]:
+        """The parameter families the model has (param_meta.model_families' list, by name)."""
+        present = {f for layer in set(self.layers) for f in layer.families}
+        return tuple(f for f in FAMILY_ORDER if f in present)
+
+    @property
+    def kinds(self) -> tuple[LayerShape, ...]:
+        """The distinct layer kinds, in order of first appearance."""
+        return tuple(dict.fromkeys(self.layers))
+
+    @property
+    def moe_layers(self) -> int:
+        return sum(layer.moe for layer in self.layers)
+
+    def count(self, numbers: Iterable[int]) -> dict[LayerShape, int]:
+        """How many of the layers numbered ``numbers`` are of each kind (kinds in order of first appearance)."""
+        out: dict[LayerShape, int] = {}
+        for i in numbers:
+            out[self.layers[i]] = out.get(self.layers[i], 0) + 1
+        return out
