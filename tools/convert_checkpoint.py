@@ -36,6 +36,7 @@ import shlex
 import sys
 from collections.abc import Iterator
 from types import SimpleNamespace
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -277,15 +278,10 @@ def _hf_config_dict(hf_config, where: str, qkv_only: bool, layernorm_1p: bool) -
 def cmd_from_hf(a: argparse.Namespace) -> None:
     if os.path.isfile(os.path.join(a.load, TRACKER)):
         raise HFConversionError(f"--load {a.load} is a megalite checkpoint; from-hf reads a transformers folder")
-    with _claimed(a) as lock:
-        _from_hf_into(a, lock)
-
-
-def _from_hf_into(a: argparse.Namespace, lock: destination.SaveLock) -> None:
-    """from-hf's work once --save is claimed."""
+    # every check of the source (its config, the cut) before --save is claimed or any weight is read
     where = os.path.join(a.load, "config.json")
     hf_config = read_hf_config(a.load)
-    config = _hf_config_dict(hf_config, where, True, a.apply_layernorm_1p)  # every config check before the weights
+    config = _hf_config_dict(hf_config, where, True, a.apply_layernorm_1p)
     cfg = model_config(config)[0]
     split = target_split(a, cfg.num_layers)
     errors = layout_errors(cfg, a.tensor_model_parallel_size, a.pipeline_model_parallel_size,
@@ -294,6 +290,13 @@ def _from_hf_into(a: argparse.Namespace, lock: destination.SaveLock) -> None:
     if errors:
         raise ValueError(f"{where}: this model cannot be cut into TP={a.tensor_model_parallel_size} "
                          f"PP={a.pipeline_model_parallel_size}:\n  " + "\n  ".join(errors))
+    with _claimed(a) as lock:
+        _from_hf_into(a, lock, hf_config, split)
+
+
+def _from_hf_into(a: argparse.Namespace, lock: destination.SaveLock, hf_config: Any, split: Any) -> None:
+    """from-hf's work once the source is checked and --save is claimed."""
+    where = os.path.join(a.load, "config.json")
     sd = read_hf_weights(a.load, hf_config)
     config = _hf_config_dict(hf_config, where, qkv_bias_only(hf_config, sd), a.apply_layernorm_1p)
     params = from_hf_state_dict(config, sd)
