@@ -193,7 +193,8 @@ CASES = [
     case("generate-top-p-2", "generate", f"{TOK} --top-p 2",
          "argument --top-p: must be a finite number in (0, 1], or 0", "got 2"),
     case("generate-temperature-negative", "generate", f"{TOK} --temperature -0.5",
-         "argument --temperature: must be a finite number > 0, or 0 (0 is greedy), got -0.5"),
+         "argument --temperature: must be a finite number > 0 that fp32 holds (1.2e-38 to 3.4e38 in size), or 0 "
+         "(0 is greedy), got -0.5"),
     case("generate-temperature-nan", "generate", f"{TOK} --temperature nan",
          "argument --temperature: must be a finite"),
     case("generate-top-k-negative", "generate", f"{TOK} --top-k -1", "argument --top-k: must be an integer in [1, "),

@@ -63,7 +63,8 @@ class Domain:
         else:
             text = kind
         if self.fp32:
-            text += f" that fp32 holds ({'0, or ' if self.admits(0.0) else ''}1.2e-38 to 3.4e38 in size)"
+            zero = replace(self, off=None).admits(0.0)  # 0 in the regular range (an off value is said below)
+            text += f" that fp32 holds ({'0, or ' if zero else ''}1.2e-38 to 3.4e38 in size)"
         if self.off is not None:
             text += f", or {_num(self.off)} ({_num(self.off)} {self.off_means})"
         return text
