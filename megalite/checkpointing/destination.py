@@ -148,11 +148,11 @@ def claim(dest: str, sources: Sources, say: Callable[[str], None], *, flag: str 
     if not in_place:
         check_sources(dest, sources, flag)
     if os.path.exists(dest) and not os.path.isdir(dest):
-        raise CheckpointError(f"{flag} {dest} is a file, not a folder; choose a new folder")
+        raise CheckpointError(f"{flag} {dest} is a file, not a directory; choose a new directory")
     check_live_runs(dest, flag, replacing)
     existed = _first_existing(dest)
     if not os.path.isdir(existed):
-        raise CheckpointError(f"{flag} {dest}: {existed} is a file, not a folder; choose a new folder")
+        raise CheckpointError(f"{flag} {dest}: {existed} is a file, not a directory; choose a new directory")
     try:
         os.makedirs(dest, exist_ok=True)
     except OSError as e:
