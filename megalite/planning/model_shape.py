@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import cached_property, lru_cache
 
 from megalite.config.model import ModelConfig
 
@@ -53,18 +54,22 @@ class ModelShape:
     @classmethod
     def of(cls, model: ModelConfig) -> ModelShape:
         """Each layer as the model builds it (``moe_layers()``: all False for a model without experts)."""
-        return cls(tuple(MOE_LAYER if moe else DENSE_LAYER for moe in model.moe_layers()))
+        return _model_shape(tuple(model.moe_layers()))
 
-    @property
+    @cached_property
     def families(self) -> tuple[str, ...]:
         """The parameter families the model has (param_meta.model_families' list, by name)."""
-        present = {f for layer in set(self.layers) for f in layer.families}
+        present = {f for layer in self.kinds for f in layer.families}
         return tuple(f for f in FAMILY_ORDER if f in present)
 
-    @property
+    @cached_property
     def kinds(self) -> tuple[LayerShape, ...]:
         """The distinct layer kinds, in order of first appearance."""
         return tuple(dict.fromkeys(self.layers))
+
+    @cached_property
+    def _kind_index(self) -> tuple[int, ...]:
+        return tuple(self.kinds.index(layer) for layer in self.layers)
 
     @property
     def moe_layers(self) -> int:
@@ -72,7 +77,14 @@ class ModelShape:
 
     def count(self, numbers: Iterable[int]) -> dict[LayerShape, int]:
         """How many of the layers numbered ``numbers`` are of each kind (kinds in order of first appearance)."""
-        out: dict[LayerShape, int] = {}
+        counts: dict[int, int] = {}
         for i in numbers:
-            out[self.layers[i]] = out.get(self.layers[i], 0) + 1
-        return out
+            k = self._kind_index[i]
+            counts[k] = counts.get(k, 0) + 1
+        return {self.kinds[k]: n for k, n in counts.items()}
+
+
+@lru_cache(maxsize=256)
+def _model_shape(moe: tuple[bool, ...]) -> ModelShape:
+    """One shape per layer pattern (a --search plans thousands of layouts of one model)."""
+    return ModelShape(tuple(MOE_LAYER if m else DENSE_LAYER for m in moe))
