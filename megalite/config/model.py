@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from megalite.config.domain import MAX_COUNT, MAX_HIDDEN, fraction, positive, size
+from megalite.config.domain import MAX_COUNT, MAX_HIDDEN, at_least, fraction, positive, size
 from megalite.config.flags import option
 from megalite.config.moe import MAX_LAYERS, MoEFields
 
@@ -33,6 +33,22 @@ class ModelConfig(MoEFields):
     rotary_base: int = option(10000, help="RoPE base (theta).", domain=size(MAX_COUNT))
     rotary_percent: float = option(1.0, help="Fraction of each head's channels RoPE rotates.",
                                    domain=fraction(lo_open=True))
+    use_rope_scaling: bool = option(
+        False, help="Llama 3's frequency-dependent RoPE scaling (Megatron's flag): inverse frequencies whose "
+        "wavelength exceeds --rope-scaling-original-max-position-embeddings / --rope-scaling-low-freq-factor are "
+        "divided by --rope-scaling-factor, those below the original context / --rope-scaling-high-freq-factor "
+        "kept, the ones between interpolated smoothly.")
+    rope_scaling_factor: float = option(8.0, help="With --use-rope-scaling: how much the low frequencies are "
+                                        "divided by (Llama 3.1: 8, Llama 3.2: 32).", domain=at_least(1.0))
+    rope_scaling_low_freq_factor: float = option(
+        1.0, help="With --use-rope-scaling: wavelengths above original context / this are fully scaled.",
+        domain=positive())
+    rope_scaling_high_freq_factor: float = option(
+        4.0, help="With --use-rope-scaling: wavelengths below original context / this are kept (must exceed "
+        "--rope-scaling-low-freq-factor).", domain=positive())
+    rope_scaling_original_max_position_embeddings: int = option(
+        8192, help="With --use-rope-scaling: the context the model was first trained at (Llama 3: 8192).",
+        domain=size())
     normalization: str = option("LayerNorm", help="Norm layer.", choices=["LayerNorm", "RMSNorm"])
     norm_epsilon: float = option(1e-5, help="Epsilon of the norm layers.", domain=positive(hi=1))
     apply_layernorm_1p: bool = option(

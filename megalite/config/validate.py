@@ -75,6 +75,12 @@ def model_errors(m: "ModelConfig") -> list[str]:
                       f"({m.max_position_embeddings}) with learned absolute positions")
     if m.position_embedding_type == "rope" and m.kv_channels and int(m.kv_channels * m.rotary_percent) % 2:
         errors.append(f"--rotary-percent x head dim ({m.kv_channels}) must be even for RoPE")
+    if m.use_rope_scaling and m.position_embedding_type != "rope":
+        errors.append("--use-rope-scaling needs --position-embedding-type rope (it scales RoPE's frequencies)")
+    if m.use_rope_scaling and m.rope_scaling_high_freq_factor <= m.rope_scaling_low_freq_factor:
+        errors.append(f"--rope-scaling-high-freq-factor ({m.rope_scaling_high_freq_factor:g}) must exceed "
+                      f"--rope-scaling-low-freq-factor ({m.rope_scaling_low_freq_factor:g}): the band between "
+                      "them is interpolated")
     return errors
 
 
