@@ -89,8 +89,6 @@ FLAG_FIELDS = ["num_layers", "hidden_size", "ffn_hidden_size", "num_attention_he
                "num_query_groups", "kv_channels", "max_position_embeddings", "position_embedding_type",
                "rotary_base", "normalization", "norm_epsilon", "swiglu", "untie_embeddings_and_output_weights",
                "disable_bias_linear", "add_qkv_bias", "apply_layernorm_1p"]
-ROPE_SCALING_FLAG_FIELDS = ["use_rope_scaling", "rope_scaling_factor", "rope_scaling_low_freq_factor",
-                            "rope_scaling_high_freq_factor", "rope_scaling_original_max_position_embeddings"]
 MOE_FLAG_FIELDS = ["num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_layer_freq",
                    "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_router_pre_softmax",
                    "moe_aux_loss_coeff"]
@@ -101,8 +99,7 @@ ITERATION = Domain(lo=0, hi=MAX_COUNT)  # a saved iteration (from-hf writes 0)
 def model_flags(config: dict) -> str:
     """The pretrain_gpt.py model flags that describe a checkpoint's model."""
     out = []
-    for k in (FLAG_FIELDS + (ROPE_SCALING_FLAG_FIELDS if config.get("use_rope_scaling") else [])
-              + (MOE_FLAG_FIELDS if config.get("num_experts") else [])):
+    for k in FLAG_FIELDS + (MOE_FLAG_FIELDS if config.get("num_experts") else []):
         v = config.get(k)
         flag = "--" + k.replace("_", "-")
         if isinstance(v, bool):

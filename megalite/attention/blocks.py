@@ -27,9 +27,10 @@ FUSED = True
 ROW_TILE = 1024
 
 
-def _kernel(q: torch.Tensor, keep_p: float):
-    """The fused (forward, backward) pair for this device and dtype, or None for the plain path."""
-    if not FUSED or keep_p > 0:
+def _kernel(q: torch.Tensor, keep_p: float, band: tuple[int, int] | None = None):
+    """The fused (forward, backward) pair for this device and dtype, or None for the plain path (a band
+    mask runs fused only on CPU, whose flash kernel takes a mask)."""
+    if not FUSED or keep_p > 0 or (band is not None and q.device.type != "cpu"):
         return None
     if q.device.type == "cpu":
         return compat.cpu_flash_attention()
@@ -58,46 +59,74 @@ def dropout_keep(q: torch.Tensor, sk: int, p: float) -> torch.Tensor | None:
     return (torch.rand((*q.shape[:3], sk), device=q.device) >= p).float() / (1.0 - p)
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, row0: int) -> torch.Tensor:
-    """fp32 scores of query rows row0.. against all keys; causal: column j > row i is -inf."""
+def band_allowed(sq: int, sk: int, band: tuple[int, int], row0: int = 0, col0: int = 0,
+                 device: torch.device | None = None) -> torch.Tensor:
+    """[sq, sk] bool: row row0+t sees column col0+c when 0 <= (row0 + t) + lag - (col0 + c) < window, for
+    band = (lag, window) (``documents.Piece``)."""
+    lag, window = band
+    d = (torch.arange(row0, row0 + sq, device=device)[:, None] + lag
+         - torch.arange(col0, col0 + sk, device=device)[None, :])
+    return (d >= 0) & (d < window)
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, row0: int, band: tuple[int, int] | None = None,
+            col0: int = 0) -> torch.Tensor:
+    """fp32 scores of query rows row0.. against keys col0..; causal: column j > row i is -inf; a band
+    leaves only the pairs it allows."""
     s = (q.float() @ _expand(k, q.shape[1]).float().transpose(-1, -2)) * q.shape[-1] ** -0.5
     if causal:
         rows = torch.arange(row0, row0 + q.shape[2], device=q.device)[:, None]
-        s.masked_fill_(torch.arange(k.shape[2], device=q.device)[None, :] > rows, float("-inf"))
+        s.masked_fill_(torch.arange(col0, col0 + k.shape[2], device=q.device)[None, :] > rows, float("-inf"))
+    if band is not None:
+        s.masked_fill_(~band_allowed(q.shape[2], k.shape[2], band, row0, col0, q.device), float("-inf"))
     return s
 
 
-def _tiles(sq: int, causal: bool):
-    """(rows, key count) of each score tile: a causal tile sees only keys up to its last row."""
+def _tiles(sq: int, sk: int, causal: bool, band: tuple[int, int] | None = None):
+    """(rows, first key, key end) of each score tile: a causal tile sees only keys up to its last row, a
+    banded one only the keys its rows' band reaches."""
     for a in range(0, sq, ROW_TILE):
         b = min(a + ROW_TILE, sq)
-        yield slice(a, b), (b if causal else None)
+        k0, k1 = 0, (b if causal else sk)
+        if band is not None:
+            k0, k1 = max(0, a + band[0] - band[1] + 1), min(k1, b + band[0])
+        yield slice(a, b), k0, k1
 
 
-def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, p: float = 0.0
-            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out [b, h, sq, d] in q's dtype, lse [b, h, sq] fp32) of one block; every row sees a key."""
-    kernel = _kernel(q, p)
+def _mask(q: torch.Tensor, sk: int, band: tuple[int, int] | None) -> torch.Tensor | None:
+    """The CPU flash kernel's additive mask of a band ([sq, sk], 0 or -inf), or None."""
+    if band is None:
+        return None
+    allowed = band_allowed(q.shape[2], sk, band, device=q.device)
+    return torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(~allowed, float("-inf"))
+
+
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, p: float = 0.0,
+            band: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [b, h, sq, d] in q's dtype, lse [b, h, sq] fp32) of one block; every row sees a key. ``band``:
+    (lag, window) of a sliding window's band mask (``band_allowed``)."""
+    kernel = _kernel(q, p, band)
     if kernel is not None:
         h = q.shape[1]
         if q.device.type == "cpu":
-            out, lse = kernel[0](q, _expand(k, h), _expand(v, h), is_causal=causal)
+            out, lse = kernel[0](q, _expand(k, h), _expand(v, h), is_causal=causal,
+                                 attn_mask=_mask(q, k.shape[2], band))
         else:
             out, lse = kernel[0](q, _expand(k, h).contiguous(), _expand(v, h).contiguous(), causal)
         return out, lse.float()
     keep = dropout_keep(q, k.shape[2], p)
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-    for rows, kmax in _tiles(q.shape[2], causal):
-        kk, vv = k[:, :, :kmax], v[:, :, :kmax]
-        s = _scores(q[:, :, rows], kk, causal, rows.start)
+    for rows, kmin, kmax in _tiles(q.shape[2], k.shape[2], causal, band):
+        kk, vv = k[:, :, kmin:kmax], v[:, :, kmin:kmax]
+        s = _scores(q[:, :, rows], kk, causal, rows.start, band, kmin)
         m = s.amax(dim=-1, keepdim=True)
         e = torch.exp(s - m)
         total = e.sum(dim=-1, keepdim=True)
         lse[:, :, rows] = (m + torch.log(total)).squeeze(-1)
         prob = e / total
         if keep is not None:
-            prob = prob * keep[:, :, rows, :kmax]
+            prob = prob * keep[:, :, rows, kmin:kmax]
         out[:, :, rows] = prob @ _expand(vv, q.shape[1]).float()
     return out.to(q.dtype), lse
 
@@ -111,16 +140,16 @@ def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_l
 
 
 def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, out: torch.Tensor,
-             lse: torch.Tensor, dout: torch.Tensor, delta: torch.Tensor, p: float = 0.0
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             lse: torch.Tensor, dout: torch.Tensor, delta: torch.Tensor, p: float = 0.0,
+             band: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """fp32 (dq [b, h, sq, d], dk, dv [b, g, sk, d]) of one block given the final ``out`` and ``lse`` of its
     rows (out and dout in the run's dtype) and delta = rowsum(dout * out) in fp32."""
-    kernel = _kernel(q, p)
+    kernel = _kernel(q, p, band)
     g, h = k.shape[1], q.shape[1]
     if kernel is not None:
         kx, vx = _expand(k, h), _expand(v, h)
         if q.device.type == "cpu":
-            dq, dk, dv = kernel[1](dout, q, kx, vx, out, lse, 0.0, causal)
+            dq, dk, dv = kernel[1](dout, q, kx, vx, out, lse, 0.0, causal, attn_mask=_mask(q, k.shape[2], band))
         else:
             dq, dk, dv = kernel[1](dout.contiguous(), q, kx.contiguous(), vx.contiguous(), out, lse, causal)
         return dq.float(), _fold(dk.float(), g), _fold(dv.float(), g)
@@ -129,20 +158,22 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, ou
     dk = torch.zeros((q.shape[0], h, k.shape[2], q.shape[3]), dtype=torch.float32, device=q.device)
     dv = torch.zeros_like(dk)
     scale = q.shape[-1] ** -0.5
-    for rows, kmax in _tiles(q.shape[2], causal):
-        kk, vv = _expand(k[:, :, :kmax], h).float(), _expand(v[:, :, :kmax], h).float()
-        prob = torch.exp(_scores(q[:, :, rows], k[:, :, :kmax], causal, rows.start) - lse[:, :, rows].unsqueeze(-1))
+    for rows, kmin, kmax in _tiles(q.shape[2], k.shape[2], causal, band):
+        cols = slice(kmin, kmax)
+        kk, vv = _expand(k[:, :, cols], h).float(), _expand(v[:, :, cols], h).float()
+        prob = torch.exp(_scores(q[:, :, rows], k[:, :, cols], causal, rows.start, band, kmin)
+                         - lse[:, :, rows].unsqueeze(-1))
         do = dout[:, :, rows].float()
         dp = do @ vv.transpose(-1, -2)
         if keep is not None:
-            kp = keep[:, :, rows, :kmax]
-            dv[:, :, :kmax] += (prob * kp).transpose(-1, -2) @ do
+            kp = keep[:, :, rows, cols]
+            dv[:, :, cols] += (prob * kp).transpose(-1, -2) @ do
             dp = dp * kp
         else:
-            dv[:, :, :kmax] += prob.transpose(-1, -2) @ do
+            dv[:, :, cols] += prob.transpose(-1, -2) @ do
         ds = prob * (dp - delta[:, :, rows].unsqueeze(-1)) * scale
         dq[:, :, rows] = ds @ kk
-        dk[:, :, :kmax] += ds.transpose(-1, -2) @ q[:, :, rows].float()
+        dk[:, :, cols] += ds.transpose(-1, -2) @ q[:, :, rows].float()
     return dq, _fold(dk, g), _fold(dv, g)
 
 
@@ -151,7 +182,12 @@ def attend(q: torch.Tensor, kv: torch.Tensor, pieces: list, out: torch.Tensor, l
     values ``kv`` [2, b, g, sk, d] into the fp32 accumulators ``out`` and ``lse``, in order (dropout draws)."""
     for pc in pieces:
         rows, cols = slice(pc.q0, pc.q1), slice(pc.k0, pc.k1)
-        o, lb = forward(q[pc.batch, :, rows], kv[0][pc.batch, :, cols], kv[1][pc.batch, :, cols], pc.causal, p)
+        qq, kk, vv = q[pc.batch, :, rows], kv[0][pc.batch, :, cols], kv[1][pc.batch, :, cols]
+        if pc.flip:  # row t sees columns t..: the causal square of the reversed rows and columns
+            o, lb = forward(qq.flip(2), kk.flip(2), vv.flip(2), True, p)
+            o, lb = o.flip(2), lb.flip(2)
+        else:
+            o, lb = forward(qq, kk, vv, pc.causal, p, (pc.lag, pc.window) if pc.window else None)
         merge(out[pc.batch, :, rows], lse[pc.batch, :, rows], o, lb)
 
 
@@ -162,8 +198,13 @@ def attend_backward(q: torch.Tensor, kv: torch.Tensor, pieces: list, out: torch.
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
     for pc in pieces:
         rows, cols, bs = slice(pc.q0, pc.q1), slice(pc.k0, pc.k1), pc.batch
-        dq_b, dk, dv = backward(q[bs, :, rows], kv[0][bs, :, cols], kv[1][bs, :, cols], pc.causal,
-                                out[bs, :, rows], lse[bs, :, rows], dout[bs, :, rows], delta[bs, :, rows], p)
+        args = (q[bs, :, rows], kv[0][bs, :, cols], kv[1][bs, :, cols], pc.causal, out[bs, :, rows],
+                lse[bs, :, rows], dout[bs, :, rows], delta[bs, :, rows])
+        if pc.flip:  # the mirrored causal square (see ``attend``)
+            dq_b, dk, dv = (t.flip(2) for t in backward(*(t.flip(2) for t in args[:3]), True,
+                                                        *(t.flip(2) for t in args[4:]), p))
+        else:
+            dq_b, dk, dv = backward(*args, p, (pc.lag, pc.window) if pc.window else None)
         dq[bs, :, rows] += dq_b
         dkv[0][bs, :, cols] += dk
         dkv[1][bs, :, cols] += dv

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from megalite import compat, device
 from megalite.attention import varlen
+from megalite.attention.blocks import attend, attend_backward
 from megalite.attention.documents import Documents
 
 # --attention-backend choices that run the explicit softmax(QK^T)V reference instead of SDPA.
@@ -24,10 +25,26 @@ UNFUSED_BACKENDS = ("unfused", "local")
 VARLEN = True
 
 
-def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, backend: str) -> torch.Tensor:
+def _window_allowed(sq: int, sk: int, window: int, device: torch.device) -> torch.Tensor:
+    """[sq, sk] bool: query i (the last sq of sk positions) sees key j when i - window < j <= i."""
+    d = torch.arange(sk - sq, sk, device=device)[:, None] - torch.arange(sk, device=device)[None, :]
+    return (d >= 0) & (d < window)
+
+
+def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, backend: str,
+            window: int = 0) -> torch.Tensor:
     """Causal attention, q [b, nq, s, d]; k, v [b, nkv, t, d], t >= s: the s queries are the last s of the
-    t positions (query i sees keys 0..t-s+i); t == s is plain causal self-attention."""
+    t positions (query i sees keys 0..t-s+i); t == s is plain causal self-attention. ``window`` > 0: query
+    i sees only the keys i - window < j <= i (here by a mask: the reference and the decoding path)."""
     past = k.shape[2] - q.shape[2]
+    if window and window < k.shape[2]:
+        allowed = _window_allowed(q.shape[2], k.shape[2], window, q.device)
+        if backend not in UNFUSED_BACKENDS:
+            return compat.sdpa(q, k, v, attn_mask=allowed, dropout_p=dropout_p)
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        probs = ((q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5).masked_fill(~allowed, float("-inf")).softmax(-1)
+        return F.dropout(probs, dropout_p) @ v
     if backend not in UNFUSED_BACKENDS:
         if q.shape[1] != k.shape[1] and backend == "fused":  # SDPA's memory-efficient kernel has no GQA
             rep = q.shape[1] // k.shape[1]
@@ -47,23 +64,69 @@ def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
     return F.dropout(probs, dropout_p) @ v
 
 
+class _Blockwise(torch.autograd.Function):
+    """Attention over the pieces a sliding window leaves (``documents.pieces`` with a window): the blockwise
+    kernels of ``blocks.py`` with the log-sum-exp merge, so the work is that of the pieces, not s²."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents, p: float
+                ) -> torch.Tensor:
+        pieces = documents.pieces(0, documents.seq_length, 0, documents.seq_length)
+        ctx.pieces, ctx.p = pieces, p
+        ctx.rng = device.get_rng_state() if p > 0 else None  # the backward redraws the same masks
+        kv = torch.stack([k, v])
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:3], float("-inf"), device=q.device)
+        attend(q, kv, pieces, out, lse, p)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, kv, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: torch.Tensor):
+        q, kv, out, lse = ctx.saved_tensors
+        saved = None
+        if ctx.rng is not None:
+            saved = device.get_rng_state()
+            device.set_rng_state(ctx.rng)
+        try:
+            dout = dout.contiguous()
+            delta = (dout.float() * out.float()).sum(dim=-1)
+            dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+            dkv = attend_backward(q, kv, ctx.pieces, out, lse, dout, delta, dq, ctx.p)
+        finally:
+            if saved is not None:
+                device.set_rng_state(saved)
+        return dq.to(q.dtype), dkv[0].to(kv.dtype), dkv[1].to(kv.dtype), None, None
+
+
 def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, backend: str,
-                   documents: Documents | None = None) -> torch.Tensor:
+                   documents: Documents | None = None, window: int = 0) -> torch.Tensor:
     """Causal attention (``_causal``); with ``documents`` (q, k, v of the same s positions) attention stops at
-    the document boundaries: each document is attended as its own sequence and the outputs concatenated."""
+    the document boundaries: each document is attended as its own sequence and the outputs concatenated.
+    ``window`` (or the documents' own): a sliding window of that many keys. Training and prefill run it
+    blockwise (``_Blockwise``: the cost follows the window) on every backend but 'unfused'/'local', which
+    mask the reference softmax; decoding (keys beyond the queries) masks SDPA's input."""
+    window = window or (documents.window if documents is not None else 0)
+    if window and k.shape[2] == q.shape[2] and window < q.shape[2]:
+        if documents is None:
+            documents = Documents.whole(q.shape[0], q.shape[2])
+        documents = documents.with_window(window)
+        if backend not in UNFUSED_BACKENDS:
+            return _Blockwise.apply(q, k, v, documents, dropout_p)
     if documents is None or documents.uniform:
-        return _causal(q, k, v, dropout_p, backend)
+        return _causal(q, k, v, dropout_p, backend, window)
     if k.shape[2] != q.shape[2] or documents.seq_length != q.shape[2] or documents.batch != q.shape[0]:
         raise ValueError(f"document attention needs q, k, v of the documents' {documents.batch} x "
                          f"{documents.seq_length} positions, got q {list(q.shape)}, k {list(k.shape)}")
-    if VARLEN and varlen.usable(q, dropout_p, backend):
+    if VARLEN and not window and varlen.usable(q, dropout_p, backend):
         return varlen.varlen_attention(q, k, v, documents)
     # unbind and split (whose backwards are one stack and one concatenation), not slices (each of whose
     # backwards would fill a zero gradient of the whole tensor)
     rows = []
     for b, (qb, kb, vb) in enumerate(zip(q.unbind(0), k.unbind(0), v.unbind(0))):
         lengths = documents.lengths(b)
-        parts = [_causal(qd[None], kd[None], vd[None], dropout_p, backend)
+        parts = [_causal(qd[None], kd[None], vd[None], dropout_p, backend, window)
                  for qd, kd, vd in zip(*(t.split(lengths, dim=1) for t in (qb, kb, vb)))]
         rows.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
     return torch.cat(rows, dim=0)

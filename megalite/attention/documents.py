@@ -15,9 +15,12 @@ context parallelism and the chunks a hierarchical group gathers.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
+
+from megalite.attention.window import band_pieces
 
 
 @dataclass(frozen=True)
@@ -31,16 +34,25 @@ class Piece:
     k0: int
     k1: int
     causal: bool
+    # Sliding windows (``window.py`` cuts them): ``flip``, a square whose row t sees columns t.. (the causal
+    # square mirrored, which the causal kernels run on the reversed rows and columns); ``window`` > 0, a
+    # block with its band mask: row t sees column c when 0 <= t + lag - c < window, ``lag`` being the
+    # global position of row 0 minus that of column 0 (kept when the piece is shifted to local offsets).
+    flip: bool = False
+    window: int = 0
+    lag: int = 0
 
     @property
     def pairs(self) -> int:
         """Query-key pairs the piece computes (per sample)."""
         n, m = self.q1 - self.q0, self.k1 - self.k0
-        return n * (n + 1) // 2 if self.causal else n * m
+        if self.window:
+            return sum(max(0, min(m, t + self.lag + 1) - max(0, t + self.lag - self.window + 1)) for t in range(n))
+        return n * (n + 1) // 2 if self.causal or self.flip else n * m
 
     def shifted(self, dq: int, dk: int) -> Piece:
         """The same piece with rows and columns moved by dq and dk (global positions -> local offsets)."""
-        return Piece(self.batch, self.q0 + dq, self.q1 + dq, self.k0 + dk, self.k1 + dk, self.causal)
+        return dataclasses.replace(self, q0=self.q0 + dq, q1=self.q1 + dq, k0=self.k0 + dk, k1=self.k1 + dk)
 
 
 @dataclass(frozen=True)
@@ -51,11 +63,17 @@ class Documents:
     seq_length: int
     bounds: tuple[tuple[int, ...], ...]
     uniform: bool = False
+    # A sliding window: a query sees only the ``window`` latest keys (itself included) of its document; 0: all.
+    window: int = 0
+
+    def with_window(self, window: int) -> Documents:
+        """The same documents seen through a sliding window of ``window`` keys (0: none)."""
+        return dataclasses.replace(self, window=window)
 
     @classmethod
-    def whole(cls, batch: int, seq_length: int) -> Documents:
-        """One document per sample: plain causal attention."""
-        return cls(seq_length, ((0, seq_length),) * batch, uniform=True)
+    def whole(cls, batch: int, seq_length: int, window: int = 0) -> Documents:
+        """One document per sample: plain causal attention (through ``window`` when given)."""
+        return cls(seq_length, ((0, seq_length),) * batch, uniform=True, window=window)
 
     @classmethod
     def from_cu_seqlens(cls, cu_seqlens: torch.Tensor, batch: int, seq_length: int) -> Documents:
@@ -93,7 +111,8 @@ class Documents:
     def pieces(self, q0: int, q1: int, k0: int, k1: int) -> list[Piece]:
         """The allowed blocks of queries q0:q1 against keys k0:k1 (global positions; the two ranges equal or
         disjoint): inside each document, the causal triangle of an equal range or the full rectangle of
-        keys wholly before the queries; nothing for keys after them."""
+        keys wholly before the queries; nothing for keys after them. With a window, each of those cut to the
+        band the window allows (``window.band_pieces``): blocks wholly outside it are not there."""
         same = (q0, q1) == (k0, k1)
         if not same and not (k1 <= q0 or q1 <= k0):
             raise ValueError(f"query range {q0}:{q1} and key range {k0}:{k1} overlap without being equal")
@@ -104,11 +123,19 @@ class Documents:
             for a, b in zip(e, e[1:]):
                 qa, qb, ka, kb = max(q0, a), min(q1, b), max(k0, a), min(k1, b)
                 if qa < qb and ka < kb:
-                    out.append(Piece(batch, qa, qb, ka, kb, same))
+                    if self.window:
+                        out += [Piece(batch, *cut) for cut in band_pieces(qa, qb, ka, kb, same, self.window)]
+                    else:
+                        out.append(Piece(batch, qa, qb, ka, kb, same))
         return out
 
     def work(self) -> int:
-        """Query-key pairs causal attention inside the documents computes: Σ len (len + 1) / 2."""
+        """Query-key pairs causal attention inside the documents computes: Σ len (len + 1) / 2 (with a
+        window, the pairs of its pieces)."""
+        if self.window:
+            per = [sum(p.pairs for p in self.pieces(0, self.seq_length, 0, self.seq_length) if p.batch == span)
+                   for span, _ in self.spans()]
+            return sum(per) * (self.batch if self.uniform else 1)
         return sum(n * (n + 1) // 2 for s in range(self.batch) for n in self.lengths(s))
 
 

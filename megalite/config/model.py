@@ -33,27 +33,20 @@ class ModelConfig(MoEFields):
     rotary_base: int = option(10000, help="RoPE base (theta).", domain=size(MAX_COUNT))
     rotary_percent: float = option(1.0, help="Fraction of each head's channels RoPE rotates.",
                                    domain=fraction(lo_open=True))
-    use_rope_scaling: bool = option(
-        False, help="Llama 3's frequency-dependent RoPE scaling (Megatron's flag): inverse frequencies whose "
-        "wavelength exceeds --rope-scaling-original-max-position-embeddings / --rope-scaling-low-freq-factor are "
-        "divided by --rope-scaling-factor, those below the original context / --rope-scaling-high-freq-factor "
-        "kept, the ones between interpolated smoothly.")
-    rope_scaling_factor: float = option(8.0, help="With --use-rope-scaling: how much the low frequencies are "
-                                        "divided by (Llama 3.1: 8, Llama 3.2: 32).", domain=at_least(1.0))
-    rope_scaling_low_freq_factor: float = option(
-        1.0, help="With --use-rope-scaling: wavelengths above original context / this are fully scaled.",
-        domain=positive())
-    rope_scaling_high_freq_factor: float = option(
-        4.0, help="With --use-rope-scaling: wavelengths below original context / this are kept (must exceed "
-        "--rope-scaling-low-freq-factor).", domain=positive())
-    rope_scaling_original_max_position_embeddings: int = option(
-        8192, help="With --use-rope-scaling: the context the model was first trained at (Llama 3: 8192).",
-        domain=size())
     normalization: str = option("LayerNorm", help="Norm layer.", choices=["LayerNorm", "RMSNorm"])
     norm_epsilon: float = option(1e-5, help="Epsilon of the norm layers.", domain=positive(hi=1))
     apply_layernorm_1p: bool = option(
         False, help="Zero-centred norm weights (LayerNorm and RMSNorm): the stored weight w, initialized to 0, "
         "is applied as 1 + w (checkpoints store w; Hugging Face exports hold 1 + w).")
+    window_size: list[int] | None = option(
+        None, help="Sliding-window attention (Megatron's flag): 'LEFT RIGHT', a query at i sees the keys i - LEFT "
+        "..i + RIGHT; causal, so RIGHT must be 0 (Hugging Face's sliding_window W is --window-size W-1 0); LEFT "
+        "-1: no window. Every attention path keeps to it, and its cost follows the window (attention/window.py).",
+        domain=at_least(-1))
+    window_attn_skip_freq: str | None = option(
+        None, help="With --window-size, which layers keep full attention (Megatron's flag): an integer N makes "
+        "every N-th layer (counting from 1) full and the others windowed (Gemma 2: 2, Gemma 3: 6); a list of "
+        "0/1 per layer, 1 windowed (e.g. '[1,1,1,1,1,0]*2'). Default: every layer windowed.")
     swiglu: bool = option(False, help="SwiGLU MLP (gated SiLU) instead of GeLU.")
     untie_embeddings_and_output_weights: bool = option(
         False, help="Give the output layer its own weight instead of sharing the input embedding.")
@@ -108,6 +101,27 @@ class ModelConfig(MoEFields):
                 self.ffn_hidden_size = 4 * self.hidden_size
         if not self.group_query_attention and self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads  # any other value is refused by validation
+
+    def attention_windows(self) -> list[int]:
+        """Per layer, the keys a query sees with --window-size (LEFT + 1, itself included), 0 for a layer of
+        full causal attention (--window-attn-skip-freq picks them; raises ValueError on a bad one). The model
+        builds its layers' attention from this, and the planner reads it."""
+        n = self.num_layers
+        if not self.window_size or self.window_size[0] < 0:
+            return [0] * n
+        from megalite.config.moe import moe_layer_pattern
+
+        freq = self.window_attn_skip_freq
+        if freq is None:
+            windowed = [True] * n
+        elif str(freq).strip().lstrip("-").isdigit():
+            every = int(str(freq).strip())
+            if every <= 0:
+                raise ValueError(f"--window-attn-skip-freq must be a positive integer or a list, got {freq}")
+            windowed = [(i + 1) % every != 0 for i in range(n)]
+        else:
+            windowed = moe_layer_pattern(freq, n, flag="--window-attn-skip-freq")
+        return [self.window_size[0] + 1 if w else 0 for w in windowed]
 
     def heads_per_tp_rank(self, tp: int) -> tuple[int, int]:
         """(query heads, query groups) one tensor-parallel rank holds: the groups split over the ranks or,

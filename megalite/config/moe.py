@@ -81,22 +81,22 @@ class MoEFields:
         return moe_layer_pattern(self.moe_layer_freq, n)
 
 
-def moe_layer_pattern(freq: str, num_layers: int) -> list[bool]:
+def moe_layer_pattern(freq: str, num_layers: int, flag: str = "--moe-layer-freq") -> list[bool]:
     """--moe-layer-freq as one flag per layer: 'N' is every N-th layer from layer 0; a list literal
     (arithmetic on lists allowed, as Megatron evaluates it) gives 0/1 per layer."""
     text = str(freq).strip()
     if text.lstrip("-").isdigit():
         every = int(text)
         if every <= 0:
-            raise ValueError(f"--moe-layer-freq must be a positive integer or a list, got {text}")
+            raise ValueError(f"{flag} must be a positive integer or a list, got {text}")
         return [i % every == 0 for i in range(num_layers)]
     try:
         values = _list_expression(ast.parse(text, mode="eval").body)
     except (SyntaxError, ValueError) as e:
-        raise ValueError(f"--moe-layer-freq '{text}' is neither an integer nor a list of 0/1 such as "
+        raise ValueError(f"{flag} '{text}' is neither an integer nor a list of 0/1 such as "
                          f"'([0]*1+[1]*3)' ({e})") from None
     if len(values) != num_layers or any(v not in (0, 1) for v in values):
-        raise ValueError(f"--moe-layer-freq '{text}' must give 0 or 1 for each of the {num_layers} layers "
+        raise ValueError(f"{flag} '{text}' must give 0 or 1 for each of the {num_layers} layers "
                          f"(--num-layers), got {values}")
     return [bool(v) for v in values]
 

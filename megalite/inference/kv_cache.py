@@ -7,6 +7,10 @@ by global layer number, like the parameters), so the cache is sharded exactly li
 
 The model reads ``offset`` and calls ``layer(number).update(k, v)``; the caller ``advance``s the offset
 after every rank has run its layers for the step.
+
+A sliding-window layer (--window-size) passes its window: it keeps only the window - 1 latest positions
+between steps (a query sees itself and the window - 1 before it), so its cache is bounded by the window,
+not by the generated length; the attention masks by relative position, so the dropped past is not missed.
 """
 
 from __future__ import annotations
@@ -22,8 +26,11 @@ class LayerKVCache:
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
 
-    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store this step's k, v [b, g, s, d] at positions offset..offset+s-1; return all of [0, offset+s)."""
+    def update(self, k: torch.Tensor, v: torch.Tensor, window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store this step's k, v [b, g, s, d] at positions offset..offset+s-1; return all of [0, offset+s),
+        or with ``window`` > 0 the window - 1 positions before the step and the step's own."""
+        if window:
+            return self._update_window(k, v, window)
         start, s = self.owner.offset, k.shape[2]
         end = start + s
         if self.k is None:
@@ -37,6 +44,25 @@ class LayerKVCache:
         self.k[:, :, start:end] = k
         self.v[:, :, start:end] = v
         return self.k[:, :, :end], self.v[:, :, :end]
+
+    def _update_window(self, k: torch.Tensor, v: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.owner.offset + k.shape[2] > self.owner.capacity:
+            raise ValueError(f"KV cache holds {self.owner.capacity} positions; step needs "
+                             f"{self.owner.offset + k.shape[2]}")
+        if self.k is not None and k.shape[0] != self.k.shape[0]:
+            raise ValueError(f"KV cache was built for batch {self.k.shape[0]}, got {k.shape[0]}")
+        if self.k is None or self.owner.offset == 0:
+            kk, vv = k, v
+        else:
+            kk, vv = torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)
+        first = max(kk.shape[2] - (window - 1), 0)
+        self.k, self.v = kk[:, :, first:].clone(), vv[:, :, first:].clone()
+        return kk, vv
+
+    @property
+    def held(self) -> int:
+        """Positions this layer's cache holds in memory."""
+        return 0 if self.k is None else self.k.shape[2]
 
 
 class KVCache:
