@@ -88,7 +88,11 @@ TOKENIZER_DIR = "tokenizer"  # from-hf keeps the HF tokenizer files here, to-hf 
 FLAG_FIELDS = ["num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "group_query_attention",
                "num_query_groups", "kv_channels", "max_position_embeddings", "position_embedding_type",
                "rotary_base", "normalization", "norm_epsilon", "swiglu", "untie_embeddings_and_output_weights",
-               "disable_bias_linear", "add_qkv_bias", "apply_layernorm_1p"]
+               "disable_bias_linear", "add_qkv_bias", "apply_layernorm_1p", "qk_layernorm", "qk_layernorm_scope",
+               "sublayer_norms"]
+OMITTED_AT = {"qk_layernorm_scope": "head", "sublayer_norms": "pre"}  # printed only when they differ from this
+ROPE_SCALING_FLAG_FIELDS = ["use_rope_scaling", "rope_scaling_factor", "rope_scaling_low_freq_factor",
+                            "rope_scaling_high_freq_factor", "rope_scaling_original_max_position_embeddings"]
 MOE_FLAG_FIELDS = ["num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_layer_freq",
                    "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_router_pre_softmax",
                    "moe_aux_loss_coeff"]
@@ -99,12 +103,14 @@ ITERATION = Domain(lo=0, hi=MAX_COUNT)  # a saved iteration (from-hf writes 0)
 def model_flags(config: dict) -> str:
     """The pretrain_gpt.py model flags that describe a checkpoint's model."""
     out = []
-    for k in FLAG_FIELDS + (MOE_FLAG_FIELDS if config.get("num_experts") else []):
+    for k in (FLAG_FIELDS + (ROPE_SCALING_FLAG_FIELDS if config.get("use_rope_scaling") else [])
+              + (MOE_FLAG_FIELDS if config.get("num_experts") else [])):
         v = config.get(k)
         flag = "--" + k.replace("_", "-")
         if isinstance(v, bool):
             out += [flag] if v else []
-        elif v is not None and not (k == "num_query_groups" and not config.get("group_query_attention")):
+        elif v is not None and v != OMITTED_AT.get(k) and not (
+                k == "num_query_groups" and not config.get("group_query_attention")):
             out += [flag, shlex.quote(str(v))]
     return " ".join(out)
 

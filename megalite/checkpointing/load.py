@@ -29,11 +29,15 @@ SHAPE_FIELDS = ["num_layers", "hidden_size", "ffn_hidden_size", "num_attention_h
                 "swiglu", "untie_embeddings_and_output_weights", "disable_bias_linear", "add_qkv_bias",
                 "max_position_embeddings", "vocab_size", "apply_layernorm_1p", "num_experts", "moe_ffn_hidden_size",
                 "moe_layer_freq", "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
-                "moe_router_enable_expert_bias"]
+                "moe_router_enable_expert_bias", "use_rope_scaling", "rope_scaling_factor",
+                "rope_scaling_low_freq_factor", "rope_scaling_high_freq_factor",
+                "rope_scaling_original_max_position_embeddings"]
 # Shape fields added after checkpoints without them were written, with the value those checkpoints meant.
 LATER_FIELDS = {"apply_layernorm_1p": False, "num_experts": None, "moe_ffn_hidden_size": None, "moe_layer_freq": "1",
                 "moe_shared_expert_intermediate_size": None, "moe_shared_expert_gate": False,
-                "moe_router_enable_expert_bias": False}
+                "moe_router_enable_expert_bias": False, "use_rope_scaling": False, "rope_scaling_factor": 8.0,
+                "rope_scaling_low_freq_factor": 1.0, "rope_scaling_high_freq_factor": 4.0,
+                "rope_scaling_original_max_position_embeddings": 8192}
 
 
 class CheckpointMismatch(ValueError):

@@ -33,11 +33,40 @@ class ModelConfig(MoEFields):
     rotary_base: int = option(10000, help="RoPE base (theta).", domain=size(MAX_COUNT))
     rotary_percent: float = option(1.0, help="Fraction of each head's channels RoPE rotates.",
                                    domain=fraction(lo_open=True))
+    use_rope_scaling: bool = option(
+        False, help="Llama 3's frequency-dependent RoPE scaling (Megatron's flag): inverse frequencies whose "
+        "wavelength exceeds --rope-scaling-original-max-position-embeddings / --rope-scaling-low-freq-factor are "
+        "divided by --rope-scaling-factor, those below the original context / --rope-scaling-high-freq-factor "
+        "kept, the ones between interpolated smoothly.")
+    rope_scaling_factor: float = option(8.0, help="With --use-rope-scaling: how much the low frequencies are "
+                                        "divided by (Llama 3.1: 8, Llama 3.2: 32).", domain=at_least(1.0))
+    rope_scaling_low_freq_factor: float = option(
+        1.0, help="With --use-rope-scaling: wavelengths above original context / this are fully scaled.",
+        domain=positive())
+    rope_scaling_high_freq_factor: float = option(
+        4.0, help="With --use-rope-scaling: wavelengths below original context / this are kept (must exceed "
+        "--rope-scaling-low-freq-factor).", domain=positive())
+    rope_scaling_original_max_position_embeddings: int = option(
+        8192, help="With --use-rope-scaling: the context the model was first trained at (Llama 3: 8192).",
+        domain=size())
     normalization: str = option("LayerNorm", help="Norm layer.", choices=["LayerNorm", "RMSNorm"])
     norm_epsilon: float = option(1e-5, help="Epsilon of the norm layers.", domain=positive(hi=1))
     apply_layernorm_1p: bool = option(
         False, help="Zero-centred norm weights (LayerNorm and RMSNorm): the stored weight w, initialized to 0, "
         "is applied as 1 + w (checkpoints store w; Hugging Face exports hold 1 + w).")
+    qk_layernorm: bool = option(
+        False, help="Normalize queries and keys (--normalization, --norm-epsilon) after the QKV projection, before "
+        "RoPE: per head (over --kv-channels, Megatron's semantics) or, with --qk-layernorm-scope projection, over "
+        "the whole projection.")
+    qk_layernorm_scope: str = option(
+        "head", help="What --qk-layernorm normalizes over: 'head' (each head's channels: Qwen3, Gemma 3) or "
+        "'projection' (all heads of the q projection, and of the k projection, at once: OLMo 2; RMSNorm only; "
+        "under TP its sum of squares is all-reduced over the ranks and its weight is cut like the projection).",
+        choices=["head", "projection"])
+    sublayer_norms: str = option(
+        "pre", help="Where each layer's norms sit: 'pre' normalizes each sublayer's input (x + attn(norm(x))), "
+        "'post' its output before the residual add (x + norm(attn(x)), OLMo 2), 'pre-post' both (four norms "
+        "per layer).", choices=["pre", "post", "pre-post"])
     window_size: list[int] | None = option(
         None, help="Sliding-window attention (Megatron's flag): 'LEFT RIGHT', a query at i sees the keys i - LEFT "
         "..i + RIGHT; causal, so RIGHT must be 0 (Hugging Face's sliding_window W is --window-size W-1 0); LEFT "

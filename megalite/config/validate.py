@@ -75,22 +75,19 @@ def model_errors(m: "ModelConfig") -> list[str]:
                       f"({m.max_position_embeddings}) with learned absolute positions")
     if m.position_embedding_type == "rope" and m.kv_channels and int(m.kv_channels * m.rotary_percent) % 2:
         errors.append(f"--rotary-percent x head dim ({m.kv_channels}) must be even for RoPE")
-    return errors + window_errors(m)
-
-
-def window_errors(m: "ModelConfig") -> list[str]:
-    """--window-size and --window-attn-skip-freq (attention/window.py)."""
-    if m.window_size is None:
-        return ["--window-attn-skip-freq needs --window-size (it picks which layers the window applies to)"] \
-            if m.window_attn_skip_freq is not None else []
-    if len(m.window_size) != 2 or m.window_size[1] != 0:
-        return [f"--window-size takes two numbers LEFT RIGHT with RIGHT 0 (attention is causal), got "
-                f"{' '.join(map(str, m.window_size))}"]
-    try:
-        m.attention_windows()
-    except ValueError as e:
-        return [str(e)]
-    return []
+    if m.use_rope_scaling and m.position_embedding_type != "rope":
+        errors.append("--use-rope-scaling needs --position-embedding-type rope (it scales RoPE's frequencies)")
+    if m.use_rope_scaling and m.rope_scaling_high_freq_factor <= m.rope_scaling_low_freq_factor:
+        errors.append(f"--rope-scaling-high-freq-factor ({m.rope_scaling_high_freq_factor:g}) must exceed "
+                      f"--rope-scaling-low-freq-factor ({m.rope_scaling_low_freq_factor:g}): the band between "
+                      "them is interpolated")
+    if m.qk_layernorm_scope != "head" and not m.qk_layernorm:
+        errors.append(f"--qk-layernorm-scope {m.qk_layernorm_scope} needs --qk-layernorm (it says what that norm "
+                      "covers, and would be ignored otherwise)")
+    if m.qk_layernorm and m.qk_layernorm_scope == "projection" and m.normalization != "RMSNorm":
+        errors.append("--qk-layernorm-scope projection needs --normalization RMSNorm (its one all-reduce over the "
+                      "tensor-parallel ranks carries the sum of squares only)")
+    return errors
 
 
 def layout_errors(m: "ModelConfig", tp: int, pp: int, layers_per_virtual_stage: int | None = None,

@@ -24,13 +24,16 @@ from megalite.tensor_parallel.sharding import ShardSpec
 class Norm(nn.Module):
     """The model's norm over the hidden size: --normalization, --norm-epsilon, --apply-layernorm-1p."""
 
-    def __init__(self, cfg: ModelConfig, ctx: BuildContext) -> None:
+    def __init__(self, cfg: ModelConfig, ctx: BuildContext, size: int | None = None,
+                 partial_grad: bool | None = None) -> None:
+        """``size``: the normalized width when it is not --hidden-size (a per-head q/k norm); ``partial_grad``:
+        whether each TP rank's gradient is a partial sum (default: with sequence parallelism)."""
         super().__init__()
-        kind, hidden, zero_centered = cfg.normalization, cfg.hidden_size, cfg.apply_layernorm_1p
+        kind, hidden, zero_centered = cfg.normalization, size or cfg.hidden_size, cfg.apply_layernorm_1p
         if kind not in ("LayerNorm", "RMSNorm"):
             raise ValueError(f"--normalization must be LayerNorm or RMSNorm, got {kind}")
         self.kind, self.eps, self.hidden, self.zero_centered = kind, cfg.norm_epsilon, hidden, zero_centered
-        spec = ShardSpec(partial_grad=ctx.sequence_parallel)
+        spec = ShardSpec(partial_grad=ctx.sequence_parallel if partial_grad is None else partial_grad)
         init = torch.zeros if zero_centered else torch.ones
         self.weight = nn.Parameter(init(hidden, dtype=ctx.dtype, device=ctx.device))
         declare_param(self.weight, spec, (hidden,), "zeros" if zero_centered else "ones")

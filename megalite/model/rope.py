@@ -2,12 +2,50 @@
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 
 
-def rope_frequencies(seq_len: int, rot_dim: int, base: float, device: torch.device | None = None) -> torch.Tensor:
-    """Angles [s, rot_dim]: position x inverse frequency, duplicated for the two rotated halves."""
+@dataclass(frozen=True)
+class Llama3Scaling:
+    """Llama 3's frequency-dependent RoPE scaling (--use-rope-scaling and its factors)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_context: int
+
+    @classmethod
+    def of(cls, cfg: Any) -> "Llama3Scaling | None":
+        """The scaling a ModelConfig asks for, or None."""
+        if not cfg.use_rope_scaling:
+            return None
+        return cls(cfg.rope_scaling_factor, cfg.rope_scaling_low_freq_factor, cfg.rope_scaling_high_freq_factor,
+                   cfg.rope_scaling_original_max_position_embeddings)
+
+    def apply(self, inv_freq: torch.Tensor) -> torch.Tensor:
+        """Frequencies whose wavelength exceeds original / low_freq_factor are divided by ``factor`` (the model
+        never saw a full turn of them), those below original / high_freq_factor kept, and the band between
+        interpolated linearly in original / wavelength (Megatron's and transformers' 'llama3' rule)."""
+        wavelen = 2 * math.pi / inv_freq
+        low, high = self.low_freq_factor, self.high_freq_factor
+        scaled = torch.where(wavelen > self.original_context / low, inv_freq / self.factor, inv_freq)
+        smooth = (self.original_context / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
+        medium = (wavelen >= self.original_context / high) & (wavelen <= self.original_context / low)
+        return torch.where(medium, smoothed, scaled)
+
+
+def rope_frequencies(seq_len: int, rot_dim: int, base: float, device: torch.device | None = None,
+                     scaling: Llama3Scaling | None = None) -> torch.Tensor:
+    """Angles [s, rot_dim]: position x inverse frequency (scaled by ``scaling``, if any), duplicated for the
+    two rotated halves."""
     inv_freq = 1.0 / (base ** (torch.arange(0, rot_dim, 2, dtype=torch.float32, device=device) / rot_dim))
+    if scaling is not None:
+        inv_freq = scaling.apply(inv_freq)
     angles = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv_freq)
     return torch.cat([angles, angles], dim=-1)
 

@@ -1,6 +1,8 @@
-"""One pre-norm transformer layer built from tensor-parallel pieces.
+"""One transformer layer built from tensor-parallel pieces.
 
-x [s, b, h] -> x + dropout(proj(attention(qkv(norm(x))))) -> x + dropout(fc2(act(fc1(norm(x)))))
+x [s, b, h] -> x + dropout(proj(attention(qkv(norm(x))))) -> x + dropout(fc2(act(fc1(norm(x))))) (pre-norm,
+the default); --sublayer-norms post: x + dropout(norm(proj(...qkv(x)))) and likewise for the MLP (OLMo 2),
+pre-post: both. --qk-layernorm: q and k normalized after the QKV projection (model/qk_norm.py).
 With sequence parallelism x is [s/tp, b, h]; the column-parallel GEMMs gather it and the row-parallel
 ones reduce-scatter back.
 """
@@ -17,6 +19,7 @@ from megalite.attention import Documents, core_attention
 from megalite.config.model import ModelConfig
 from megalite.context_parallel import context_parallel_attention
 from megalite.model.norm import Norm
+from megalite.model.qk_norm import qk_norms
 from megalite.model.rope import apply_rope
 from megalite.moe.layer import MoELayer
 from megalite.tensor_parallel.context import BuildContext
@@ -36,8 +39,6 @@ class Attention(nn.Module):
         tp = ctx.pg.tp_size
         self.cfg, self.ctx = cfg, ctx
         self.cp_comm_type = ctx.layer_cp_comm_type(layer_number)
-        # --window-size: the keys a query sees (itself included) in this layer, 0 for full causal attention
-        self.window = cfg.attention_windows()[layer_number]
         self.head_dim = cfg.kv_channels
         groups = cfg.num_query_groups
         # with fewer query groups than TP ranks each rank keeps a replica of its group's K/V (validation counts
@@ -55,18 +56,19 @@ class Attention(nn.Module):
             amend_param(self.qkv.bias, full_shape=(out_full,))
         self.proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size, ctx,
                                       bias=cfg.add_bias_linear)
+        # --qk-layernorm: q and k normalized per head or over the projection (model/qk_norm.py)
+        if cfg.qk_layernorm:
+            self.q_norm, self.k_norm = qk_norms(cfg, ctx, self.heads_local, self.groups_local)
+        self.qk_layernorm = cfg.qk_layernorm
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float,
               documents: Documents | None = None) -> torch.Tensor:
         ctx = self.ctx
         with ctx.tracker.fork() if p > 0 else contextlib.nullcontext():
             if ctx.pg.cp_size > 1:  # this rank's two sequence chunks against the whole sequence's keys
-                if self.window:  # the window travels with the documents (every CP variant cuts by them)
-                    documents = (documents or Documents.whole(q.shape[0], q.shape[2] * ctx.pg.cp_size)
-                                 ).with_window(self.window)
                 return context_parallel_attention(q, k, v, ctx.pg, self.cp_comm_type, dropout_p=p,
                                                   documents=documents, backend=self.cfg.attention_backend)
-            return core_attention(q, k, v, p, self.cfg.attention_backend, documents, self.window)
+            return core_attention(q, k, v, p, self.cfg.attention_backend, documents)
 
     def forward(self, x: torch.Tensor, rope_angles: torch.Tensor | None, kv_cache=None,
                 documents: Documents | None = None) -> torch.Tensor:
@@ -81,11 +83,13 @@ class Attention(nn.Module):
         q, k, v = qkv.split([self.q_per_group, 1, 1], dim=3)
         q = q.reshape(s, b, self.heads_local, self.head_dim)  # a view when q_per_group == 1
         k, v = k.squeeze(3), v.squeeze(3)  # [s, b, groups_local, d]
+        if self.qk_layernorm:
+            q, k = self.q_norm(q), self.k_norm(k)
         if rope_angles is not None:
             q, k = apply_rope(q, rope_angles), apply_rope(k, rope_angles)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
         if kv_cache is not None:
-            k, v = kv_cache.update(k, v, self.window)  # [b, groups_local, past + s, d] (past: within the window)
+            k, v = kv_cache.update(k, v)  # [b, groups_local, past + s, d]
         p = self.cfg.attention_dropout if self.training else 0.0
         if self.cfg.recompute_granularity == "selective":  # the s^2 attention activations dominate memory
             out = recompute(self._core, self.ctx.tracker, q, k, v, p, documents)
@@ -124,14 +128,18 @@ class TransformerLayer(nn.Module):
         attention's --cp-comm-type."""
         super().__init__()
         self.cfg, self.ctx = cfg, ctx
-        self.input_norm = Norm(cfg, ctx)
+        # --sublayer-norms: 'pre' norms each sublayer's input, 'post' its output before the residual add
+        pre, post = cfg.sublayer_norms in ("pre", "pre-post"), cfg.sublayer_norms in ("post", "pre-post")
+        self.input_norm = Norm(cfg, ctx) if pre else nn.Identity()
         self.attention = Attention(cfg, ctx, layer_number)
-        self.pre_mlp_norm = Norm(cfg, ctx)
+        self.post_attention_norm = Norm(cfg, ctx) if post else nn.Identity()
+        self.pre_mlp_norm = Norm(cfg, ctx) if pre else nn.Identity()
         if cfg.is_moe and cfg.moe_layers()[layer_number]:
             shared = cfg.moe_shared_expert_intermediate_size
             self.mlp = MoELayer(cfg, ctx, layer_number, MLP(cfg, ctx, shared) if shared else None)
         else:
             self.mlp = MLP(cfg, ctx)
+        self.post_mlp_norm = Norm(cfg, ctx) if post else nn.Identity()
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         return hidden_dropout(x, self.cfg.hidden_dropout if self.training else 0.0, self.ctx.tracker,
@@ -139,5 +147,6 @@ class TransformerLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, rope_angles: torch.Tensor | None = None, kv_cache=None,
                 documents: Documents | None = None) -> torch.Tensor:
-        x = x + self._dropout(self.attention(self.input_norm(x), rope_angles, kv_cache, documents))
-        return x + self._dropout(self.mlp(self.pre_mlp_norm(x)))
+        attn = self.attention(self.input_norm(x), rope_angles, kv_cache, documents)
+        x = x + self._dropout(self.post_attention_norm(attn))
+        return x + self._dropout(self.post_mlp_norm(self.mlp(self.pre_mlp_norm(x))))

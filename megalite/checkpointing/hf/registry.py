@@ -19,6 +19,9 @@ ADAPTERS: list[HFAdapter] = [
     families.gpt2.ADAPTER,
     families.mixtral.ADAPTER,
     families.qwen2_moe.ADAPTER,
+    families.qwen3_moe.ADAPTER,
+    families.qwen3.ADAPTER,
+    families.olmo2.ADAPTER,
     families.llama.ADAPTER,
 ]
 

@@ -37,7 +37,8 @@ class GPT2(HFAdapter):
                 "no --swiglu (GELU MLP)": not cfg.swiglu,
                 "no grouped-query attention": groups == cfg.num_attention_heads,
                 "--kv-channels = hidden / heads": cfg.kv_channels * cfg.num_attention_heads == cfg.hidden_size,
-                "no --num-experts (a dense MLP)": not cfg.is_moe}
+                "no --num-experts (a dense MLP)": not cfg.is_moe,
+                "no --qk-layernorm": not cfg.qk_layernorm, "--sublayer-norms pre": cfg.sublayer_norms == "pre"}
 
     # ---- configs ------------------------------------------------------------------------------------------
 

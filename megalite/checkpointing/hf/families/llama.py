@@ -53,6 +53,34 @@ LLAMA_KEYS = {"--num-layers": "num_hidden_layers", "--hidden-size": "hidden_size
               "--moe-shared-expert-intermediate-size": "shared_expert_intermediate_size"}
 
 
+LLAMA3_KEYS = {"factor": "rope_scaling_factor", "low_freq_factor": "rope_scaling_low_freq_factor",
+               "high_freq_factor": "rope_scaling_high_freq_factor",
+               "original_max_position_embeddings": "rope_scaling_original_max_position_embeddings"}
+
+
+def llama3_scaling_fields(rope: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """megalite's --use-rope-scaling fields of an HF rope_type 'llama3' dict (every key required: transformers
+    requires them too, so a missing one is a broken config, not a default to guess)."""
+    missing = [k for k in LLAMA3_KEYS if rope.get(k) is None]
+    if missing:
+        raise HFConversionError(f"{where}: rope_type 'llama3' without {', '.join(missing)}")
+    fields = {ours: rope[k] for k, ours in LLAMA3_KEYS.items()}
+    if not float(fields["rope_scaling_original_max_position_embeddings"]).is_integer():
+        raise HFConversionError(f"{where}: rope original_max_position_embeddings must be an integer, got "
+                                f"{fields['rope_scaling_original_max_position_embeddings']!r}")
+    fields["rope_scaling_original_max_position_embeddings"] = int(
+        fields["rope_scaling_original_max_position_embeddings"])
+    return {"use_rope_scaling": True, **{k: v if k.endswith("embeddings") else float(v) for k, v in fields.items()}}
+
+
+def hf_rope_parameters(cfg: ModelConfig) -> dict[str, Any]:
+    """transformers' rope_parameters of a megalite model (rope_type 'llama3' with --use-rope-scaling)."""
+    if not cfg.use_rope_scaling:
+        return {"rope_type": "default", "rope_theta": float(cfg.rotary_base)}
+    return {"rope_type": "llama3", "rope_theta": float(cfg.rotary_base),
+            **{k: getattr(cfg, ours) for k, ours in LLAMA3_KEYS.items()}}
+
+
 class Llama(HFAdapter):
     """The Llama-style decoder (module doc)."""
 
@@ -76,7 +104,11 @@ class Llama(HFAdapter):
         return {"--position-embedding-type rope": cfg.position_embedding_type == "rope",
                 "--normalization RMSNorm": cfg.normalization == "RMSNorm",
                 "--swiglu": cfg.swiglu,
-                "--rotary-percent 1.0": cfg.rotary_percent == 1.0}
+                "--rotary-percent 1.0": cfg.rotary_percent == 1.0, **self.norm_requirements(cfg)}
+
+    def norm_requirements(self, cfg: ModelConfig) -> dict[str, bool]:
+        """Where the family's norms sit (override for q/k norms or reordered norms)."""
+        return {"no --qk-layernorm": not cfg.qk_layernorm, "--sublayer-norms pre": cfg.sublayer_norms == "pre"}
 
     def requirements(self, cfg: ModelConfig) -> dict[str, bool]:
         return {**self.llama_requirements(cfg), "no --num-experts (a dense MLP)": not cfg.is_moe}
@@ -90,10 +122,13 @@ class Llama(HFAdapter):
     def rope_fields(self, c, where: str) -> dict[str, Any]:
         """RoPE type, base and scaling (override for rope_type llama3, yarn, a base per layer kind...)."""
         rope = rope_parameters(c)
+        fields = {"position_embedding_type": "rope", "rotary_base": rope_theta(rope["rope_theta"])}
+        if rope["rope_type"] == "llama3":
+            return {**fields, **llama3_scaling_fields(rope, where)}
         if rope["rope_type"] != "default":
             raise HFConversionError(f"{where}: rope_type {rope['rope_type']!r} (RoPE scaling) is not supported; "
-                                    "megalite implements plain RoPE")
-        return {"position_embedding_type": "rope", "rotary_base": rope_theta(rope["rope_theta"])}
+                                    "megalite implements plain RoPE and Llama 3's scaling (rope_type 'llama3')")
+        return fields
 
     def attention_kind_fields(self, c, where: str) -> dict[str, Any]:
         """Per-layer attention kinds (sliding windows): megalite attends to the whole causal context."""
@@ -155,7 +190,7 @@ class Llama(HFAdapter):
                     num_key_value_heads=cfg.num_query_groups or cfg.num_attention_heads, head_dim=cfg.kv_channels,
                     hidden_act="silu", max_position_embeddings=cfg.max_position_embeddings,
                     rms_norm_eps=cfg.norm_epsilon,
-                    rope_parameters={"rope_type": "default", "rope_theta": float(cfg.rotary_base)},
+                    rope_parameters=hf_rope_parameters(cfg),
                     attention_dropout=cfg.attention_dropout, initializer_range=cfg.init_method_std,
                     tie_word_embeddings=cfg.tied_embeddings, bos_token_id=eod, eos_token_id=eod,
                     **self.hf_mlp_fields(cfg), **self.hf_bias_fields(cfg), **self.hf_extra_fields(cfg))
