@@ -87,7 +87,22 @@ def model_errors(m: "ModelConfig") -> list[str]:
     if m.qk_layernorm and m.qk_layernorm_scope == "projection" and m.normalization != "RMSNorm":
         errors.append("--qk-layernorm-scope projection needs --normalization RMSNorm (its one all-reduce over the "
                       "tensor-parallel ranks carries the sum of squares only)")
-    return errors
+    return errors + window_errors(m)
+
+
+def window_errors(m: "ModelConfig") -> list[str]:
+    """--window-size and --window-attn-skip-freq (attention/window.py)."""
+    if m.window_size is None:
+        return ["--window-attn-skip-freq needs --window-size (it picks which layers the window applies to)"] \
+            if m.window_attn_skip_freq is not None else []
+    if len(m.window_size) != 2 or m.window_size[1] != 0:
+        return [f"--window-size takes two numbers LEFT RIGHT with RIGHT 0 (attention is causal), got "
+                f"{' '.join(map(str, m.window_size))}"]
+    try:
+        m.attention_windows()
+    except ValueError as e:
+        return [str(e)]
+    return []
 
 
 def layout_errors(m: "ModelConfig", tp: int, pp: int, layers_per_virtual_stage: int | None = None,

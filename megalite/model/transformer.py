@@ -39,6 +39,8 @@ class Attention(nn.Module):
         tp = ctx.pg.tp_size
         self.cfg, self.ctx = cfg, ctx
         self.cp_comm_type = ctx.layer_cp_comm_type(layer_number)
+        # --window-size: the keys a query sees (itself included) in this layer, 0 for full causal attention
+        self.window = cfg.attention_windows()[layer_number]
         self.head_dim = cfg.kv_channels
         groups = cfg.num_query_groups
         # with fewer query groups than TP ranks each rank keeps a replica of its group's K/V (validation counts
@@ -66,9 +68,12 @@ class Attention(nn.Module):
         ctx = self.ctx
         with ctx.tracker.fork() if p > 0 else contextlib.nullcontext():
             if ctx.pg.cp_size > 1:  # this rank's two sequence chunks against the whole sequence's keys
+                if self.window:  # the window travels with the documents (every CP variant cuts by them)
+                    documents = (documents or Documents.whole(q.shape[0], q.shape[2] * ctx.pg.cp_size)
+                                 ).with_window(self.window)
                 return context_parallel_attention(q, k, v, ctx.pg, self.cp_comm_type, dropout_p=p,
                                                   documents=documents, backend=self.cfg.attention_backend)
-            return core_attention(q, k, v, p, self.cfg.attention_backend, documents)
+            return core_attention(q, k, v, p, self.cfg.attention_backend, documents, self.window)
 
     def forward(self, x: torch.Tensor, rope_angles: torch.Tensor | None, kv_cache=None,
                 documents: Documents | None = None) -> torch.Tensor:
@@ -89,7 +94,7 @@ class Attention(nn.Module):
             q, k = apply_rope(q, rope_angles), apply_rope(k, rope_angles)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
         if kv_cache is not None:
-            k, v = kv_cache.update(k, v)  # [b, groups_local, past + s, d]
+            k, v = kv_cache.update(k, v, self.window)  # [b, groups_local, past + s, d] (past: within the window)
         p = self.cfg.attention_dropout if self.training else 0.0
         if self.cfg.recompute_granularity == "selective":  # the s^2 attention activations dominate memory
             out = recompute(self._core, self.ctx.tracker, q, k, v, p, documents)
