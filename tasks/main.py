@@ -42,6 +42,7 @@ from megalite.inference.loading import (  # noqa: E402
     tokenize_checked,
 )
 from megalite.launch.run import distributed_run, exit_process, launcher_env  # noqa: E402
+from megalite.launch.tool_errors import atomic_output, tool_main  # noqa: E402
 
 TASKS = ("WIKITEXT103", "LAMBADA")
 
@@ -129,13 +130,17 @@ def run(argv: list[str] | None = None, say=print):
             result = evaluate_lambada(chunks, pg, data, mbs, pad)
         talk(result.line(task_args.task))
         if task_args.results_json and last_rank(pg):
-            with open(task_args.results_json, "w") as f:
+            with atomic_output(task_args.results_json) as tmp, open(tmp, "w") as f:
                 json.dump({"task": task_args.task, "load": p.load, "iteration": p.iteration,
                            "tp": pg.tp_size, "pp": pg.pp_size, "dp": pg.dp_size, **result.as_dict()}, f, indent=1)
     return result
 
 
 def main(argv: list[str] | None = None) -> int:
+    return tool_main("tasks/main.py", lambda: _main(argv), error_status=2)
+
+
+def _main(argv: list[str] | None) -> int:
     try:
         run(argv)
     except ConfigError as e:

@@ -16,6 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megalite.config.domain import MAX_RANKS, MAX_SIZE, domain_option, positive, size  # noqa: E402
 from megalite.data.default_corpus import VOCAB_SIZE, build_default_corpus, ensure_default_corpus  # noqa: E402
+from megalite.launch.tool_errors import tool_main  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,13 +28,18 @@ def main(argv: list[str] | None = None) -> int:
     domain_option(p, "--workers", domain=size(MAX_RANKS), integer=True, default=2)
     p.add_argument("--force", action="store_true", help="rebuild even if the corpus exists")
     args = p.parse_args(argv)
+    return tool_main("build_default_corpus.py", lambda: _main(args),
+                     interrupted=lambda: f"{args.output_dir} was not (re)built; its old files are as they were")
+
+
+def _main(args: argparse.Namespace) -> int:
     kwargs = dict(vocab_size=args.vocab_size, workers=args.workers,
                   max_bytes=None if args.max_mb is None else int(args.max_mb * 2**20))
     try:
         paths = build_default_corpus(args.output_dir, **kwargs) if args.force else \
             ensure_default_corpus(args.output_dir, **kwargs)
-    except (ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except ValueError as e:
+        print(f"build_default_corpus.py: error: {e}", file=sys.stderr)
         return 1
     print(f"--data-path {paths['data_path']} --tokenizer-type GPT2BPETokenizer "
           f"--vocab-file {paths['vocab_file']} --merge-file {paths['merge_file']}")

@@ -35,6 +35,7 @@ from megalite.inference.loading import (  # noqa: E402
 )
 from megalite.inference.sampling import SamplingParams  # noqa: E402
 from megalite.launch.run import distributed_run, exit_process, launcher_env  # noqa: E402
+from megalite.launch.tool_errors import atomic_output, tool_main  # noqa: E402
 
 
 def build_parser():
@@ -122,13 +123,17 @@ def run(argv: list[str] | None = None, say=print):
             say(f" > generated {n} tokens in {elapsed:.2f} s ({n / max(elapsed, 1e-9):.1f} tokens/s, KV cache "
                 f"{'off' if args.no_kv_cache else 'on'}, TP={pg.tp_size} PP={pg.pp_size})")
             if args.output_json:
-                with open(args.output_json, "w") as f:
+                with atomic_output(args.output_json) as tmp, open(tmp, "w") as f:
                     json.dump([{"prompt": t, "prompt_tokens": x, "tokens": r, "text": s}
                                for t, x, r, s in zip(texts, prompts, result.tokens, samples)], f, indent=1)
     return result
 
 
 def main(argv: list[str] | None = None) -> int:
+    return tool_main("generate.py", lambda: _main(argv), error_status=2)
+
+
+def _main(argv: list[str] | None) -> int:
     try:
         run(argv)
     except (ConfigError, GenerationError) as e:

@@ -16,6 +16,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megalite.data.indexed_dataset import IndexedDataset, IndexedDatasetWriter, exists  # noqa: E402
+from megalite.launch.tool_errors import tool_main  # noqa: E402
 
 
 def input_prefixes(inputs: list[str]) -> list[str]:
@@ -49,11 +50,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--input", nargs="+", required=True, help="dataset prefixes, or folders of them")
     p.add_argument("--output-prefix", required=True)
     args = p.parse_args(argv)
+    return tool_main("merge_datasets.py", lambda: _main(args),
+                     interrupted=lambda: f"nothing written (no {args.output_prefix}.bin/.idx)")
+
+
+def _main(args: argparse.Namespace) -> int:
     try:
         prefixes = input_prefixes(args.input)
         merge(prefixes, args.output_prefix)
-    except (ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except ValueError as e:
+        print(f"merge_datasets.py: error: {e}", file=sys.stderr)
         return 1
     print(f"merged {len(prefixes)} datasets into {args.output_prefix}.bin/.idx")
     return 0

@@ -16,11 +16,12 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megalite.launch.tool_errors import tool_main  # noqa: E402
 from megalite.planning.cli import plan_main  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
-    return plan_main(argv)
+    return tool_main("plan.py", lambda: plan_main(argv), error_status=2)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,10 @@ import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megalite.launch.tool_errors import atomic_output, tool_main  # noqa: E402
+
 ITERATION = re.compile(r"iteration\s+(\d+)/\s*(\d+)\s*\|(.*)")
 VALIDATION = re.compile(r"(validation|test) loss at iteration (\d+) \|(.*)")
 NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|[-+]?(?:nan|inf)", re.IGNORECASE)
@@ -178,14 +182,15 @@ def plot(runs: list[Run], output: str, title: str | None = None) -> list[str]:
         fig.suptitle(title)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-    fig.savefig(output, dpi=110)
+    with atomic_output(output) as tmp:
+        fig.savefig(tmp, dpi=110)
     plt.close(fig)
     return [p[0] for p in panels]
 
 
 def write_csv(runs: list[Run], path: str) -> None:
     keys = sorted({k for r in runs for k in r.train})
-    with open(path, "w", newline="") as f:
+    with atomic_output(path) as tmp, open(tmp, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["run", "iteration", *keys, "validation lm loss"])
         for r in runs:
@@ -202,6 +207,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--title", help="figure title")
     ap.add_argument("--csv", help="also write the parsed values to this CSV file")
     args = ap.parse_args(argv)
+    return tool_main("plot_logs.py", lambda: _main(ap, args))
+
+
+def _main(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if not args.logs and not args.tensorboard_dir:
         ap.error("give at least one log file or --tensorboard-dir")
     sources = [*args.logs, *args.tensorboard_dir]

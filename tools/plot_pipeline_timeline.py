@@ -18,6 +18,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megalite.config.domain import domain_option, size  # noqa: E402
+from megalite.launch.tool_errors import atomic_output, tool_main  # noqa: E402
 from megalite.pipeline.schedule_table import ScheduleSpec, build_tables, simulate  # noqa: E402
 
 Event = tuple[str, int, int, float, float]  # kind, chunk, micro-batch, start, end
@@ -79,7 +80,8 @@ def plot(events: dict[int, list[Event]], title: str, output: str) -> None:
     ax.set_xlabel("time (s)" if title.startswith("measured") else "time (forward = 1)")
     ax.set_title(title)
     fig.tight_layout()
-    fig.savefig(output, dpi=120)
+    with atomic_output(output) as tmp:
+        fig.savefig(tmp, dpi=120)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,6 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
     ap.add_argument("--output", required=True, help="PNG file to write")
     a = ap.parse_args(argv)
+    return tool_main("plot_pipeline_timeline.py", lambda: _main(ap, a))
+
+
+def _main(ap: argparse.ArgumentParser, a: argparse.Namespace) -> int:
     if a.record:
         events, meta = load_record(a.record)
         p, v, m = meta["pp"], meta["vp"], meta["microbatches"]

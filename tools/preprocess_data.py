@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megalite.config.domain import MAX_RANKS, MAX_SIZE, count, domain_option, size  # noqa: E402
 from megalite.data.preprocess import PreprocessOptions, preprocess  # noqa: E402
 from megalite.data.tokenizer import TOKENIZER_TYPES  # noqa: E402
+from megalite.launch.tool_errors import tool_main  # noqa: E402
 
 
 def add_tokenizer_flags(parser: argparse.ArgumentParser) -> None:
@@ -54,6 +55,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    return tool_main("preprocess_data.py", lambda: _main(args),
+                     interrupted=lambda: f"nothing written (no {args.output_prefix}_*_document.bin/.idx)")
+
+
+def _main(args: argparse.Namespace) -> int:
     opts = PreprocessOptions(
         inputs=args.input, output_prefix=args.output_prefix, json_keys=args.json_keys,
         append_eod=args.append_eod, workers=args.workers, log_interval=args.log_interval,
@@ -62,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
                    ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model", "vocab_size")})
     try:
         result = preprocess(opts)
-    except (ValueError, OSError) as e:
+    except ValueError as e:
         print(f"preprocess_data.py: error: {e}", file=sys.stderr)
         return 1
     for key, prefix in result.outputs.items():

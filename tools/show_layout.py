@@ -24,10 +24,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megalite.config.domain import MAX_RANKS, domain_option, size  # noqa: E402
 from megalite.config.flags import add_dataclass_flags, domain_errors  # noqa: E402
 from megalite.config.parallel import ParallelConfig  # noqa: E402
+from megalite.launch.tool_errors import tool_main  # noqa: E402
 from megalite.parallel.layout import RankLayout  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
+    return tool_main("show_layout.py", lambda: _main(argv), error_status=2)
+
+
+def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ranks = dict(domain=size(MAX_RANKS), integer=True)
     domain_option(parser, "--world-size", **ranks, help="Total ranks (default nnodes x nproc-per-node).")

@@ -18,6 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megalite.config.domain import MAX_SIZE, count, domain_option, size  # noqa: E402
 from megalite.data.tokenizer_training import iter_texts, train_bpe, train_sentencepiece  # noqa: E402
+from megalite.launch.tool_errors import atomic_folder_files, tool_main  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,6 +32,11 @@ def main(argv: list[str] | None = None) -> int:
                   help="BPE: least count of a merged pair")
     p.add_argument("--sentencepiece-model-type", choices=["bpe", "unigram"], default="bpe")
     args = p.parse_args(argv)
+    return tool_main("train_tokenizer.py", lambda: _main(args),
+                     interrupted=lambda: f"nothing written into {args.output_dir}")
+
+
+def _main(args: argparse.Namespace) -> int:
     paths = []
     for pattern in args.input:
         found = sorted(glob.glob(pattern)) if any(c in pattern for c in "*?[") else [pattern]
@@ -40,18 +46,21 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         paths += found
     texts = iter_texts(paths, args.json_keys)
+    # Trained into a folder beside --output-dir and moved in at the end: an interrupt or a failed write
+    # leaves no partial tokenizer files.
+    out_dir = args.output_dir
     try:
-        if args.type == "bpe":
-            out = train_bpe(texts, args.vocab_size, args.output_dir, args.min_frequency)
-            print(f"wrote {out['vocab_file']}, {out['merge_file']}, {out['tokenizer_json']}")
-        else:
-            os.makedirs(args.output_dir, exist_ok=True)
-            model = train_sentencepiece(texts, args.vocab_size, os.path.join(args.output_dir, "tokenizer"),
-                                        args.sentencepiece_model_type)
-            print(f"wrote {model}")
-    except (ValueError, OSError, RuntimeError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        with atomic_folder_files(out_dir) as tmp:
+            if args.type == "bpe":
+                out = train_bpe(texts, args.vocab_size, tmp, args.min_frequency)
+                written = [out[k] for k in ("vocab_file", "merge_file", "tokenizer_json")]
+            else:
+                written = [train_sentencepiece(texts, args.vocab_size, os.path.join(tmp, "tokenizer"),
+                                               args.sentencepiece_model_type)]
+    except (ValueError, RuntimeError) as e:
+        print(f"train_tokenizer.py: error: {e}", file=sys.stderr)
         return 1
+    print("wrote " + ", ".join(os.path.join(out_dir, os.path.basename(w)) for w in written))
     return 0
 
 

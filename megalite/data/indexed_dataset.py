@@ -292,9 +292,12 @@ class IndexedDatasetWriter:
         self._done = True
 
     def abort(self) -> None:
-        """Discard the partial output."""
+        """Discard the partial output (closing may fail again, flushing into a full disk: the files go anyway)."""
         if not self._bin.closed:
-            self._bin.close()
+            try:
+                self._bin.close()
+            except OSError:
+                pass
         for p in (self._bin_tmp, self._idx_tmp):
             if os.path.exists(p):
                 os.unlink(p)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -65,6 +66,13 @@ class PreprocessResult:
 
 
 _STATE: dict = {}
+
+
+def _init_pool_worker(tokenizer_fields: dict, json_keys: list[str], append_eod: bool) -> None:
+    """A tokenizing worker: Ctrl-C (sent to the whole process group) is the parent's to say, in one line; the
+    workers end with the pool instead of each printing a traceback."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _init_worker(tokenizer_fields, json_keys, append_eod)
 
 
 def _init_worker(tokenizer_fields: dict, json_keys: list[str], append_eod: bool) -> None:
@@ -275,7 +283,7 @@ def _run(opts, sources, writers, log) -> PreprocessResult:
     previous = os.environ.get("TOKENIZERS_PARALLELISM")
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     try:
-        pool = ctx.Pool(opts.workers, initializer=_init_worker,
+        pool = ctx.Pool(opts.workers, initializer=_init_pool_worker,
                         initargs=(opts.tokenizer, opts.json_keys, opts.append_eod))
     finally:
         if previous is None:
