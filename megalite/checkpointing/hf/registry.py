@@ -22,6 +22,7 @@ ADAPTERS: list[HFAdapter] = [
     families.qwen3_moe.ADAPTER,
     families.qwen3.ADAPTER,
     families.olmo2.ADAPTER,
+    families.qwen2.ADAPTER,
     families.llama.ADAPTER,
 ]
 
