@@ -25,7 +25,7 @@ from megalite.attention import Documents, blocks, core_attention
 from megalite.attention import window as win
 from megalite.config.model import ModelConfig
 from megalite.config.validate import window_errors
-from megalite.context_parallel import context_parallel_attention, zigzag_split
+from megalite.context_parallel import context_parallel_attention, zigzag_index, zigzag_split
 from megalite.inference.kv_cache import KVCache
 from megalite.parallel.groups import ProcessGroups
 from megalite.parallel.layout import RankLayout
@@ -136,20 +136,57 @@ def _cp(rank: int, world: int, comms: list[str], window: int) -> dict:
         want.backward(dout)
         local = [zigzag_split(t, 2, world, rank).requires_grad_() for t in (q, k, v)]
         docs_w = (d or Documents.whole(2, 32)).with_window(window)
+        pg.comm_bytes.clear()
         got = context_parallel_attention(*local, pg, comm, documents=docs_w)
+        fwd = dict(pg.comm_bytes)
         got.backward(zigzag_split(dout, 2, world, rank))
-        err = max(float((a.detach() - zigzag_split(w, 2, world, rank)).abs().max())
+        err = max(float((a.detach() - zigzag_split(w.detach(), 2, world, rank)).abs().max())
                   for a, w in zip([got, *[t.grad for t in local]], [want, *[t.grad for t in full]]))
-        out[(comm, docs, heads)] = err
+        out[(comm, docs, heads)] = err, fwd, dict(pg.comm_bytes)
     return out
+
+
+def ring_positions(c: int, r: int, docs: Documents, window: int) -> tuple[int, int]:
+    """docs/design.md's formula, from the masks alone: (K/V positions rank r sends in the forward, dK/dV
+    positions it sends in the backward). keep(t, j): owner j's positions that a member among j+t, ..., j+c-1
+    attends to; r sends keep(t + 1, r - t) for t = 0..c-2 (forward and again in the backward) and owner
+    r - t's dK/dV in the layout keep(1, r - t) for t = 1..c-1."""
+    s = docs.seq_length
+    i, j = torch.arange(s)[:, None], torch.arange(s)[None]
+    masks = []  # per sample: a message carries what any sample needs
+    for bounds in docs.bounds:
+        doc = torch.zeros(s, dtype=torch.long)
+        for n, (a, b) in enumerate(zip(bounds, bounds[1:])):
+            doc[a:b] = n
+        masks.append((j <= i) & (j > i - window) & (doc[:, None] == doc[None]))
+    held = [zigzag_index(s, c, m) for m in range(c)]
+
+    def keep(t: int, o: int) -> int:
+        sees = torch.zeros(s, dtype=torch.bool)
+        for u in range(t, c):
+            for mask in masks:
+                sees |= mask[held[(o + u) % c]].any(dim=0)
+        return int(sees[held[o]].sum())
+
+    kv = sum(keep(t + 1, (r - t) % c) for t in range(c - 1))
+    return kv, sum(keep(1, (r - t) % c) for t in range(1, c))
 
 
 @pytest.mark.parametrize("world,comms,window", [(2, ["p2p", "a2a", "allgather"], 6),
                                                 (4, ["p2p", "a2a", "allgather", "a2a+p2p"], 3)])
 def test_context_parallel_equals_reference(world, comms, window):
     for rank, res in enumerate(run_ranks(_cp, world, comms, window, timeout=180)):
-        for key, err in res.items():
+        for key, (err, fwd, total) in res.items():
             assert err <= 1e-5, f"rank {rank} {key}: {err:.2e}"
+            if key[0] != "p2p":
+                continue
+            comm, docs, (nq, nkv) = key
+            kv_pos, dkv_pos = ring_positions(world, rank, packed() if docs else Documents.whole(1, 32), window)
+            per_pos = 2 * 2 * nkv * 8 * 4  # K and V, batch 2, nkv heads, d 8, fp32
+            assert fwd == {("cp", "send"): kv_pos * per_pos}, (rank, key, fwd)
+            assert total == {("cp", "send"): (2 * kv_pos + dkv_pos) * per_pos}, (rank, key, total)
+            full = (world - 1) * (32 // world) * per_pos  # what the ring sends without a window
+            assert fwd[("cp", "send")] < full, "the bytes follow the window"
 
 
 # ---- flags ------------------------------------------------------------------------------------------
@@ -187,3 +224,37 @@ def test_kv_cache_keeps_the_window():
         cache.advance(b - a)
         assert layer.held <= window - 1
     assert (torch.cat(got, dim=2) - want).abs().max() <= 1e-5
+
+
+def test_layer_pattern_equals_megatron_cores():
+    """megatron-core's own rule (is_layer_window_attention, layers counted from 1) gives the same layers."""
+    utils = pytest.importorskip("megatron.core.transformer.utils")
+    for freq, text in ((None, None), (2, "2"), (3, "3"), ([1, 1, 0, 1, 0, 0], "[1,1,0,1,0,0]")):
+        ours = ModelConfig(num_layers=6, window_size=[5, 0], window_attn_skip_freq=text).attention_windows()
+        theirs = [utils.is_layer_window_attention((5, 0), freq, n + 1) for n in range(6)]
+        assert [w > 0 for w in ours] == theirs, freq
+
+
+@pytest.mark.parametrize("freq,megatron_freq", [(None, None), ("6", 6), ("[1,0]*2", [1, 0, 1, 0])])
+def test_megatron_args_carry_the_window(freq, megatron_freq):
+    """to-megatron writes Megatron's window_size tuple and skip frequency; from-megatron reads them back."""
+    from megalite.checkpointing.megatron.args import config_from_args
+    from megalite.checkpointing.megatron.export import megatron_args
+    from megalite.checkpointing.metadata import config_dict
+
+    cfg = ModelConfig(num_layers=4, window_size=[7, 0], window_attn_skip_freq=freq)
+    args = megatron_args(config_dict(cfg, 128), 128)
+    assert args.window_size == (7, 0) and getattr(args, "window_attn_skip_freq", None) == megatron_freq
+    back = ModelConfig(**{k: v for k, v in config_from_args(args, 128, "ckpt").items() if k != "vocab_size"})
+    assert back.window_size == [7, 0] and back.attention_windows() == cfg.attention_windows()
+
+
+def test_megatron_window_looking_ahead_is_refused():
+    from argparse import Namespace
+
+    from megalite.checkpointing.errors import CheckpointError
+    from megalite.checkpointing.megatron.args import config_from_args
+
+    args = Namespace(num_layers=2, hidden_size=64, num_attention_heads=4, window_size=(7, 3))
+    with pytest.raises(CheckpointError, match="RIGHT 0"):
+        config_from_args(args, 128, "ckpt")

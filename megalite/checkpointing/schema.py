@@ -64,8 +64,10 @@ class _Where:
 
 
 def _field_ok(value: Any, hint: Any) -> bool:
-    """Whether a JSON value fits a ModelConfig field's annotation (int, float, bool, str, X | None)."""
+    """Whether a JSON value fits a ModelConfig field's annotation (int, float, bool, str, list[X], X | None)."""
     args = typing.get_args(hint)
+    if typing.get_origin(hint) is list:
+        return isinstance(value, list) and all(_field_ok(v, args[0]) for v in value)
     if args:  # X | None
         return any(_field_ok(value, a) for a in args)
     if hint is type(None):

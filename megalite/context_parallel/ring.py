@@ -20,6 +20,13 @@ log-sum-exp, in the forward's order (dropout masks are redrawn from the saved ge
 chunks travel the ring again (n-1 exchanges) and the dK/dV of owner j travels with them: started at member
 j+1 (step 1), each later holder adds its part and passes it on; the last holder, j-1, passes it to j, which
 adds its own block's part. So each rank sends n-1 K/V messages and n-1 dK/dV messages in the backward.
+
+With a sliding window (``documents.window``) a message carries only what a later holder needs
+(``Compaction``): the K/V of owner j that leaves for step t holds the key positions some member among
+j+t, ..., j+n-1 attends to (a nested set that shrinks along the ring; a step with none sends nothing),
+and owner j's dK/dV travels in the layout of step 1's set. So the bytes follow the window, not s/c: with
+one document per sample and W - 1 <= s/(2c), a message holds at most the 2(W - 1) positions the window
+reaches into the two chunks (docs/design.md, "Sliding windows", gives the formula the tests count against).
 """
 
 from __future__ import annotations
@@ -45,14 +52,91 @@ class Ring:
         self.pg, self.kind, self.chunks_of = pg, kind, chunks_of
         self.n, self.r = pg.size(kind), pg.index(kind)
 
-    def exchange(self, send: torch.Tensor, label: str) -> tuple[P2PWork, torch.Tensor]:
-        recv = torch.empty_like(send)
-        ops = [P2POp("send", send, (self.r + 1) % self.n, label), P2POp("recv", recv, (self.r - 1) % self.n, label)]
+    def exchange(self, send: torch.Tensor | None, label: str, recv_positions: int | None = None
+                 ) -> tuple[P2PWork | None, torch.Tensor | None]:
+        """Send ``send`` to r+1 and receive from r-1 a tensor of send's shape, or with ``recv_positions``
+        that many positions (dim 3, the sequence of [2, b, g, s, d]); a None send or 0 positions is left
+        out (both ends of a message decide it alike), and nothing posted when both are."""
+        recv = None
+        shape = None if send is None else send.shape
+        if recv_positions is not None and recv_positions > 0:
+            shape = (*self._like.shape[:3], recv_positions, self._like.shape[4])
+        elif recv_positions == 0:
+            shape = None
+        ops = []
+        if send is not None:
+            ops.append(P2POp("send", send, (self.r + 1) % self.n, label))
+        if shape is not None:
+            recv = torch.empty(shape, dtype=self._like.dtype if send is None else send.dtype,
+                               device=self._like.device)
+            ops.append(P2POp("recv", recv, (self.r - 1) % self.n, label))
+        if not ops:
+            return None, None
         return self.pg.post_p2p(ops, f"context-parallel ring, {label}", kind=self.kind), recv
 
-    def pieces(self, documents: Documents, j: int) -> list:
-        """The allowed pieces of this member's queries against member j's keys (local offsets)."""
-        return chunk_pieces(documents, self.chunks_of(self.r), self.chunks_of(j))
+    def pieces(self, documents: Documents, j: int, keys: list[Chunk] | None = None) -> list:
+        """The allowed pieces of this member's queries against member j's keys (local offsets); ``keys``:
+        the chunks a compacted message holds instead of all of j's."""
+        return chunk_pieces(documents, self.chunks_of(self.r), keys if keys is not None else self.chunks_of(j))
+
+
+class Compaction:
+    """What each ring message must carry under a sliding window (module doc). ``keep(t, j)``: the sorted
+    local key positions of owner j that the holders at steps t.., that is members j+t, ..., j+n-1, attend to;
+    step 0 is all of them."""
+
+    def __init__(self, ring: Ring, documents: Documents, s_local: int) -> None:
+        self.ring, self.documents, self.s_local = ring, documents, s_local
+        n = ring.n
+        need = [[set() for _ in range(n)] for _ in range(n)]  # need[m][j]: j's positions member m sees
+        for m in range(n):
+            for j in range(n):
+                if m != j:
+                    for p in chunk_pieces(documents, ring.chunks_of(m), ring.chunks_of(j)):
+                        need[m][j].update(range(p.k0, p.k1))
+        self._keep = {}
+        for j in range(n):
+            acc: set[int] = set()
+            for t in range(n - 1, 0, -1):
+                acc |= need[(j + t) % n][j]
+                self._keep[(t, j)] = sorted(acc)
+
+    def keep(self, t: int, j: int) -> list[int]:
+        return list(range(self.s_local)) if t == 0 else self._keep[(t, j)]
+
+    def select(self, kv: torch.Tensor, j: int, held: int, to: int) -> torch.Tensor | None:
+        """Owner j's K/V in layout keep(held) cut to layout keep(to) (None when that is empty)."""
+        pos = {c: i for i, c in enumerate(self.keep(held, j))}
+        want = self.keep(to, j)
+        if not want:
+            return None
+        return kv.index_select(3, torch.tensor([pos[c] for c in want], device=kv.device))
+
+    def scatter(self, part: torch.Tensor, j: int, held: int, to: int) -> torch.Tensor:
+        """fp32 dK/dV in layout keep(held) placed in layout keep(to) (which holds it), zeros elsewhere."""
+        pos = {c: i for i, c in enumerate(self.keep(to, j))}
+        out = torch.zeros((*part.shape[:3], len(pos), part.shape[4]), dtype=part.dtype, device=part.device)
+        idx = [pos[c] for c in self.keep(held, j)]
+        if idx:
+            out.index_add_(3, torch.tensor(idx, device=part.device), part)
+        return out
+
+    def chunks(self, t: int, j: int) -> list[Chunk]:
+        """Owner j's chunks as held in layout keep(t): runs of consecutive positions inside each chunk."""
+        cols, out = self.keep(t, j), []
+        at = {c: i for i, c in enumerate(cols)}
+        for ch in self.ring.chunks_of(j):
+            run = None
+            for c in range(ch.local, ch.local + ch.length):
+                if c in at and run is not None and c == run[0] + run[1]:
+                    run[1] += 1
+                    continue
+                if run is not None:
+                    out.append(Chunk(ch.start + run[0] - ch.local, run[1], at[run[0]]))
+                run = [c, 1] if c in at else None
+            if run is not None:
+                out.append(Chunk(ch.start + run[0] - ch.local, run[1], at[run[0]]))
+        return out
 
 
 def ring_forward(ring: Ring, q: torch.Tensor, kv: torch.Tensor, documents: Documents, p: float
@@ -61,15 +145,37 @@ def ring_forward(ring: Ring, q: torch.Tensor, kv: torch.Tensor, documents: Docum
     kv [2, b, g, s, d] is this member's, in the run's dtype."""
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.full(q.shape[:3], float("-inf"), device=q.device)
+    plan = _plan(ring, documents, kv)
     for step in range(ring.n):
         j = (ring.r - step) % ring.n
         if step + 1 < ring.n:
-            work, nxt = ring.exchange(kv, f"kv step {step + 1}")  # posted before this block's compute
-        attend(q, kv, ring.pieces(documents, j), out, lse, p)
+            work, nxt = _pass_kv(ring, plan, kv, step)  # posted before this block's compute
+        if kv is not None:
+            attend(q, kv, _pieces(ring, plan, documents, step, j), out, lse, p)
         if step + 1 < ring.n:
-            work.wait()
+            if work is not None:
+                work.wait()
             kv = nxt
     return out, lse
+
+
+def _plan(ring: Ring, documents: Documents, kv: torch.Tensor) -> Compaction | None:
+    ring._like = kv
+    return Compaction(ring, documents, kv.shape[3]) if documents.window and ring.n > 1 else None
+
+
+def _pass_kv(ring: Ring, plan: Compaction | None, kv: torch.Tensor | None, step: int):
+    """Post the K/V exchange for step + 1: this member's held K/V on, the previous member's in."""
+    label = f"kv step {step + 1}"
+    if plan is None:
+        return ring.exchange(kv, label)
+    j, j_in = (ring.r - step) % ring.n, (ring.r - 1 - step) % ring.n
+    send = None if kv is None else plan.select(kv, j, step, step + 1)
+    return ring.exchange(send, label, recv_positions=len(plan.keep(step + 1, j_in)))
+
+
+def _pieces(ring: Ring, plan: Compaction | None, documents: Documents, step: int, j: int) -> list:
+    return ring.pieces(documents, j, None if plan is None or step == 0 else plan.chunks(step, j))
 
 
 def ring_backward(ring: Ring, q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
@@ -78,25 +184,34 @@ def ring_backward(ring: Ring, q: torch.Tensor, kv: torch.Tensor, out: torch.Tens
     delta = (dout.float() * out.float()).sum(dim=-1)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     own = dkv_work = dkv_in = None
+    dtype = kv.dtype
+    plan = _plan(ring, documents, kv)
     for step in range(ring.n):
         j = (ring.r - step) % ring.n
         if step + 1 < ring.n:
-            kv_work, kv_next = ring.exchange(kv, f"kv step {step + 1}")
-        dkv = attend_backward(q, kv, ring.pieces(documents, j), out, lse, dout, delta, dq, p)
+            kv_work, kv_next = _pass_kv(ring, plan, kv, step)
+        dkv = None if kv is None else attend_backward(q, kv, _pieces(ring, plan, documents, step, j), out, lse,
+                                                      dout, delta, dq, p)
         if step == 0:
             own = dkv
         else:
+            if plan is not None and dkv is not None:  # owner j's dK/dV travels in step 1's layout
+                dkv = plan.scatter(dkv, j, step, 1)
             if dkv_work is not None:  # owner j's sum so far, from member r-1 (which held j at step - 1)
                 dkv_work.wait()
-                dkv += dkv_in.float()
+                if dkv_in is not None:
+                    dkv = dkv_in.float() if dkv is None else dkv + dkv_in.float()
             # on to r+1 in the run's dtype; at the last step r+1 is j
-            dkv_work, dkv_in = ring.exchange(dkv.to(kv.dtype), f"dkv step {step + 1}")
+            recv = None if plan is None else len(plan.keep(1, (ring.r - 1 - step) % ring.n))
+            dkv_work, dkv_in = ring.exchange(None if dkv is None else dkv.to(dtype), f"dkv step {step + 1}", recv)
         if step + 1 < ring.n:
-            kv_work.wait()
+            if kv_work is not None:
+                kv_work.wait()
             kv = kv_next
     if dkv_work is not None:  # every other member's part of this member's dK/dV
         dkv_work.wait()
-        own += dkv_in.float()
+        if dkv_in is not None:
+            own += dkv_in.float() if plan is None else plan.scatter(dkv_in.float(), ring.r, 1, 0)
     return dq, own
 
 

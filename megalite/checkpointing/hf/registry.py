@@ -23,6 +23,7 @@ ADAPTERS: list[HFAdapter] = [
     families.qwen3.ADAPTER,
     families.olmo2.ADAPTER,
     families.qwen2.ADAPTER,
+    families.mistral.ADAPTER,
     families.llama.ADAPTER,
 ]
 

@@ -53,6 +53,8 @@ LLAMA_KEYS = {"--num-layers": "num_hidden_layers", "--hidden-size": "hidden_size
               "--moe-shared-expert-intermediate-size": "shared_expert_intermediate_size"}
 
 
+NO_WINDOW = "no --window-size"  # a requirement the sliding-window families (Mistral) drop
+
 LLAMA3_KEYS = {"factor": "rope_scaling_factor", "low_freq_factor": "rope_scaling_low_freq_factor",
                "high_freq_factor": "rope_scaling_high_freq_factor",
                "original_max_position_embeddings": "rope_scaling_original_max_position_embeddings"}
@@ -104,7 +106,8 @@ class Llama(HFAdapter):
         return {"--position-embedding-type rope": cfg.position_embedding_type == "rope",
                 "--normalization RMSNorm": cfg.normalization == "RMSNorm",
                 "--swiglu": cfg.swiglu,
-                "--rotary-percent 1.0": cfg.rotary_percent == 1.0, **self.norm_requirements(cfg)}
+                "--rotary-percent 1.0": cfg.rotary_percent == 1.0, **self.norm_requirements(cfg),
+                NO_WINDOW: not cfg.window_size or cfg.window_size[0] < 0}
 
     def norm_requirements(self, cfg: ModelConfig) -> dict[str, bool]:
         """Where the family's norms sit (override for q/k norms or reordered norms)."""
