@@ -132,6 +132,7 @@ def _config(args, tp: int, pp: int, ep: int = 1, vp: int | None = None):
         kv_channels=args.kv_channels, normalization=args.normalization, layernorm_epsilon=args.norm_epsilon,
         gated_linear_unit=args.swiglu, activation_func=F.silu if args.swiglu else F.gelu,
         add_bias_linear=args.add_bias_linear, hidden_dropout=0.0, attention_dropout=0.0,
+        qk_layernorm=getattr(args, "qk_layernorm", False),
         use_cpu_initialization=True, params_dtype=torch.float32, tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32, bias_activation_fusion=False,
         virtual_pipeline_model_parallel_size=vp, expert_model_parallel_size=ep,
@@ -173,7 +174,8 @@ def build_gpt(args, tp: int, pp: int = 1, seed: int = 1, ep: int = 1, vp_stage: 
                                           pp_rank=ps.get_pipeline_model_parallel_rank())
     else:
         spec = get_gpt_layer_local_spec(num_experts=getattr(args, "num_experts", None),
-                                        normalization=args.normalization)
+                                        normalization=args.normalization,
+                                        qk_layernorm=getattr(args, "qk_layernorm", False))
     model = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
                      max_sequence_length=args.max_position_embeddings, parallel_output=False,
                      pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),

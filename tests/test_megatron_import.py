@@ -213,12 +213,15 @@ def test_unknown_keys_wrong_shapes_and_unsupported_args_are_named(saved, tmp_pat
             edit(state)
             torch.save(state, path)
 
+    write(lambda s: s["model"].update({"decoder.layers.0.self_attention.linear_q_down_proj.weight": torch.ones(8)}))
+    _refused(load, tmp_path, "linear_q_down_proj.weight", "not a parameter megalite knows")
+    # q/k norms where the args have no --qk-layernorm: tensors the model its args describe lacks
     write(lambda s: s["model"].update({"decoder.layers.0.self_attention.q_layernorm.weight": torch.ones(8)}))
-    _refused(load, tmp_path, "q_layernorm.weight", "not a parameter megalite knows")
+    _refused(load, tmp_path, "unexpected ['layers.0.attention.q_norm.weight']")
     write(lambda s: s["model"].update({"decoder.layers.0.mlp.linear_fc2.weight": torch.ones(32, 3)}))
     _refused(load, tmp_path, "layers.0.mlp.fc2.weight has shape (32, 6)", "needs (32, 128)")
-    write(lambda s: s.update(args=argparse.Namespace(**{**vars(s["args"]), "qk_layernorm": True})))
-    _refused(load, tmp_path, "qk_layernorm=True", "not implemented")
+    write(lambda s: s.update(args=argparse.Namespace(**{**vars(s["args"]), "multi_latent_attention": True})))
+    _refused(load, tmp_path, "multi_latent_attention=True", "not implemented")
 
 
 

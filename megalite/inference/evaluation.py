@@ -223,6 +223,9 @@ class PerplexityResult:
 
     @property
     def avg_loss(self) -> float:
+        if self.num_targets < 1:  # no target scored: no loss (not 0, perplexity 1)
+            raise ValueError(f"perplexity over {self.num_tokenized_tokens} token(s) scores no target: the text "
+                             "needs at least 2 tokens")
         return self.total_loss / self.num_targets
 
     @property
@@ -255,6 +258,8 @@ class AccuracyResult:
 
     @property
     def accuracy(self) -> float:
+        if self.total < 1:  # no example scored: no accuracy (not 0)
+            raise ValueError("LAMBADA accuracy over no example: --valid-data holds no example to score")
         return self.correct / self.total
 
     def line(self, task: str) -> str:

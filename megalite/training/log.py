@@ -14,7 +14,7 @@ from megalite.parallel.groups import ProcessGroups
 from megalite.planning.flops import training_flops
 from megalite.training.resume import TrainState
 from megalite.training.timers import Timers
-from megalite.training.train_step import StepOutput
+from megalite.training.train_step import StepOutput, no_token_reason
 from megalite.training.writers import MetricWriters
 
 COMM_WARN_SHARE = 0.30  # the checklist: communication under 30% of the step
@@ -42,6 +42,7 @@ class IterationLine:
     mfu: float | None = None
     memory: dict[str, float] | None = None
     moe: dict | None = None  # window_metrics' means over the MoE layers
+    no_tokens: bool = False  # the step's global batch had no unmasked label: ``loss`` is no loss
 
 
 def format_iteration_line(line: IterationLine) -> str:
@@ -61,7 +62,7 @@ def format_iteration_line(line: IterationLine) -> str:
     parts += [
         f"learning rate: {line.lr:.6E}",
         f"global batch size: {line.global_batch:5d}",
-        f"lm loss: {line.loss:.6E}",
+        "lm loss: none (no unmasked token)" if line.no_tokens else f"lm loss: {line.loss:.6E}",
         f"loss scale: {line.loss_scale:.1f}",
     ]
     if line.moe:  # means over the MoE layers of this logging window
@@ -79,9 +80,15 @@ def format_iteration_line(line: IterationLine) -> str:
     return " | ".join(parts) + " |"
 
 
-def format_validation_line(iteration: int, loss: float, label: str = "validation") -> str:
+def format_validation_line(iteration: int, loss: float | None, label: str = "validation", why: str | None = None
+                           ) -> str:
+    """Megatron's validation line; ``loss`` None (no unmasked label in the batches) says so, and ``why``
+    (no_token_reason: the flag that masked them), instead of a loss of 0 and a perplexity of 1."""
     import math
 
+    if loss is None:
+        return (f" {label} loss at iteration {iteration} | no unmasked token in the {label} batches: "
+                f"{why or 'the loss mask covers every label'}; no loss to report |")
     ppl = math.exp(min(20.0, loss))
     return f" {label} loss at iteration {iteration} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} |"
 
@@ -111,6 +118,7 @@ class LogWindow:
         self.flops_per_iter = training_flops(m, vocab_size, m.seq_length, self.tokens_per_iter)
         self.peak = cfg.logging.peak_tflops or device.peak_tflops(cfg.precision.params_dtype)
         self.start, self.iters = time.perf_counter(), 0
+        self.said_no_tokens = False
 
     def restart_clock(self) -> None:
         """Leave out of the window the time of what ran besides training (evaluation, a save)."""
@@ -120,6 +128,10 @@ class LogWindow:
         """Count the step just finished; log the window when it is due (on every rank: timers reduce)."""
         self.iters += 1
         t = self.cfg.training
+        if out.no_tokens and not self.said_no_tokens:  # once: later such steps log "lm loss: none"
+            self.said_no_tokens = True
+            self.say(f" WARNING: iteration {state.iteration}: no unmasked token in the global batch: "
+                     f"{no_token_reason(self.cfg)}; the step has no loss (logged as 'lm loss: none', not 0)")
         if state.iteration % t.log_interval == 0 or state.iteration == t.train_iters:
             self._log(state, lr, out)
             self.timers.reset()
@@ -140,12 +152,13 @@ class LogWindow:
             iteration=step, train_iters=t.train_iters, consumed=state.consumed_samples, elapsed_ms=elapsed * 1e3,
             lr=lr, global_batch=t.global_batch_size, loss=out.loss, loss_scale=out.loss_scale,
             grad_norm=out.grad_norm, skipped=state.skipped_iterations, nan=state.nan_iterations, memory=memory,
-            moe=moe, **speed)))
+            moe=moe, no_tokens=out.no_tokens, **speed)))
         if timer_line:
             self.say(timer_line)
             self._warn(timer_vals)
-        self.writers.scalars({"lm-loss": out.loss, "learning-rate": lr, "grad-norm": out.grad_norm,
-                              "loss-scale": out.loss_scale, "tokens-per-second": self.tokens_per_iter / elapsed,
+        self.writers.scalars({"lm-loss": None if out.no_tokens else out.loss, "learning-rate": lr,
+                              "grad-norm": out.grad_norm, "loss-scale": out.loss_scale,
+                              "tokens-per-second": self.tokens_per_iter / elapsed,
                               "tflops-per-device": tflops, "mfu": mfu,
                               **{f"memory/{k}": v for k, v in memory.items()},
                               **{f"time/{k}": v for k, v in timer_vals.items()}, **moe_scalars(moe)}, step)

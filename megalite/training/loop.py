@@ -26,10 +26,17 @@ from megalite.training.exit_conditions import ExitConditions
 from megalite.training.log import LogWindow, format_validation_line
 from megalite.training.manual_gc import ManualGC
 from megalite.training.profiling import StepProfiler
-from megalite.training.resume import TrainState, maybe_load, save
+from megalite.training.resume import TrainState, check_samples, maybe_load, save
 from megalite.training.save_retry import SaveRetry
 from megalite.training.timers import Timers
-from megalite.training.train_step import StepOutput, build_buffers, evaluate, train_step, write_timeline
+from megalite.training.train_step import (
+    StepOutput,
+    build_buffers,
+    evaluate,
+    no_token_reason,
+    train_step,
+    write_timeline,
+)
 from megalite.training.writers import MetricWriters
 
 
@@ -108,7 +115,7 @@ class Run:
                             self.data.tokenizer.eod)
         self.state.valid_consumed += t.eval_iters * t.global_batch_size
         self.result.valid_losses.append((step, loss))
-        self.say(format_validation_line(step, loss))
+        self.say(format_validation_line(step, loss, why=no_token_reason(self.cfg)))
         writers.scalars({"validation/lm-loss": loss}, step)
 
     def save(self, final: bool = False) -> None:
@@ -158,6 +165,7 @@ def start_run(cfg: MegaliteConfig, pg: ProcessGroups, data: RunData | None, say:
     result = TrainResult(chunks=chunks, optimizer=optimizer)
     with full_params(buffers if cfg.checkpoint.load else [], write_back=True):
         state = maybe_load(cfg, chunks, optimizer, pg, tracker, vocab, say)
+    check_samples(cfg, state, data.train, data.valid if t.eval_iters > 0 else None)
     saver = AsyncSaver(pg) if cfg.checkpoint.async_save else None
     retry = SaveRetry(cfg.checkpoint.max_consecutive_failed_saves, say)
     return Run(cfg, pg, data, tracker, chunks, buffers, optimizer, schedule, state, result, say, ManualGC(t), saver,

@@ -7,6 +7,7 @@ import dataclasses
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -21,6 +22,7 @@ from megalite.checkpointing.metadata import config_dict
 from megalite.checkpointing.paths import TRACKER
 from megalite.config.arguments import MegaliteConfig
 from megalite.config.data import DOCUMENT_FLAGS
+from megalite.config.validate import ConfigError
 from megalite.optimizer.optimizer import MegaliteOptimizer
 from megalite.parallel.groups import ProcessGroups
 from megalite.tensor_parallel.random import RNGTracker
@@ -80,6 +82,33 @@ def maybe_load(cfg: MegaliteConfig, chunks: list[nn.Module], optimizer: Megalite
         + ("" if loaded.same_layout else " (resharded into this layout)"))
     return TrainState(loaded.iteration, s.get("consumed_samples", 0), s.get("valid_consumed", 0),
                       s.get("skipped_iterations", 0), s.get("nan_iterations", 0))
+
+
+def check_samples(cfg: MegaliteConfig, ts: TrainState, train: Any, valid: Any) -> None:
+    """A resumed run finds every sample it will read, or stops here with one line naming the flags (not a
+    traceback at the first batch past the end): the datasets are sized for --train-iters x --global-batch-size,
+    and a checkpoint's consumed samples may lie past that (trained at a larger global batch, or further)."""
+    t, gbs = cfg.training, cfg.training.global_batch_size
+    if ts.iteration == 0 and ts.consumed_samples == 0 and ts.valid_consumed == 0:
+        return
+    where = (f"--load {cfg.checkpoint.load} (iteration {ts.iteration}, {ts.consumed_samples} training samples "
+             f"consumed)")
+    left = max(t.train_iters - ts.iteration, 0)
+    need = ts.consumed_samples + left * gbs
+    if left and train is not None and need > len(train):
+        raise ConfigError(f"{where}: the {left} iteration(s) left to --train-iters {t.train_iters} at "
+                          f"--global-batch-size {gbs} read up to sample {need}, but the training set holds "
+                          f"{len(train)} (sized for --train-iters x --global-batch-size = {t.train_iters * gbs}): "
+                          "raise --train-iters, or resume at the global batch size the checkpoint was trained with")
+    if valid is None or t.eval_iters <= 0:
+        return
+    evals = (max(t.train_iters - 1, 0) // t.eval_interval - ts.iteration // t.eval_interval if left else 0) + 1
+    need = ts.valid_consumed + max(evals, 1) * t.eval_iters * gbs
+    if need > len(valid):
+        raise ConfigError(f"{where}: the {evals} evaluation(s) left read up to validation sample {need} "
+                          f"(from {ts.valid_consumed} consumed, --eval-iters {t.eval_iters} x --global-batch-size "
+                          f"{gbs} each), but the validation set holds {len(valid)}: raise --train-iters, or resume "
+                          "at the global batch size the checkpoint was trained with")
 
 
 def save(cfg: MegaliteConfig, ts: TrainState, chunks: list[nn.Module], optimizer: MegaliteOptimizer,

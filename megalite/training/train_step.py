@@ -96,6 +96,33 @@ def step_scaling(cfg: MegaliteConfig, pg: ProcessGroups, microbatches: list[dict
     return LossScaling.of(pg, len(microbatches), loss_scale)
 
 
+def no_token_reason(cfg: MegaliteConfig) -> str:
+    """Why a batch has no unmasked label: the flag that masked them (the loss masks of data/documents.py)."""
+    if cfg.data.eod_mask_loss:
+        return "--eod-mask-loss masks every label (every input token is the end-of-document token)"
+    return "the loss mask covers every label"
+
+
+def unmasked_tokens(pg: ProcessGroups, masks: list[torch.Tensor]) -> float:
+    """The unmasked labels of ``masks`` summed over DP x CP, in fp64 (exact): one small all-reduce, asked only
+    where a reported loss is exactly 0 (every rank sees the same reported loss, so every rank joins)."""
+    local = torch.zeros(1, dtype=torch.float64, device=device.current_device())
+    for mask in masks:
+        local += mask.sum(dtype=torch.float64)
+    pg.all_reduce(local, pg.grad_kind, label="token count")
+    return float(local)
+
+
+def _no_tokens(loss: float, scaling: LossScaling, pg: ProcessGroups, microbatches: list[dict]) -> bool:
+    """Whether a step's global batch has no unmasked label: its loss, then 0 by the forward step's rule (a
+    micro-batch with no token has loss 0), is not a loss. Counted only when the loss is exactly 0."""
+    if loss != 0.0:
+        return False
+    if scaling.global_tokens is not None:
+        return float(scaling.global_tokens) == 0
+    return unmasked_tokens(pg, [mb["loss_mask"] for mb in microbatches]) == 0
+
+
 @dataclass
 class StepOutput:
     loss: float
@@ -103,6 +130,7 @@ class StepOutput:
     skipped: bool
     loss_scale: float
     record: PipelineRecord
+    no_tokens: bool = False  # the global batch had no unmasked label: ``loss`` (0) is no loss
 
 
 class TrainingRun(Protocol):
@@ -147,8 +175,9 @@ def train_step(run: TrainingRun, timers: Timers) -> StepOutput:
     if cfg.training.empty_unused_memory_level >= 2:
         device.empty_cache()
     loss = reported_loss(losses, pg, cfg.parallel.pipeline_schedule)
+    no_tokens = _no_tokens(loss, scaling, pg, microbatches)
     pg.end_step("training step")
-    return StepOutput(loss, result.grad_norm, result.skipped, scaling.loss_scale, record)
+    return StepOutput(loss, result.grad_norm, result.skipped, scaling.loss_scale, record, no_tokens)
 
 
 def _forward_backward(run: TrainingRun, microbatches: list[dict], scaling: LossScaling, record: PipelineRecord
@@ -170,13 +199,15 @@ def _forward_backward(run: TrainingRun, microbatches: list[dict], scaling: LossS
 
 @torch.no_grad()
 def evaluate(chunks: list[nn.Module], dataset, start: int, cfg: MegaliteConfig, pg: ProcessGroups,
-             eod: int | None = None) -> float:
+             eod: int | None = None) -> float | None:
     """The loss over --eval-iters global batches from sample ``start``, with the training micro-batches' masks
     (``eod``: the tokenizer's): the mean micro-batch loss, or with --calculate-per-token-loss the sum of all
-    token losses over all their unmasked tokens (as Megatron-LM; 0 when there are none)."""
+    token losses over all their unmasked tokens (as Megatron-LM). None when no label was unmasked (where
+    Megatron-LM reports 0, perplexity 1): there is no loss to report (see no_token_reason)."""
     for c in chunks:
         c.eval()
     losses: list[torch.Tensor] = []
+    masks: list[torch.Tensor] = []
     weighted, tokens = 0.0, 0.0
     gbs, schedule = cfg.training.global_batch_size, cfg.parallel.pipeline_schedule
     for k in range(cfg.training.eval_iters):
@@ -185,6 +216,7 @@ def evaluate(chunks: list[nn.Module], dataset, start: int, cfg: MegaliteConfig, 
         batch = run_microbatches(chunks, scaling.normalised(mbs), pg, scaling, schedule, forward_only=True)
         if scaling.global_tokens is None:
             losses += batch
+            masks += [mb["loss_mask"] for mb in mbs]
         else:  # this batch's per-token mean, weighted by its token count
             count = float(scaling.global_tokens)
             weighted, tokens = weighted + reported_loss(batch, pg, schedule) * count, tokens + count
@@ -193,8 +225,9 @@ def evaluate(chunks: list[nn.Module], dataset, start: int, cfg: MegaliteConfig, 
     for c in chunks:
         c.train()
     if cfg.training.calculate_per_token_loss:
-        return weighted / tokens if tokens else 0.0
-    return reported_loss(losses, pg, schedule)
+        return weighted / tokens if tokens else None
+    loss = reported_loss(losses, pg, schedule)
+    return None if loss == 0.0 and unmasked_tokens(pg, masks) == 0 else loss
 
 
 def write_timeline(cfg: MegaliteConfig, pg: ProcessGroups, record: PipelineRecord, vp: int) -> None:

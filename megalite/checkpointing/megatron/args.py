@@ -19,8 +19,8 @@ from megalite.config.model import ModelConfig
 
 COPIED = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "kv_channels", "seq_length",
           "max_position_embeddings", "rotary_base", "rotary_percent", "norm_epsilon", "apply_layernorm_1p",
-          "swiglu", "untie_embeddings_and_output_weights", "add_qkv_bias", "hidden_dropout", "attention_dropout",
-          "init_method_std", "make_vocab_size_divisible_by", "num_experts", "moe_ffn_hidden_size",
+          "swiglu", "untie_embeddings_and_output_weights", "add_qkv_bias", "qk_layernorm", "hidden_dropout",
+          "attention_dropout", "init_method_std", "make_vocab_size_divisible_by", "num_experts", "moe_ffn_hidden_size",
           "moe_router_topk", "moe_shared_expert_intermediate_size", "moe_router_score_function",
           "moe_router_pre_softmax", "moe_router_topk_scaling_factor", "moe_aux_loss_coeff",
           "moe_router_enable_expert_bias", "moe_router_load_balancing_type", "moe_z_loss_coeff")
@@ -28,7 +28,6 @@ REQUIRED = ("num_layers", "hidden_size", "num_attention_heads")
 
 # arg -> (the value megalite can honour, what it would change)
 REFUSED: dict[str, tuple[Any, str]] = {
-    "qk_layernorm": (False, "norms on queries and keys"),
     "multi_latent_attention": (False, "multi-latent attention"),
     "rotary_interleaved": (False, "interleaved RoPE (megalite rotates halves)"),
     "squared_relu": (False, "a squared-ReLU MLP"),

@@ -52,7 +52,7 @@ CHECKPOINT_VERSION = 3.0
 ARG_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "kv_channels", "seq_length",
               "max_position_embeddings", "position_embedding_type", "rotary_base", "rotary_percent",
               "normalization", "norm_epsilon", "apply_layernorm_1p", "swiglu", "untie_embeddings_and_output_weights",
-              "add_qkv_bias", "hidden_dropout", "attention_dropout", "init_method_std",
+              "add_qkv_bias", "qk_layernorm", "hidden_dropout", "attention_dropout", "init_method_std",
               "make_vocab_size_divisible_by")
 MOE_ARG_FIELDS = ("num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_shared_expert_intermediate_size",
                   "moe_router_score_function", "moe_router_pre_softmax", "moe_router_topk_scaling_factor",
@@ -91,7 +91,15 @@ def megatron_args(config: dict[str, Any], padded_vocab: int) -> Namespace:
 
 def _refuse_unexported(config: dict[str, Any]) -> None:
     """What a Megatron-LM model would compute differently: a gated shared expert (Megatron's gate differs
-    from megalite's, as the import refuses it too)."""
+    from megalite's, as the import refuses it too); q/k norms over the whole projection and norms after the
+    sublayers (megatron-core's layer has neither: its --qk-layernorm is per head, its norms pre-sublayer)."""
+    if config.get("qk_layernorm") and config.get("qk_layernorm_scope", "head") != "head":
+        raise CheckpointError(f"to-megatron: --qk-layernorm-scope {config['qk_layernorm_scope']} is not exported "
+                              "(megatron-core's --qk-layernorm normalizes each head; it has no norm over the whole "
+                              "projection)")
+    if config.get("sublayer_norms", "pre") != "pre":
+        raise CheckpointError(f"to-megatron: --sublayer-norms {config['sublayer_norms']} is not exported "
+                              "(megatron-core's transformer layer normalizes each sublayer's input only)")
     if config.get("moe_shared_expert_gate"):
         raise CheckpointError("to-megatron: --moe-shared-expert-gate is not exported (Megatron-LM's shared-expert "
                               "gate computes another function than megalite's)")
