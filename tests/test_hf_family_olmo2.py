@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from tests import hf_family as H
+from tests.plan_params import assert_planner_counts_hf
 
 
 def olmo2_config():
@@ -48,3 +49,7 @@ def test_to_hf_of_the_trained_checkpoint_gives_megalites_logits(olmo2, tmp_path)
 
 def test_greedy_generation_equals_transformers(olmo2):
     H.assert_generation_equals_hf(olmo2)
+
+
+def test_planner_counts_transformers_parameters(olmo2):
+    assert_planner_counts_hf(olmo2)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from tests import hf_family as H
+from tests.plan_params import assert_planner_counts_hf
 
 
 def qwen3_config():
@@ -47,3 +48,7 @@ def test_to_hf_of_the_trained_checkpoint_gives_megalites_logits(qwen3, tmp_path)
 
 def test_greedy_generation_equals_transformers(qwen3):
     H.assert_generation_equals_hf(qwen3)
+
+
+def test_planner_counts_transformers_parameters(qwen3):
+    assert_planner_counts_hf(qwen3)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from tests import hf_family as H
+from tests.plan_params import assert_planner_counts_hf
 
 
 def qwen3_moe_config(norm_topk_prob: bool = True):
@@ -55,3 +56,7 @@ def test_to_hf_of_the_trained_checkpoint_gives_megalites_logits(qwen3_moe, tmp_p
 
 def test_greedy_generation_equals_transformers(qwen3_moe):
     H.assert_generation_equals_hf(qwen3_moe)
+
+
+def test_planner_counts_transformers_parameters(qwen3_moe):
+    assert_planner_counts_hf(qwen3_moe)

@@ -21,7 +21,11 @@ MODEL = dict(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16,
 MOE = dict(num_experts=4, moe_router_topk=2, disable_bias_linear=True, moe_shared_expert_intermediate_size=16,
            moe_shared_expert_gate=True)
 CASES = {"dense": {}, "moe": MOE, "mixed": dict(MOE, moe_layer_freq="([0]*1+[1]*2+[0]*1)"),
-         "every-2nd": dict(MOE, moe_layer_freq="2", swiglu=True)}
+         "every-2nd": dict(MOE, moe_layer_freq="2", swiglu=True),
+         # q/k norms (per head, LayerNorm: weight and bias; over the projection, GQA) and the layer's norms
+         "qk-head-pre-post": dict(qk_layernorm=True, sublayer_norms="pre-post"),
+         "qk-projection-post": dict(qk_layernorm=True, qk_layernorm_scope="projection", normalization="RMSNorm",
+                                    sublayer_norms="post", group_query_attention=True, num_query_groups=2)}
 
 
 def _built_layers(fields: dict) -> list[tuple[bool, set[str], dict[str, int]]]:

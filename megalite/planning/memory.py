@@ -47,7 +47,24 @@ def layer_params(sh: RunShape, layer: LayerShape = DENSE_LAYER) -> int:
         fc1_rows = (2 * f if m.swiglu else f) // t
         n += fc1_rows * h + (fc1_rows if bias else 0)
         n += (f // t) * h + (h if bias else 0)
-    return n + 2 * norm_params(sh)
+    return n + layer_norms(sh) * norm_params(sh) + qk_norm_params(sh)
+
+
+def layer_norms(sh: RunShape) -> int:
+    """Norms over the hidden size in one layer: two with --sublayer-norms pre or post, four with pre-post."""
+    return 4 if sh.cfg.model.sublayer_norms == "pre-post" else 2
+
+
+def qk_norm_params(sh: RunShape) -> int:
+    """--qk-layernorm's weights on one TP rank: per head, one norm of the head dim for q and one for k
+    (replicated); over the projection, a weight per channel of this rank's q and k rows (model/qk_norm.py)."""
+    m, t = sh.cfg.model, sh.tp
+    if not m.qk_layernorm:
+        return 0
+    d = m.kv_channels
+    if m.qk_layernorm_scope == "head":
+        return 2 * d * (2 if m.normalization == "LayerNorm" else 1)
+    return (m.num_attention_heads // t + max(m.num_query_groups // t, 1)) * d
 
 
 def norm_params(sh: RunShape) -> int:
