@@ -6,6 +6,7 @@ and the all-reduced sum of squares counts the group on each. Nothing is download
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests import hf_family as H
 from tests.plan_params import assert_planner_counts_hf
@@ -53,3 +54,36 @@ def test_greedy_generation_equals_transformers(olmo2):
 
 def test_planner_counts_transformers_parameters(olmo2):
     assert_planner_counts_hf(olmo2)
+
+
+H.LAYOUTS.setdefault("tp2_sp_recompute", (2, ("--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                              "--recompute-granularity", "full")))
+
+
+@pytest.mark.parametrize("layout", ["cp2_p2p", "tp2_sp_recompute"])
+def test_context_parallel_and_recompute_give_the_serial_curve(olmo2, layout):
+    H.assert_layout_equals_serial(olmo2, layout)
+
+
+def test_a_tp2_checkpoint_holds_the_projection_norms_cut_and_reads_back_whole(olmo2, tmp_path):
+    """from-hf written at TP2 (the q norm's weight cut in halves, the k norm's one group copied to both
+    ranks), read back at TP1: transformers' logits."""
+    out = str(tmp_path / "tp2")
+    H.from_hf(olmo2.hf_folder, out, "--tensor-model-parallel-size", "2")
+    tokens = H.sample_tokens(olmo2.family)
+    with torch.no_grad():
+        want = olmo2.hf_model(input_ids=tokens).logits
+    H.assert_close_logits(H.megalite_logits(out, tokens), want, "olmo2 from-hf at TP2")
+
+
+def test_group_rows_shard_round_trip():
+    """The k norm's spec: whole groups per rank when TP <= groups, one group's copy per rank beyond."""
+    from megalite.model.qk_norm import GroupRowsShardSpec
+
+    full = torch.arange(8.0)  # 2 groups of 4 channels
+    spec = GroupRowsShardSpec(dim=0, groups=2)
+    for size in (1, 2, 4):
+        parts = [spec.shard(full, r, size) for r in range(size)]
+        assert torch.equal(spec.unshard(parts), full)
+    assert torch.equal(spec.shard(full, 1, 4), full[:4]) and torch.equal(spec.shard(full, 2, 4), full[4:])
+    assert spec.counted_ranges((4,), 1, 4) == [] and spec.counted_ranges((4,), 2, 4) == [(0, 4)]
