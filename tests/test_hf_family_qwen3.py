@@ -52,3 +52,21 @@ def test_greedy_generation_equals_transformers(qwen3):
 
 def test_planner_counts_transformers_parameters(qwen3):
     assert_planner_counts_hf(qwen3)
+
+
+def test_export_picks_the_family_by_its_norms_and_refuses_a_mix():
+    """Per-head q/k norms export as Qwen3, projection ones with post norms as OLMo 2; projection q/k norms with
+    pre norms match no family (no Llama silently dropping them): refused with what each family lacks."""
+    from megalite.checkpointing.hf.common import HFConversionError
+    from megalite.checkpointing.hf.registry import for_export
+    from megalite.config.model import ModelConfig
+
+    llama = dict(num_layers=2, hidden_size=32, num_attention_heads=4, position_embedding_type="rope",
+                 normalization="RMSNorm", swiglu=True, disable_bias_linear=True)
+    assert for_export(ModelConfig(**llama, qk_layernorm=True)).architecture == "Qwen3ForCausalLM"
+    assert for_export(ModelConfig(**llama, qk_layernorm=True, qk_layernorm_scope="projection",
+                                  sublayer_norms="post")).architecture == "Olmo2ForCausalLM"
+    with pytest.raises(HFConversionError) as e:
+        for_export(ModelConfig(**llama, qk_layernorm=True, qk_layernorm_scope="projection"))
+    assert "Olmo2ForCausalLM needs" in str(e.value) and "missing: --sublayer-norms post" in str(e.value)
+    assert "LlamaForCausalLM needs" in str(e.value) and "missing: no --qk-layernorm" in str(e.value)
