@@ -258,3 +258,22 @@ def test_megatron_window_looking_ahead_is_refused():
     args = Namespace(num_layers=2, hidden_size=64, num_attention_heads=4, window_size=(7, 3))
     with pytest.raises(CheckpointError, match="RIGHT 0"):
         config_from_args(args, 128, "ckpt")
+
+
+# ---- the planner ------------------------------------------------------------------------------------
+def test_planner_counts_the_window():
+    """FLOPs per token: a local layer's QK^T and PV span its window (the causal square's s otherwise); the
+    layer kinds follow --window-attn-skip-freq; the saved activations are the causal kind's (no s x s term
+    added or removed: the blockwise path saves q, k, v, out, lse)."""
+    from megalite.planning.flops import flops_per_token
+    from megalite.planning.model_shape import ModelShape
+
+    base = dict(num_layers=4, hidden_size=256, num_attention_heads=4)
+    full, local = ModelConfig(**base), ModelConfig(**base, window_size=[127, 0], window_attn_skip_freq="2")
+    shape = ModelShape.of(local)
+    assert [(k.attention, k.window) for k in shape.layers] == [("local", 128), ("causal", 0)] * 2
+    s, d = 4096, 64
+    per_layer_attn = lambda keys: 2 * 2 * keys * 4 * d  # noqa: E731 (2 FLOPs x QK^T and PV x heads x d)
+    assert flops_per_token(full, 1000, s) - flops_per_token(local, 1000, s) == 2 * (
+        per_layer_attn(s) - per_layer_attn(128))
+    assert ModelShape.of(ModelConfig(**base, window_size=[8191, 0])).layers[0].keys_per_query(s) == s

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from megalite import compat, device
 from megalite.attention import varlen
-from megalite.attention.blocks import attend, attend_backward
+from megalite.attention.blocks import _expand, _fold, attend, attend_backward
 from megalite.attention.documents import Documents
 
 # --attention-backend choices that run the explicit softmax(QK^T)V reference instead of SDPA.
@@ -64,6 +64,12 @@ def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
     return F.dropout(probs, dropout_p) @ v
 
 
+def _stacked(k: torch.Tensor, v: torch.Tensor, heads: int) -> torch.Tensor:
+    """K and V [b, g, s, d] repeated to the query heads once for all pieces (the fused kernels take equal
+    head counts; per piece the repeat would be copied again and again), stacked: [2, b, heads, s, d]."""
+    return torch.stack([_expand(k, heads), _expand(v, heads)])
+
+
 class _Blockwise(torch.autograd.Function):
     """Attention over the pieces a sliding window leaves (``documents.pieces`` with a window): the blockwise
     kernels of ``blocks.py`` with the log-sum-exp merge, so the work is that of the pieces, not s²."""
@@ -74,17 +80,18 @@ class _Blockwise(torch.autograd.Function):
         pieces = documents.pieces(0, documents.seq_length, 0, documents.seq_length)
         ctx.pieces, ctx.p = pieces, p
         ctx.rng = device.get_rng_state() if p > 0 else None  # the backward redraws the same masks
-        kv = torch.stack([k, v])
+        kv = _stacked(k, v, q.shape[1])
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), device=q.device)
         attend(q, kv, pieces, out, lse, p)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, kv, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse)  # k and v themselves (autograd keeps them anyway), not the stack
         return out
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor):
-        q, kv, out, lse = ctx.saved_tensors
+        q, k, v, out, lse = ctx.saved_tensors
+        kv = _stacked(k, v, q.shape[1])
         saved = None
         if ctx.rng is not None:
             saved = device.get_rng_state()
@@ -97,7 +104,8 @@ class _Blockwise(torch.autograd.Function):
         finally:
             if saved is not None:
                 device.set_rng_state(saved)
-        return dq.to(q.dtype), dkv[0].to(kv.dtype), dkv[1].to(kv.dtype), None, None
+        dkv = _fold(dkv.flatten(0, 1), k.shape[1]).unflatten(0, (2, k.shape[0])) if k.shape[1] != q.shape[1] else dkv
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
 
 
 def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, backend: str,

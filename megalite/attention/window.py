@@ -18,7 +18,7 @@ log-sum-exp merge needs a finite value per row).
 from __future__ import annotations
 
 # Query rows per tile of a windowed block: the far-edge band costs about TILE/2 pairs per row beyond W.
-TILE = 512
+TILE = 256
 
 # (q0, q1, k0, k1, causal, flip, window, lag) of one piece, in global positions
 Cut = tuple[int, int, int, int, bool, bool, int, int]

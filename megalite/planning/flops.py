@@ -2,7 +2,8 @@
 
 Counted per token, forward: 2 FLOPs per multiply-add of every GEMM (QKV, attention output, MLP, logits)
 plus the two attention matmuls (QK^T and PV, 2*2*s*h_attn, counted over the full causal square as
-Megatron does). Training = 3x forward (backward costs two forwards); full recomputation adds the layers' forward again.
+Megatron does; a sliding-window layer counts its window instead of the sequence). Training = 3x forward
+(backward costs two forwards); full recomputation adds the layers' forward again.
 Mixture of experts counts the active parameters: an MoE layer's MLP is its router (h x E), the k routed
 experts a token goes through (expert hidden size) and the shared expert and its gate if any.
 """
@@ -34,7 +35,7 @@ def layer_flops_per_token(cfg: ModelConfig, seq_length: int, layer: LayerShape =
     nq, nkv = cfg.num_attention_heads, cfg.num_query_groups
     qkv = h * (nq + 2 * nkv) * d
     proj = nq * d * h
-    attn = 2 * seq_length * nq * d
+    attn = 2 * layer.keys_per_query(seq_length) * nq * d
     return 2 * (qkv + proj + (moe_mlp_macs(cfg) if layer.moe else mlp_macs(cfg, cfg.ffn_hidden_size)) + attn)
 
 

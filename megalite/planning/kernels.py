@@ -78,12 +78,13 @@ def mlp_s(sh: RunShape, cl: ClusterConfig, rows: float, ffn: float, batch: int =
     return train_gemm_s(rows, fc1, sh.h, *args, **kw) + train_gemm_s(rows, sh.h, ffn, *args, **kw)
 
 
-def attention_s(sh: RunShape, cl: ClusterConfig) -> float:
+def attention_s(sh: RunShape, cl: ClusterConfig, layer: LayerShape = DENSE_LAYER) -> float:
     """The core attention per micro-batch on one rank (its a/t heads, its s/c queries against the s keys).
     Flash: the causal half of the square at the device's flash share of the spec peak, forward (again
     with selective or full recomputation) and backward; Transformer Engine's fused attention (cuDNN) runs
     at the device's best kernel's share, other layers (SDPA, Triton) at a FlashAttention-2-class kernel's.
-    Unfused: QK^T and PV as batched GEMMs per head."""
+    Unfused: QK^T and PV as batched GEMMs per head (over every key: the window is a mask there). A
+    sliding-window layer's flash (blockwise) work is its band: s/c queries x the window's keys."""
     m = sh.cfg.model
     heads, d, q = m.num_attention_heads // sh.tp, m.kv_channels, sh.s // sh.cp
     again = 1 if sh.recompute == "selective" else sh.recomputed_share
@@ -92,7 +93,8 @@ def attention_s(sh: RunShape, cl: ClusterConfig) -> float:
         batch = sh.b * heads
         return (train_gemm_s(q, sh.s, d, *args, batch=batch, forwards=1 + again)
                 + train_gemm_s(q, d, sh.s, *args, batch=batch, forwards=1 + again))
-    fwd = 2 * 2 * sh.b * heads * q * sh.s * d / 2  # the causal half of QK^T and PV
+    keys = sh.s / 2 if layer.keys_per_query(sh.s) >= sh.s else layer.keys_per_query(sh.s)  # causal half, or band
+    fwd = 2 * 2 * sh.b * heads * q * keys * d  # QK^T and PV
     spec = cl.spec()
     share = spec.flash_share if sh.te_layers or spec.fa2_share is None else spec.fa2_share
     return fwd * (1 + again + FLASH_BACKWARD) / (cl.peak_flops(sh.dtype) * share * cl.sustained())
@@ -139,4 +141,4 @@ def layers_compute_s(sh: RunShape, cl: ClusterConfig, stage: int) -> float:
 
 def layer_compute_s(sh: RunShape, cl: ClusterConfig, layer: LayerShape) -> float:
     """One micro-batch through one layer of kind ``layer``: its GEMMs, attention and (MoE) experts."""
-    return linear_s(sh, cl, layer) + attention_s(sh, cl) + (moe_mlp_s(sh, cl) if layer.moe else 0.0)
+    return linear_s(sh, cl, layer) + attention_s(sh, cl, layer) + (moe_mlp_s(sh, cl) if layer.moe else 0.0)

@@ -8,9 +8,11 @@ read by model/transformer.py's ``TransformerLayer``), and its parameters fall in
 runtime cuts, averages and counts them by (tensor_parallel/param_meta.py's ``ParamFamily``, named here:
 the planner imports no torch); tests/test_planning_moe.py builds the model and checks both agree.
 
-The attention kind is per layer too: every layer attends over the whole causal past today ("causal");
-a sliding-window (local) kind, with its window, adds its value here and its terms where the attention's
-are computed (kernels.attention_s, memory.core_attention_bytes, flops.layer_flops_per_token).
+The attention kind is per layer too, from ``ModelConfig.attention_windows()`` (what the model's Attention
+reads): "causal" over the whole past, or "local" with its ``window`` (--window-size, --window-attn-skip-freq),
+whose QK^T and PV cost follows the window (flops.layer_flops_per_token, kernels.attention_s). Its saved
+activations are the causal kind's (memory.core_attention_bytes unchanged): the blockwise path keeps q, k, v,
+the output and the log-sum-exp as flash attention does; 'unfused'/'local' mask the same s x s scores.
 """
 
 from __future__ import annotations
@@ -30,7 +32,13 @@ class LayerShape:
     """One transformer layer's kind: what its terms depend on besides the run's sizes."""
 
     mlp: str = "dense"  # "dense": an MLP; "moe": router, routed experts (the expert family), optional shared expert
-    attention: str = "causal"  # the whole causal past (the only kind so far; sliding-window layers add theirs)
+    attention: str = "causal"  # "causal": the whole causal past; "local": the ``window`` latest keys
+    window: int = 0  # keys a query sees in a "local" layer (itself included)
+
+    def keys_per_query(self, seq_length: int) -> int:
+        """The keys one query's score row spans, counted over the full square as Megatron counts causal
+        attention: the sequence, or the window when it is shorter."""
+        return min(self.window, seq_length) if self.attention == "local" else seq_length
 
     @property
     def moe(self) -> bool:
@@ -54,7 +62,7 @@ class ModelShape:
     @classmethod
     def of(cls, model: ModelConfig) -> ModelShape:
         """Each layer as the model builds it (``moe_layers()``: all False for a model without experts)."""
-        return _model_shape(tuple(model.moe_layers()))
+        return _model_shape(tuple(model.moe_layers()), tuple(model.attention_windows()))
 
     @cached_property
     def families(self) -> tuple[str, ...]:
@@ -85,6 +93,8 @@ class ModelShape:
 
 
 @lru_cache(maxsize=256)
-def _model_shape(moe: tuple[bool, ...]) -> ModelShape:
+def _model_shape(moe: tuple[bool, ...], windows: tuple[int, ...] | None = None) -> ModelShape:
     """One shape per layer pattern (a --search plans thousands of layouts of one model)."""
-    return ModelShape(tuple(MOE_LAYER if m else DENSE_LAYER for m in moe))
+    windows = windows or (0,) * len(moe)
+    return ModelShape(tuple(LayerShape(mlp="moe" if m else "dense", attention="local" if w else "causal", window=w)
+                            for m, w in zip(moe, windows)))
