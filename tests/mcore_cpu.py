@@ -132,6 +132,7 @@ def _config(args, tp: int, pp: int, ep: int = 1, vp: int | None = None):
         kv_channels=args.kv_channels, normalization=args.normalization, layernorm_epsilon=args.norm_epsilon,
         gated_linear_unit=args.swiglu, activation_func=F.silu if args.swiglu else F.gelu,
         add_bias_linear=args.add_bias_linear, hidden_dropout=0.0, attention_dropout=0.0,
+        add_qkv_bias=getattr(args, "add_qkv_bias", False),
         qk_layernorm=getattr(args, "qk_layernorm", False),
         use_cpu_initialization=True, params_dtype=torch.float32, tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32, bias_activation_fusion=False,
@@ -182,6 +183,8 @@ def build_gpt(args, tp: int, pp: int = 1, seed: int = 1, ep: int = 1, vp_stage: 
                      post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
                      share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
                      position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,
+                     rope_scaling=getattr(args, "use_rope_scaling", False),
+                     rope_scaling_factor=getattr(args, "rope_scaling_factor", 8.0),
                      vp_stage=vp_stage)
     tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
     tied = not args.untie_embeddings_and_output_weights

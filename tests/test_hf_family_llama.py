@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from tests import hf_family as H
+from tests.plan_params import assert_planner_counts_hf
 
 
 def llama_config():
@@ -104,3 +105,7 @@ def test_llama3_scaling_keeps_high_scales_low_and_interpolates_between():
     got = s.apply(2 * math.pi / wavelen) * wavelen / (2 * math.pi)  # scaled / original
     smooth = (32 / 16.0 - 1) / 3
     assert torch.allclose(got, torch.tensor([1.0, (1 - smooth) / 8 + smooth, 1 / 8]))
+
+
+def test_planner_counts_transformers_parameters(llama):
+    assert_planner_counts_hf(llama)

@@ -13,6 +13,7 @@ import os
 import pytest
 
 from tests import hf_family as H
+from tests.plan_params import assert_planner_counts_hf
 
 
 def qwen2_config():
@@ -60,3 +61,7 @@ def test_to_hf_of_the_trained_checkpoint_is_qwen2_with_megalites_logits(qwen2, t
 
 def test_greedy_generation_equals_transformers(qwen2):
     H.assert_generation_equals_hf(qwen2)
+
+
+def test_planner_counts_transformers_parameters(qwen2):
+    assert_planner_counts_hf(qwen2)

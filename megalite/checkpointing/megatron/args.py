@@ -25,6 +25,10 @@ COPIED = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
           "moe_router_pre_softmax", "moe_router_topk_scaling_factor", "moe_aux_loss_coeff",
           "moe_router_enable_expert_bias", "moe_router_load_balancing_type", "moe_z_loss_coeff")
 REQUIRED = ("num_layers", "hidden_size", "num_attention_heads")
+# What megatron-core's --use-rope-scaling fixes (its arguments name only the factor): Llama 3's frequency
+# factors and original context, as megalite's --rope-scaling-* flags
+MCORE_ROPE_SCALING = {"rope_scaling_low_freq_factor": 1.0, "rope_scaling_high_freq_factor": 4.0,
+                      "rope_scaling_original_max_position_embeddings": 8192}
 
 # arg -> (the value megalite can honour, what it would change)
 REFUSED: dict[str, tuple[Any, str]] = {
@@ -35,7 +39,6 @@ REFUSED: dict[str, tuple[Any, str]] = {
     "mtp_num_layers": (None, "multi-token prediction layers"),
     "moe_shared_expert_gate": (False, "a gated shared expert (Megatron's gate differs from megalite's)"),
     "heterogeneous_layers_config_path": (None, "heterogeneous layers"),
-    "use_rope_scaling": (False, "RoPE scaling"),
 }
 
 
@@ -94,6 +97,9 @@ def config_from_args(args: Any, vocab_size: int, where: str) -> dict[str, Any]:
                   group_query_attention=groups != heads, num_query_groups=groups if groups != heads else None)
     if getattr(args, "moe_layer_freq", None) is not None and fields.get("num_experts"):
         fields["moe_layer_freq"] = _layer_freq(args.moe_layer_freq)
+    if getattr(args, "use_rope_scaling", False):
+        fields.update(use_rope_scaling=True, rope_scaling_factor=float(getattr(args, "rope_scaling_factor", 8.0)),
+                      **MCORE_ROPE_SCALING)
     window = getattr(args, "window_size", None)  # (LEFT, RIGHT); the rules below refuse RIGHT != 0
     if window is not None and int(window[0]) >= 0:
         fields["window_size"] = [int(x) for x in window]

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from megalite.checkpointing.errors import CheckpointError
+from megalite.checkpointing.megatron.args import MCORE_ROPE_SCALING
 from megalite.checkpointing.megatron.names import LAYER, TOP
 from megalite.checkpointing.metadata import model_config
 from megalite.checkpointing.stored import all_specs
@@ -82,6 +83,8 @@ def megatron_args(config: dict[str, Any], padded_vocab: int) -> Namespace:
             text = str(freq).strip()
             fields["window_attn_skip_freq"] = int(text) if text.isdigit() else [
                 int(w > 0) for w in cfg.attention_windows()]
+    if cfg.use_rope_scaling:  # megatron-core fixes the other factors (MCORE_ROPE_SCALING, checked on export)
+        fields.update(use_rope_scaling=True, rope_scaling_factor=cfg.rope_scaling_factor)
     if cfg.num_experts:
         fields.update({k: config[k] for k in MOE_ARG_FIELDS if config.get(k) is not None})
         moe = [int(m) for m in cfg.moe_layers()]  # a list makes megatron-core key the layers one by one
@@ -100,6 +103,12 @@ def _refuse_unexported(config: dict[str, Any]) -> None:
     if config.get("sublayer_norms", "pre") != "pre":
         raise CheckpointError(f"to-megatron: --sublayer-norms {config['sublayer_norms']} is not exported "
                               "(megatron-core's transformer layer normalizes each sublayer's input only)")
+    if config.get("use_rope_scaling"):
+        differ = [f"--{k.replace('_', '-')} {config.get(k)} (megatron-core: {v:g})"
+                  for k, v in MCORE_ROPE_SCALING.items() if config.get(k) != v]
+        if differ:
+            raise CheckpointError(f"to-megatron: --use-rope-scaling with {', '.join(differ)} is not exported "
+                                  "(megatron-core's RoPE scaling takes only --rope-scaling-factor; it fixes the rest)")
     if config.get("moe_shared_expert_gate"):
         raise CheckpointError("to-megatron: --moe-shared-expert-gate is not exported (Megatron-LM's shared-expert "
                               "gate computes another function than megalite's)")
