@@ -134,6 +134,8 @@ def _config(args, tp: int, pp: int, ep: int = 1, vp: int | None = None):
         add_bias_linear=args.add_bias_linear, hidden_dropout=0.0, attention_dropout=0.0,
         add_qkv_bias=getattr(args, "add_qkv_bias", False),
         qk_layernorm=getattr(args, "qk_layernorm", False),
+        window_size=getattr(args, "window_size", None),
+        window_attn_skip_freq=getattr(args, "window_attn_skip_freq", None),
         use_cpu_initialization=True, params_dtype=torch.float32, tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32, bias_activation_fusion=False,
         virtual_pipeline_model_parallel_size=vp, expert_model_parallel_size=ep,
