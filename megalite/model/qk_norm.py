@@ -7,11 +7,11 @@ Two scopes (--qk-layernorm-scope):
   gradient is a partial sum over its heads: summed over TP before the step (``partial_grad``).
 - ``projection`` (OLMo 2): an RMSNorm over the whole q projection (heads x head_dim) and one over the whole
   k projection (groups x head_dim), with a weight per channel. Under TP a rank holds a slice of the
-  projection, so the sum of squares spans the ranks: one all-reduce in forward (and, since every rank's
-  output depends on every rank's input, one in backward). Its weight is cut like the projection's rows:
-  the q weight contiguously, the k weight by KV group, replicated like the K rows when TP exceeds the
-  groups (``GroupRowsShardSpec``). With replicated groups each group's squares enter the sum once per
-  replica and the count is multiplied alike, so the mean is the same.
+  projection, so the sum of squares spans the ranks: one all-reduce in forward, q's and k's sums together
+  (and, since every rank's output depends on every rank's input, one in backward). Its weight is cut like
+  the projection's rows: the q weight contiguously, the k weight by KV group, replicated like the K rows
+  when TP exceeds the groups (``GroupRowsShardSpec``). With replicated groups each group's squares enter
+  the sum once per replica and the count is multiplied alike, so the mean is the same.
 """
 
 from __future__ import annotations
@@ -79,15 +79,30 @@ class ProjectionRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [s, b, n, d] (this rank's n heads) -> normalized by the root mean square over every rank's
         heads (module doc)."""
-        weight = self.weight + 1 if self.zero_centered else self.weight
         flat = x.flatten(-2)
-        tp = self.pg.tp_size
-        if tp == 1:
+        if self.pg.tp_size == 1:
+            weight = self.weight + 1 if self.zero_centered else self.weight
             return F.rms_norm(flat, (self.local,), weight, self.eps).view_as(x)
         xf = flat.float()
-        squares = reduce_from_tp(copy_to_tp(xf.pow(2).sum(-1, keepdim=True), self.pg), self.pg)
-        out = (xf * torch.rsqrt(squares / (self.local * tp) + self.eps)).to(x.dtype) * weight
+        return self.scale(x, xf, reduce_from_tp(copy_to_tp(xf.pow(2).sum(-1, keepdim=True), self.pg), self.pg))
+
+    def scale(self, x: torch.Tensor, xf: torch.Tensor, squares: torch.Tensor) -> torch.Tensor:
+        """x normalized, given ``xf`` (x flattened over its heads, fp32) and every rank's sum of squares."""
+        weight = self.weight + 1 if self.zero_centered else self.weight
+        out = (xf * torch.rsqrt(squares / (self.local * self.pg.tp_size) + self.eps)).to(x.dtype) * weight
         return out.view_as(x)
+
+
+def apply_qk_norms(q: torch.Tensor, k: torch.Tensor, q_norm: nn.Module, k_norm: nn.Module
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k normalized. Over the projection under TP, q's and k's sums of squares travel in one
+    all-reduce (one per layer, not one per norm)."""
+    if not isinstance(q_norm, ProjectionRMSNorm) or q_norm.pg.tp_size == 1:
+        return q_norm(q), k_norm(k)
+    qf, kf = q.flatten(-2).float(), k.flatten(-2).float()
+    sums = torch.cat([qf.pow(2).sum(-1, keepdim=True), kf.pow(2).sum(-1, keepdim=True)], dim=-1)
+    sums = reduce_from_tp(copy_to_tp(sums, q_norm.pg), q_norm.pg)
+    return q_norm.scale(q, qf, sums[..., :1]), k_norm.scale(k, kf, sums[..., 1:])
 
 
 def qk_norms(cfg: ModelConfig, ctx: BuildContext, heads_local: int, groups_local: int) -> tuple[nn.Module, nn.Module]:

@@ -19,7 +19,7 @@ from megalite.attention import Documents, core_attention
 from megalite.config.model import ModelConfig
 from megalite.context_parallel import context_parallel_attention
 from megalite.model.norm import Norm
-from megalite.model.qk_norm import qk_norms
+from megalite.model.qk_norm import apply_qk_norms, qk_norms
 from megalite.model.rope import apply_rope
 from megalite.moe.layer import MoELayer
 from megalite.tensor_parallel.context import BuildContext
@@ -89,7 +89,7 @@ class Attention(nn.Module):
         q = q.reshape(s, b, self.heads_local, self.head_dim)  # a view when q_per_group == 1
         k, v = k.squeeze(3), v.squeeze(3)  # [s, b, groups_local, d]
         if self.qk_layernorm:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_qk_norms(q, k, self.q_norm, self.k_norm)
         if rope_angles is not None:
             q, k = apply_rope(q, rope_angles), apply_rope(k, rope_angles)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
