@@ -20,7 +20,12 @@ from tests.tp_utils import GPT2, LLAMA_GQA, build, gather_full, groups_for
 
 VOCAB = 1000  # not a multiple of 128 x TP
 CASES = {"gpt2": GPT2, "llama_gqa_groups_lt_tp": LLAMA_GQA,
-         "llama_mha": {**LLAMA_GQA, "group_query_attention": False, "num_attention_heads": 4}}
+         "llama_mha": {**LLAMA_GQA, "group_query_attention": False, "num_attention_heads": 4},
+         # q/k norms per head (partial weight gradients over TP), and over the projection with norms after the
+         # sublayers (the sums of squares all-reduced; the k norm copied when TP 4 exceeds the 2 groups)
+         "qk_head": {**LLAMA_GQA, "qk_layernorm": True},
+         "qk_projection_post_norms": {**LLAMA_GQA, "qk_layernorm": True, "qk_layernorm_scope": "projection",
+                                      "sublayer_norms": "post"}}
 
 
 def _outputs(kw: dict, pg) -> dict:
