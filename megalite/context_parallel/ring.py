@@ -88,41 +88,49 @@ class Compaction:
     def __init__(self, ring: Ring, documents: Documents, s_local: int) -> None:
         self.ring, self.documents, self.s_local = ring, documents, s_local
         n = ring.n
-        need = [[set() for _ in range(n)] for _ in range(n)]  # need[m][j]: j's positions member m sees
-        for m in range(n):
-            for j in range(n):
-                if m != j:
-                    for p in chunk_pieces(documents, ring.chunks_of(m), ring.chunks_of(j)):
-                        need[m][j].update(range(p.k0, p.k1))
-        self._keep = {}
+        # need[m][j]: the ranges of j's local positions member m's pieces reach
+        need = [[[(p.k0, p.k1) for p in chunk_pieces(documents, ring.chunks_of(m), ring.chunks_of(j))]
+                 if m != j else [] for j in range(n)] for m in range(n)]
+        self._keep: dict[tuple[int, int], list[int]] = {}
+        self._memo: dict = {}
         for j in range(n):
-            acc: set[int] = set()
+            acc: list[tuple[int, int]] = []
             for t in range(n - 1, 0, -1):
-                acc |= need[(j + t) % n][j]
-                self._keep[(t, j)] = sorted(acc)
+                acc = _union(acc + need[(j + t) % n][j])
+                self._keep[(t, j)] = [c for a, b in acc for c in range(a, b)]
 
     def keep(self, t: int, j: int) -> list[int]:
         return list(range(self.s_local)) if t == 0 else self._keep[(t, j)]
 
+    def _where(self, j: int, inner: int, outer: int) -> list[int]:
+        """Where each position of layout keep(inner, j) sits in layout keep(outer, j) (which holds it)."""
+        key = ("where", j, inner, outer)
+        if key not in self._memo:
+            pos = {c: i for i, c in enumerate(self.keep(outer, j))}
+            self._memo[key] = [pos[c] for c in self.keep(inner, j)]
+        return self._memo[key]
+
     def select(self, kv: torch.Tensor, j: int, held: int, to: int) -> torch.Tensor | None:
         """Owner j's K/V in layout keep(held) cut to layout keep(to) (None when that is empty)."""
-        pos = {c: i for i, c in enumerate(self.keep(held, j))}
-        want = self.keep(to, j)
-        if not want:
-            return None
-        return kv.index_select(3, torch.tensor([pos[c] for c in want], device=kv.device))
+        idx = self._where(j, to, held)
+        return kv.index_select(3, torch.tensor(idx, device=kv.device)) if idx else None
 
     def scatter(self, part: torch.Tensor, j: int, held: int, to: int) -> torch.Tensor:
         """fp32 dK/dV in layout keep(held) placed in layout keep(to) (which holds it), zeros elsewhere."""
-        pos = {c: i for i, c in enumerate(self.keep(to, j))}
-        out = torch.zeros((*part.shape[:3], len(pos), part.shape[4]), dtype=part.dtype, device=part.device)
-        idx = [pos[c] for c in self.keep(held, j)]
+        out = torch.zeros((*part.shape[:3], len(self.keep(to, j)), part.shape[4]), dtype=part.dtype,
+                          device=part.device)
+        idx = self._where(j, held, to)
         if idx:
             out.index_add_(3, torch.tensor(idx, device=part.device), part)
         return out
 
     def chunks(self, t: int, j: int) -> list[Chunk]:
         """Owner j's chunks as held in layout keep(t): runs of consecutive positions inside each chunk."""
+        if ("chunks", t, j) not in self._memo:
+            self._memo[("chunks", t, j)] = self._chunks(t, j)
+        return self._memo[("chunks", t, j)]
+
+    def _chunks(self, t: int, j: int) -> list[Chunk]:
         cols, out = self.keep(t, j), []
         at = {c: i for i, c in enumerate(cols)}
         for ch in self.ring.chunks_of(j):
@@ -159,9 +167,30 @@ def ring_forward(ring: Ring, q: torch.Tensor, kv: torch.Tensor, documents: Docum
     return out, lse
 
 
+def _union(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Sorted, merged half-open ranges."""
+    out: list[tuple[int, int]] = []
+    for a, b in sorted(ranges):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+_PLANS: dict = {}  # (every member's chunks, this member, documents) -> Compaction: once per layout, not per layer
+
+
 def _plan(ring: Ring, documents: Documents, kv: torch.Tensor) -> Compaction | None:
     ring._like = kv
-    return Compaction(ring, documents, kv.shape[3]) if documents.window and ring.n > 1 else None
+    if not documents.window or ring.n == 1:
+        return None
+    key = (tuple(tuple(ring.chunks_of(m)) for m in range(ring.n)), ring.r, documents)
+    if key not in _PLANS:
+        if len(_PLANS) > 64:  # packed documents change per micro-batch: keep the recent ones
+            _PLANS.clear()
+        _PLANS[key] = Compaction(ring, documents, kv.shape[3])
+    return _PLANS[key]
 
 
 def _pass_kv(ring: Ring, plan: Compaction | None, kv: torch.Tensor | None, step: int):
