@@ -13,6 +13,7 @@ import importlib.util
 import json
 import os
 import resource
+import signal
 import subprocess
 import sys
 from collections.abc import Callable
@@ -275,3 +276,29 @@ def test_a_real_permission_refusal_is_one_line(tmp_path):
     assert proc.returncode == 1 and len(lines) == 1, proc.stderr
     assert os.strerror(errno.EACCES) in lines[0] and str(out) in lines[0], lines
     assert list(out.iterdir()) == []
+
+
+def test_a_real_ctrl_c_of_preprocess_with_workers_is_one_line(tmp_path):
+    """SIGINT to the whole process group (as a terminal's Ctrl-C sends it) once the first progress line is
+    out: the parent says it in one line and exits 130, the workers print nothing, no output is left."""
+    source = tmp_path / "in.jsonl"
+    source.write_text("".join(json.dumps({"text": " ".join(str((i + j) % 60) for j in range(30))}) + "\n"
+                              for i in range(100_000)))
+    proc = subprocess.Popen([sys.executable, str(ROOT / "tools" / "preprocess_data.py"), "--input", str(source),
+                             "--output-prefix", str(tmp_path / "out"), *NULL_TOK, "--workers", "2",
+                             "--log-interval", "1000"], stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        first = proc.stderr.readline()
+        assert first.startswith("Processed"), first
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            rest = proc.communicate(timeout=120)[1]
+        except subprocess.TimeoutExpired:
+            pytest.fail("preprocess_data.py did not end after Ctrl-C (its workers hang the pool)")
+        code = proc.returncode
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    said = [line for line in rest.splitlines() if line.strip() and not line.startswith("Processed")]
+    assert code == 130 and len(said) == 1 and said[0].startswith("preprocess_data.py: interrupted;"), rest
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
