@@ -106,7 +106,8 @@ def test_dp2_distributed_optimizer_matches_serial_and_resumes(tmp_path):
     ({"decoupled_min_lr": 1e-4}, "--decoupled-min-lr needs --decoupled-lr"),
     ({"decoupled_lr": 1e-4, "decoupled_min_lr": 2e-4}, "need 0 <= --decoupled-min-lr (0.0002) <= --decoupled-lr"),
     ({"decoupled_lr": 1e-4}, "--min-lr (0.0003, the default of --decoupled-min-lr) <= --decoupled-lr (0.0001)"),
-    ({"decoupled_lr": -1.0, "decoupled_min_lr": 0.0}, "--decoupled-lr must be a finite number >= 0, got -1.0"),
+    ({"decoupled_lr": -1.0, "decoupled_min_lr": 0.0},
+     "--decoupled-lr must be a finite number >= 0 that fp32 holds (0, or 1.2e-38 to 3.4e38 in size), got -1.0"),
 ])
 def test_bad_decoupled_rates_are_refused(flags, message):
     with pytest.raises(ConfigError) as e:

@@ -88,7 +88,7 @@ def test_a_corrupt_newest_checkpoint_is_set_aside_and_a_garbled_tracker_scanned(
     from megalite.checkpointing.errors import CheckpointError
     from megalite.checkpointing.fallback import resume_point
     from megalite.checkpointing.paths import TRACKER
-    from tools.soak_checks import corrupt_newest, passing
+    from tools.soak_parts.checks import corrupt_newest, passing
 
     d = str(tmp_path / "ck")
     _train(d, 6)  # iterations 2, 4, 6

@@ -34,7 +34,8 @@ from dataclasses import asdict, dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tools.soak_checks import (
+from megalite.config.domain import Domain, count, domain_option, positive
+from tools.soak_parts.checks import (
     compare_final,
     complete,
     corrupt_newest,
@@ -43,7 +44,7 @@ from tools.soak_checks import (
     passing,
     tracked,
 )
-from tools.soak_job import ERROR, LOADED, LOSS, SAVE_FAILED, SAVED, SAVING, Job, Line
+from tools.soak_parts.job import ERROR, LOADED, LOSS, SAVE_FAILED, SAVED, SAVING, Job, Line
 
 KINDS = ("sigkill", "kill-save", "sigterm", "hang", "disk-full", "corrupt", "tracker")
 ENDING = ("sigkill", "kill-save", "sigterm", "hang")  # in-run faults that end the launch
@@ -412,30 +413,29 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
         cut = argv.index("--")
         argv, model = argv[:cut], argv[cut + 1:]
     p = argparse.ArgumentParser(prog="soak.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--seed", type=int, default=1, help="Chooses the faults' kinds, iterations, ranks and bytes.")
-    p.add_argument("--faults", type=int, default=7, help="Faults to inject.")
+    domain_option(p, "--seed", integer=True, default=1, domain=Domain(lo=0, hi=2**32 - 1),
+                  help="Chooses the faults' kinds, iterations, ranks and bytes.")
+    domain_option(p, "--faults", integer=True, default=7, domain=Domain(lo=0, hi=10_000), help="Faults to inject.")
     p.add_argument("--kinds", type=lambda s: s.split(","), default=list(KINDS),
                    help=f"Comma-separated fault kinds (default all: {','.join(KINDS)}).")
-    p.add_argument("--train-iters", type=int, default=60)
-    p.add_argument("--save-interval", type=int, default=5)
-    p.add_argument("--nproc", type=int, default=2, help="Ranks of the job.")
-    p.add_argument("--timeout-minutes", type=float, default=0.15,
-                   help="--distributed-timeout-minutes of the job: how long a hang lasts before the job ends.")
+    domain_option(p, "--train-iters", integer=True, default=60, domain=count())
+    domain_option(p, "--save-interval", integer=True, default=5, domain=count())
+    domain_option(p, "--nproc", integer=True, default=2, domain=Domain(lo=2, hi=64), help="Ranks of the job.")
+    domain_option(p, "--timeout-minutes", integer=False, default=0.15, domain=positive(24 * 60),
+                  help="--distributed-timeout-minutes of the job: how long a hang lasts before the job ends.")
     p.add_argument("--hang-detection", choices=["on", "off"], default="on",
                    help="off: the job's collective timeout is 30 min, so a hang is not ended in time (the soak "
                    "then fails: shows what the timeout is for).")
-    p.add_argument("--hang-limit-s", type=float, default=60.0,
-                   help="The longest the soak waits for a hang to end the job before it fails.")
-    p.add_argument("--grace-s", type=float, default=10.0,
-                   help="After one rank ended, the others' time to end before SIGKILL (as a scheduler's).")
+    domain_option(p, "--hang-limit-s", integer=False, default=60.0, domain=positive(24 * 3600),
+                  help="The longest the soak waits for a hang to end the job before it fails.")
+    domain_option(p, "--grace-s", integer=False, default=10.0, domain=positive(3600),
+                  help="After one rank ended, the others' time to end before SIGKILL (as a scheduler's).")
     p.add_argument("--workdir", default=None, help="Where the checkpoints and logs go (default: a new temp dir).")
     p.add_argument("--json", default=None, help="Also write the report here as JSON.")
     o = p.parse_args(argv)
     bad = [k for k in o.kinds if k not in KINDS]
     if bad:
         p.error(f"--kinds: unknown {bad}; choose from {', '.join(KINDS)}")
-    if o.nproc < 2:
-        p.error("--nproc: a soak needs at least 2 ranks")
     o.workdir = o.workdir or tempfile.mkdtemp(prefix="soak-")
     return o, model
 
