@@ -65,10 +65,10 @@ def test_finetune_equals_transformers_and_adamw(llama):
 
 @pytest.mark.parametrize("layout, nccl", [("tp2_sp", True), ("pp2", True), ("cp2_p2p", True)])
 def test_layouts_give_the_serial_curve(llama, layout, nccl):
-    """Both families at TP2 + SP and PP2 under NCCL's point-to-point rules; the Llama 3.1 one also at CP2
-    (its scaled RoPE at each rank's zigzag positions)."""
-    if llama.family is LLAMA and layout == "cp2_p2p":
-        pytest.skip("the Llama 3.1-style family covers this layout; the plain one adds nothing to it")
+    """The Llama 3.1-style family at TP2 + SP, PP2 and CP2 (its scaled RoPE at each rank's zigzag positions)
+    under NCCL's point-to-point rules; the plain Llama's layouts are tests/test_hf_conversion.py's."""
+    if llama.family is LLAMA:
+        pytest.skip("the Llama 3.1-style family covers the layouts; the plain one adds nothing to them")
     H.assert_layout_equals_serial(llama, layout, nccl)
 
 

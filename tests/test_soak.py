@@ -135,3 +135,16 @@ def test_a_failed_periodic_save_is_retried_and_n_in_a_row_stop_the_run(tmp_path,
     with pytest.raises(SavesKeepFailing, match="2 of --max-consecutive-failed-saves 2 in a row failed"):
         _train(d, 12, max_consecutive_failed_saves=2)
     assert open(os.path.join(d, "latest_checkpointed_iteration.txt")).read() == "6"
+
+
+def test_a_tracker_fault_on_a_folder_without_a_tracker_garbles_one(tmp_path):
+    """Two tracker faults in a row (the run killed before it wrote a tracker again): the second writes a
+    garbled one instead of failing the soak on a file that is not there."""
+    import random
+
+    from megalite.checkpointing.paths import TRACKER
+    from tools.soak_parts.checks import damage_tracker
+
+    for seed in range(8):
+        assert damage_tracker(str(tmp_path), random.Random(seed)) == "garbled"
+        os.remove(tmp_path / TRACKER)

@@ -58,7 +58,7 @@ def corrupt_newest(folder: str, rng: random.Random) -> str:
 def damage_tracker(folder: str, rng: random.Random) -> str:
     """Delete the tracker or overwrite it with bytes that are no iteration number; returns which."""
     path = os.path.join(folder, TRACKER)
-    if rng.random() < 0.5:
+    if rng.random() < 0.5 and os.path.isfile(path):  # an earlier fault may have deleted it already: garble then
         os.remove(path)
         return "deleted"
     with open(path, "wb") as f:
