@@ -380,3 +380,21 @@ def test_a_real_file_size_limit_is_one_line(tmp_path, sources, name):
     assert proc.returncode == 2 and err.count("\n") == 1 and "Traceback" not in err, err
     assert dest in err and os.strerror(errno.EFBIG) in err, err
     assert not os.path.exists(dest) and _siblings(dest) == []
+
+
+def test_restarting_in_place_compares_folders_not_strings(tmp_path):
+    """--load naming --save through a symlink or another spelling is the same folder: the run that restarts
+    in place sets a damaged newest checkpoint aside (fallback.py) whichever spelling it was given."""
+    from megalite.checkpointing.guard import restarts_in_place
+    from megalite.config.training import CheckpointConfig
+
+    real = tmp_path / "run"
+    real.mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    other = tmp_path / "other"
+    other.mkdir()
+    assert restarts_in_place(CheckpointConfig(save=str(real), load=str(link)))
+    assert restarts_in_place(CheckpointConfig(save=str(real), load=f"{tmp_path}/./run/"))
+    assert not restarts_in_place(CheckpointConfig(save=str(real), load=str(other)))
+    assert not restarts_in_place(CheckpointConfig(save=str(real), load=str(link), finetune=True))

@@ -14,7 +14,7 @@ import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from megalite.checkpointing.destination import claim
+from megalite.checkpointing.destination import claim, relation
 from megalite.checkpointing.fallback import resume_point
 from megalite.checkpointing.load import shape_diffs
 from megalite.checkpointing.paths import TRACKER, iter_dirname, iteration_dir, read_tracker, recover
@@ -127,6 +127,6 @@ def guarded_save(ck: CheckpointConfig, model: ModelConfig, rank: int, say: Calla
 
 def restarts_in_place(ck: CheckpointConfig) -> bool:
     """Whether the run continues the checkpoint it saves (``--load`` is ``--save``): then rank 0, holding the
-    lock, sets a damaged newest checkpoint aside before anything reads the tracker (``fallback.py``)."""
-    return bool(ck.save and ck.load and not ck.finetune
-                and os.path.abspath(ck.save) == os.path.abspath(ck.load))
+    lock, sets a damaged newest checkpoint aside before anything reads the tracker (``fallback.py``). Compared
+    as the writer rule compares folders (resolved path, then device and inode): a symlink counts as the same."""
+    return bool(ck.save and ck.load and not ck.finetune and relation(ck.save, ck.load) == "is")
