@@ -120,6 +120,29 @@ def test_several_keys_and_sentence_lists():
     assert title[0].tolist() == tok.tokenize("T1") + [tok.eod]
 
 
+def test_a_full_disk_on_a_later_key_leaves_no_key_written(monkeypatch):
+    """Several --json-keys finish together: when the second key's index cannot be written (a full disk), the
+    first key's output is not left standing alone, and nothing else is left behind."""
+    import errno
+
+    from megalite.data.indexed_dataset import IndexedDatasetWriter
+
+    d = scratch_dir("pp-keys-full")
+    rows = [{"text": "plain", "title": "T1"}]
+    real, calls = IndexedDatasetWriter.write_index, []
+
+    def full_on_second(self):
+        calls.append(self.prefix)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(self)
+
+    monkeypatch.setattr(IndexedDatasetWriter, "write_index", full_on_second)
+    with pytest.raises(OSError):
+        run([write_jsonl(os.path.join(d, "in.jsonl"), rows)], os.path.join(d, "o"), json_keys=["text", "title"])
+    assert sorted(os.listdir(d)) == ["in.jsonl"]
+
+
 def _bad_input(d):
     rows = [{"text": "good one"}, {"text": "good two"}, None, {"other": "x"}, {"text": 5}, {"text": "ok"}]
     return write_jsonl(os.path.join(d, "bad.jsonl"), rows, raw_lines={2: '{"text": "unterminated'})

@@ -271,6 +271,12 @@ class IndexedDatasetWriter:
 
     def finalize(self) -> None:
         """Write the index, then move both files into place (``.idx`` last)."""
+        self.write_index()
+        self.publish()
+
+    def write_index(self) -> None:
+        """Close the data and write the index, both under their temporary names: the part of finishing that
+        can fail on a full disk, so a writer of several outputs writes every index before it publishes any."""
         self._bin.close()
         lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, np.int32)
         counts = np.concatenate(self._doc_seq_counts) if self._doc_seq_counts else np.zeros(0, np.int64)
@@ -284,6 +290,9 @@ class IndexedDatasetWriter:
             f.write(lengths.astype("<i4").tobytes())
             f.write(pointers.astype("<i8").tobytes())
             f.write(docs.astype("<i8").tobytes())
+
+    def publish(self) -> None:
+        """Move the written files into place (``.idx`` last, so a reader never pairs an old index)."""
         final_idx = idx_path(self.prefix)
         if os.path.exists(final_idx):
             os.unlink(final_idx)  # never pair an old .idx with the new .bin

@@ -263,8 +263,10 @@ def preprocess(opts: PreprocessOptions, log: Callable[[str], None] = _stderr) ->
         for key, prefix in outputs.items():
             writers[key] = IndexedDatasetWriter(prefix, dtype)
         result = _run(opts, sources, writers, log)
+        for w in writers.values():  # every index written before any output appears: one key's output
+            w.write_index()  # never stands alone after a later key's failed on a full disk
         for w in writers.values():
-            w.finalize()
+            w.publish()
         result.outputs = outputs
         return result
     finally:
