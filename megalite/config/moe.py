@@ -34,6 +34,13 @@ class MoEFields:
     moe_router_pre_softmax: bool = option(
         False, help="Softmax over all experts before top-k (the top-k probabilities are not renormalised; "
         "Qwen2-MoE). Default: top-k over the logits, then softmax over the k (Mixtral).")
+    moe_router_num_groups: int | None = option(
+        None, help="Group-limited routing: the experts form this many equal groups of consecutive ids (with "
+        "--moe-router-group-topk; DeepSeek-V3's n_group).", domain=size(MAX_HIDDEN))
+    moe_router_group_topk: int | None = option(
+        None, help="Group-limited routing: each token's top-k experts are chosen among the experts of its this "
+        "many best groups, a group scored by the sum of its top --moe-router-topk / this expert scores "
+        "(DeepSeek-V3's topk_group; None: plain top-k).", domain=size(MAX_HIDDEN))
     moe_router_topk_scaling_factor: float | None = option(
         None, help="Multiply the top-k probabilities by this factor.", domain=positive())
     moe_router_load_balancing_type: str = option(

@@ -53,6 +53,7 @@ def moe_errors(cfg: MegaliteConfig) -> list[str]:
     if m.moe_router_enable_expert_bias and m.moe_router_score_function != "sigmoid":
         errors.append("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid (as in "
                       "Megatron-LM and DeepSeek-V3)")
+    errors += _group_routing_errors(m.num_experts, k, m.moe_router_num_groups, m.moe_router_group_topk)
     if m.moe_router_pre_softmax and m.moe_router_score_function != "softmax":
         errors.append("--moe-router-pre-softmax needs --moe-router-score-function softmax")
     if m.moe_shared_expert_gate and m.moe_shared_expert_intermediate_size is None:
@@ -61,6 +62,28 @@ def moe_errors(cfg: MegaliteConfig) -> list[str]:
         errors.append(f"--tensor-model-parallel-size ({tp}) must divide --moe-shared-expert-intermediate-size "
                       f"({m.moe_shared_expert_intermediate_size})")
     return errors
+
+
+def _group_routing_errors(E: int, k: int, groups: int | None, group_topk: int | None) -> list[str]:
+    """Group-limited routing: equal groups, no more chosen than exist, and k experts scored and found in them."""
+    if groups is None and group_topk is None:
+        return []
+    if group_topk is None:
+        return [f"--moe-router-num-groups ({groups}) needs --moe-router-group-topk (the groups each token's "
+                "experts come from); without it the groups have no effect"]
+    if groups is None:
+        return [f"--moe-router-group-topk ({group_topk}) needs --moe-router-num-groups"]
+    if E % groups:
+        return [f"--moe-router-num-groups ({groups}) must divide --num-experts ({E})"]
+    if group_topk > groups:
+        return [f"--moe-router-group-topk ({group_topk}) must be at most --moe-router-num-groups ({groups})"]
+    if k < group_topk:
+        return [f"--moe-router-topk ({k}) must be at least --moe-router-group-topk ({group_topk}): a group is scored "
+                "by the sum of its top topk // group-topk expert scores"]
+    if k > group_topk * (E // groups):
+        return [f"--moe-router-topk ({k}) must fit in the chosen groups: at most --moe-router-group-topk "
+                f"({group_topk}) x experts per group ({E // groups})"]
+    return []
 
 
 def _unsupported_with_moe(cfg: MegaliteConfig, ep: int, etp: int, tp: int) -> list[str]:

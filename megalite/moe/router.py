@@ -40,6 +40,25 @@ def capacity(tokens: int, topk: int, num_experts: int, factor: float) -> int:
     return math.ceil(tokens * topk / num_experts * factor)
 
 
+def group_limited_topk(scores: torch.Tensor, k: int, num_groups: int, group_topk: int
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k among the experts of each token's ``group_topk`` best groups (Megatron-LM's rule): the E experts
+    form ``num_groups`` equal groups of consecutive ids, a group's score is the sum of its top k // group_topk
+    expert scores. Returns (the chosen scores [T, k], their expert ids [T, k]), as ``scores.topk(k)`` would.
+
+    The choice is made without autograd and the values gathered: the gradient is topk's, and backward keeps
+    only the [T, k] ids, as plain top-k does (the planner's router bytes hold for both)."""
+    T, E = scores.shape
+    with torch.no_grad():
+        per_group = scores.view(T, num_groups, E // num_groups)
+        group_scores = per_group.topk(k // group_topk, dim=-1).values.sum(-1)  # [T, G]
+        chosen = group_scores.topk(group_topk, dim=-1, sorted=False).indices
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, chosen, True)
+        keep = keep.unsqueeze(-1).expand_as(per_group).reshape(T, E)
+        experts = scores.masked_fill(~keep, float("-inf")).topk(k, dim=-1).indices
+    return scores.gather(1, experts), experts
+
+
 def load_balancing_loss(scores: torch.Tensor, counts: torch.Tensor, tokens: int, topk: int, coeff: float
                         ) -> torch.Tensor:
     """Switch-transformer loss coeff * E / (k T^2) * sum_e (sum_t p_te) c_e, where c_e counts the T tokens'
@@ -64,23 +83,30 @@ class Router(nn.Module):
             self.expert_bias = nn.Parameter(torch.zeros(E, dtype=torch.float32, device=device), requires_grad=False)
             declare_param(self.expert_bias, ShardSpec(), (E,), "zeros")
 
+    def _topk(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(values, expert ids) [T, k]: plain top-k, or group-limited with --moe-router-group-topk."""
+        c = self.cfg
+        if c.moe_router_group_topk:
+            return group_limited_topk(scores, c.moe_router_topk, c.moe_router_num_groups, c.moe_router_group_topk)
+        return scores.topk(c.moe_router_topk, dim=-1)
+
     def _choose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(probs [T, k], experts [T, k], scores for the load-balancing loss [T, E])."""
         c, k = self.cfg, self.cfg.moe_router_topk
         if c.moe_router_score_function == "sigmoid":
             scores = torch.sigmoid(logits)
             choice = scores if self.expert_bias is None else scores + self.expert_bias
-            experts = choice.topk(k, dim=-1).indices
+            experts = self._topk(choice)[1]  # the bias moves the choice, never the weights
             probs = scores.gather(1, experts)
             if k > 1:
                 probs = probs / (probs.sum(-1, keepdim=True) + 1e-20)
             aux_scores = scores / (scores.sum(-1, keepdim=True) + 1e-20)
         elif c.moe_router_pre_softmax:
             scores = logits.softmax(-1)
-            probs, experts = scores.topk(k, dim=-1)
+            probs, experts = self._topk(scores)
             aux_scores = scores
         else:
-            top, experts = logits.topk(k, dim=-1)
+            top, experts = self._topk(logits)
             probs = top.softmax(-1)
             aux_scores = logits.softmax(-1)
         if c.moe_router_topk_scaling_factor:

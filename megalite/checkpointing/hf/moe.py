@@ -32,7 +32,8 @@ def softmax_router_requirements(cfg: ModelConfig) -> dict[str, bool]:
     """A router HF computes as softmax over the logits, top-k (then renormalised or not)."""
     return {"--moe-router-score-function softmax": cfg.moe_router_score_function == "softmax",
             "no --moe-router-enable-expert-bias": not cfg.moe_router_enable_expert_bias,
-            "no --moe-router-topk-scaling-factor": cfg.moe_router_topk_scaling_factor in (None, 1.0)}
+            "no --moe-router-topk-scaling-factor": cfg.moe_router_topk_scaling_factor in (None, 1.0),
+            "no --moe-router-group-topk": not cfg.moe_router_group_topk}
 
 
 def _coeff(x: float) -> float:

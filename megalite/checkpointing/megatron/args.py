@@ -23,6 +23,7 @@ COPIED = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
           "attention_dropout", "init_method_std", "make_vocab_size_divisible_by", "num_experts", "moe_ffn_hidden_size",
           "moe_router_topk", "moe_shared_expert_intermediate_size", "moe_router_score_function",
           "moe_router_pre_softmax", "moe_router_topk_scaling_factor", "moe_aux_loss_coeff",
+          "moe_router_group_topk",
           "moe_router_enable_expert_bias", "moe_router_load_balancing_type", "moe_z_loss_coeff")
 REQUIRED = ("num_layers", "hidden_size", "num_attention_heads")
 # What megatron-core's --use-rope-scaling fixes (its arguments name only the factor): Llama 3's frequency
@@ -39,6 +40,8 @@ REFUSED: dict[str, tuple[Any, str]] = {
     "mtp_num_layers": (None, "multi-token prediction layers"),
     "moe_shared_expert_gate": (False, "a gated shared expert (Megatron's gate differs from megalite's)"),
     "heterogeneous_layers_config_path": (None, "heterogeneous layers"),
+    "moe_router_topk_limited_devices": (None, "device-limited routing, the deprecated form of "
+                                        "--moe-router-num-groups / --moe-router-group-topk"),
 }
 
 
@@ -95,6 +98,8 @@ def config_from_args(args: Any, vocab_size: int, where: str) -> dict[str, Any]:
     fields.update(position_embedding_type=_position(args), normalization=getattr(args, "normalization", "LayerNorm"),
                   disable_bias_linear=not getattr(args, "add_bias_linear", True),
                   group_query_attention=groups != heads, num_query_groups=groups if groups != heads else None)
+    if fields.get("moe_router_group_topk"):  # Megatron ignores the groups without a group top-k; so does the import
+        fields["moe_router_num_groups"] = getattr(args, "moe_router_num_groups", None)
     if getattr(args, "moe_layer_freq", None) is not None and fields.get("num_experts"):
         fields["moe_layer_freq"] = _layer_freq(args.moe_layer_freq)
     if getattr(args, "use_rope_scaling", False):

@@ -59,7 +59,8 @@ MOE_ARG_FIELDS = ("num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_
                   "moe_router_score_function", "moe_router_pre_softmax", "moe_router_topk_scaling_factor",
                   "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
                   "moe_router_enable_expert_bias", "moe_router_bias_update_rate", "moe_expert_capacity_factor",
-                  "moe_token_drop_policy", "moe_pad_expert_input_to_capacity", "moe_token_dispatcher_type")
+                  "moe_token_drop_policy", "moe_pad_expert_input_to_capacity", "moe_token_dispatcher_type",
+                  "moe_router_num_groups", "moe_router_group_topk")
 
 
 def megatron_args(config: dict[str, Any], padded_vocab: int) -> Namespace:
