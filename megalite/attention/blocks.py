@@ -13,6 +13,10 @@ run's dtype (Q, K, V and O stay in it; only the log-sum-exp and the merge are fp
   each score tile; the reference, and the path with dropout.
 
 Layout: q [b, h, sq, d]; k and v [b, g, sk, d] with h a multiple of g (GQA); dK/dV come back [b, g, sk, d].
+
+Soft-capping (``softcap`` C > 0, --attn-logit-softcapping): every scaled score s becomes C·tanh(s/C) before
+the masks and the softmax. No fused kernel takes it, so a capped block runs the plain path, whose backward
+multiplies the score gradient by the cap's derivative 1 - tanh²(s/C) (recomputed from the scores).
 """
 
 from __future__ import annotations
@@ -27,10 +31,10 @@ FUSED = True
 ROW_TILE = 1024
 
 
-def _kernel(q: torch.Tensor, keep_p: float, band: tuple[int, int] | None = None):
+def _kernel(q: torch.Tensor, keep_p: float, band: tuple[int, int] | None = None, softcap: float = 0.0):
     """The fused (forward, backward) pair for this device and dtype, or None for the plain path (a band
-    mask runs fused only on CPU, whose flash kernel takes a mask)."""
-    if not FUSED or keep_p > 0 or (band is not None and q.device.type != "cpu"):
+    mask runs fused only on CPU, whose flash kernel takes a mask; no fused kernel soft-caps)."""
+    if not FUSED or keep_p > 0 or softcap or (band is not None and q.device.type != "cpu"):
         return None
     if q.device.type == "cpu":
         return compat.cpu_flash_attention()
@@ -69,17 +73,27 @@ def band_allowed(sq: int, sk: int, band: tuple[int, int], row0: int = 0, col0: i
     return (d >= 0) & (d < window)
 
 
+def soft_cap(s: torch.Tensor, softcap: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(C·tanh(s/C), its derivative 1 - tanh²(s/C)) of scaled scores ``s`` for softcap = C > 0; (s, None)
+    for 0. Applied before any mask, so a masked score stays -inf."""
+    if not softcap:
+        return s, None
+    t = torch.tanh(s / softcap)
+    return t * softcap, 1.0 - t * t
+
+
 def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, row0: int, band: tuple[int, int] | None = None,
-            col0: int = 0) -> torch.Tensor:
-    """fp32 scores of query rows row0.. against keys col0..; causal: column j > row i is -inf; a band
-    leaves only the pairs it allows."""
-    s = (q.float() @ _expand(k, q.shape[1]).float().transpose(-1, -2)) * q.shape[-1] ** -0.5
+            col0: int = 0, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(fp32 scores of query rows row0.. against keys col0.., the soft-cap's derivative or None); causal:
+    column j > row i is -inf; a band leaves only the pairs it allows; ``softcap``: capped first."""
+    s, dcap = soft_cap((q.float() @ _expand(k, q.shape[1]).float().transpose(-1, -2)) * q.shape[-1] ** -0.5,
+                       softcap)
     if causal:
         rows = torch.arange(row0, row0 + q.shape[2], device=q.device)[:, None]
         s.masked_fill_(torch.arange(col0, col0 + k.shape[2], device=q.device)[None, :] > rows, float("-inf"))
     if band is not None:
         s.masked_fill_(~band_allowed(q.shape[2], k.shape[2], band, row0, col0, q.device), float("-inf"))
-    return s
+    return s, dcap
 
 
 def _tiles(sq: int, sk: int, causal: bool, band: tuple[int, int] | None = None):
@@ -102,10 +116,10 @@ def _mask(q: torch.Tensor, sk: int, band: tuple[int, int] | None) -> torch.Tenso
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, p: float = 0.0,
-            band: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            band: tuple[int, int] | None = None, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [b, h, sq, d] in q's dtype, lse [b, h, sq] fp32) of one block; every row sees a key. ``band``:
-    (lag, window) of a sliding window's band mask (``band_allowed``)."""
-    kernel = _kernel(q, p, band)
+    (lag, window) of a sliding window's band mask (``band_allowed``); ``softcap``: the logit cap C (0: none)."""
+    kernel = _kernel(q, p, band, softcap)
     if kernel is not None:
         h = q.shape[1]
         if q.device.type == "cpu":
@@ -119,7 +133,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, p: 
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     for rows, kmin, kmax in _tiles(q.shape[2], k.shape[2], causal, band):
         kk, vv = k[:, :, kmin:kmax], v[:, :, kmin:kmax]
-        s = _scores(q[:, :, rows], kk, causal, rows.start, band, kmin)
+        s, _ = _scores(q[:, :, rows], kk, causal, rows.start, band, kmin, softcap)
         m = s.amax(dim=-1, keepdim=True)
         e = torch.exp(s - m)
         total = e.sum(dim=-1, keepdim=True)
@@ -141,10 +155,11 @@ def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_l
 
 def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, out: torch.Tensor,
              lse: torch.Tensor, dout: torch.Tensor, delta: torch.Tensor, p: float = 0.0,
-             band: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             band: tuple[int, int] | None = None, softcap: float = 0.0
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """fp32 (dq [b, h, sq, d], dk, dv [b, g, sk, d]) of one block given the final ``out`` and ``lse`` of its
-    rows (out and dout in the run's dtype) and delta = rowsum(dout * out) in fp32."""
-    kernel = _kernel(q, p, band)
+    rows (out and dout in the run's dtype) and delta = rowsum(dout * out) in fp32; ``softcap`` as forward's."""
+    kernel = _kernel(q, p, band, softcap)
     g, h = k.shape[1], q.shape[1]
     if kernel is not None:
         kx, vx = _expand(k, h), _expand(v, h)
@@ -161,8 +176,8 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, ou
     for rows, kmin, kmax in _tiles(q.shape[2], k.shape[2], causal, band):
         cols = slice(kmin, kmax)
         kk, vv = _expand(k[:, :, cols], h).float(), _expand(v[:, :, cols], h).float()
-        prob = torch.exp(_scores(q[:, :, rows], k[:, :, cols], causal, rows.start, band, kmin)
-                         - lse[:, :, rows].unsqueeze(-1))
+        s, dcap = _scores(q[:, :, rows], k[:, :, cols], causal, rows.start, band, kmin, softcap)
+        prob = torch.exp(s - lse[:, :, rows].unsqueeze(-1))
         do = dout[:, :, rows].float()
         dp = do @ vv.transpose(-1, -2)
         if keep is not None:
@@ -172,29 +187,34 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, ou
         else:
             dv[:, :, cols] += prob.transpose(-1, -2) @ do
         ds = prob * (dp - delta[:, :, rows].unsqueeze(-1)) * scale
+        if dcap is not None:  # through the cap: d(C·tanh(x/C))/dx = 1 - tanh²(x/C)
+            ds = ds * dcap
         dq[:, :, rows] = ds @ kk
         dk[:, :, cols] += ds.transpose(-1, -2) @ q[:, :, rows].float()
     return dq, _fold(dk, g), _fold(dv, g)
 
 
-def attend(q: torch.Tensor, kv: torch.Tensor, pieces: list, out: torch.Tensor, lse: torch.Tensor, p: float) -> None:
+def attend(q: torch.Tensor, kv: torch.Tensor, pieces: list, out: torch.Tensor, lse: torch.Tensor, p: float,
+           softcap: float = 0.0) -> None:
     """Merge the pieces (``documents.Piece``, local offsets) of queries ``q`` against one holder's keys and
-    values ``kv`` [2, b, g, sk, d] into the fp32 accumulators ``out`` and ``lse``, in order (dropout draws)."""
+    values ``kv`` [2, b, g, sk, d] into the fp32 accumulators ``out`` and ``lse``, in order (dropout draws);
+    ``softcap``: the logit cap C of every piece (0: none)."""
     for pc in pieces:
         rows, cols = slice(pc.q0, pc.q1), slice(pc.k0, pc.k1)
         qq, kk, vv = q[pc.batch, :, rows], kv[0][pc.batch, :, cols], kv[1][pc.batch, :, cols]
         if pc.flip:  # row t sees columns t..: the causal square of the reversed rows and columns
-            o, lb = forward(qq.flip(2), kk.flip(2), vv.flip(2), True, p)
+            o, lb = forward(qq.flip(2), kk.flip(2), vv.flip(2), True, p, softcap=softcap)
             o, lb = o.flip(2), lb.flip(2)
         else:
-            o, lb = forward(qq, kk, vv, pc.causal, p, (pc.lag, pc.window) if pc.window else None)
+            o, lb = forward(qq, kk, vv, pc.causal, p, (pc.lag, pc.window) if pc.window else None, softcap)
         merge(out[pc.batch, :, rows], lse[pc.batch, :, rows], o, lb)
 
 
 def attend_backward(q: torch.Tensor, kv: torch.Tensor, pieces: list, out: torch.Tensor, lse: torch.Tensor,
-                    dout: torch.Tensor, delta: torch.Tensor, dq: torch.Tensor, p: float) -> torch.Tensor:
+                    dout: torch.Tensor, delta: torch.Tensor, dq: torch.Tensor, p: float, softcap: float = 0.0
+                    ) -> torch.Tensor:
     """Add the pieces' part to the fp32 ``dq``; return their fp32 dK/dV [2, b, g, sk, d] for the holder's keys
-    (pieces in the forward's order, so dropout redraws the same masks)."""
+    (pieces in the forward's order, so dropout redraws the same masks; ``softcap`` as ``attend``'s)."""
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
     for pc in pieces:
         rows, cols, bs = slice(pc.q0, pc.q1), slice(pc.k0, pc.k1), pc.batch
@@ -202,9 +222,9 @@ def attend_backward(q: torch.Tensor, kv: torch.Tensor, pieces: list, out: torch.
                 lse[bs, :, rows], dout[bs, :, rows], delta[bs, :, rows])
         if pc.flip:  # the mirrored causal square (see ``attend``)
             dq_b, dk, dv = (t.flip(2) for t in backward(*(t.flip(2) for t in args[:3]), True,
-                                                        *(t.flip(2) for t in args[4:]), p))
+                                                        *(t.flip(2) for t in args[4:]), p, softcap=softcap))
         else:
-            dq_b, dk, dv = backward(*args, p, (pc.lag, pc.window) if pc.window else None)
+            dq_b, dk, dv = backward(*args, p, (pc.lag, pc.window) if pc.window else None, softcap)
         dq[bs, :, rows] += dq_b
         dkv[0][bs, :, cols] += dk
         dkv[1][bs, :, cols] += dv

@@ -27,9 +27,9 @@ def _holders(c: int, r: int) -> list[int]:
 class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pg: ProcessGroups, documents: Documents,
-                p: float) -> torch.Tensor:
+                p: float, softcap: float) -> torch.Tensor:
         c, r = pg.size(Group.CP), pg.index(Group.CP)
-        ctx.pg, ctx.documents, ctx.p = pg, documents, p
+        ctx.pg, ctx.documents, ctx.p, ctx.softcap = pg, documents, p, softcap
         ctx.rng = device.get_rng_state() if p > 0 else None
         kv = torch.stack([k, v])
         every = torch.empty((c, *kv.shape), dtype=kv.dtype, device=kv.device)
@@ -37,7 +37,7 @@ class _AllGatherAttention(torch.autograd.Function):
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), device=q.device)
         for j in _holders(c, r):
-            attend(q, every[j], _pieces(documents, c, r, q.shape[2], j), out, lse, p)
+            attend(q, every[j], _pieces(documents, c, r, q.shape[2], j), out, lse, p, softcap)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, every, out, lse)
         return out
@@ -57,15 +57,16 @@ class _AllGatherAttention(torch.autograd.Function):
             dkv = torch.empty(every.shape, dtype=every.dtype, device=every.device)
             for j in _holders(c, r):
                 dkv[j] = attend_backward(q, every[j], _pieces(ctx.documents, c, r, q.shape[2], j), out, lse, dout,
-                                         delta, dq, ctx.p)
+                                         delta, dq, ctx.p, ctx.softcap)
         finally:
             if saved is not None:
                 device.set_rng_state(saved)
         own = torch.empty(every.shape[1:], dtype=every.dtype, device=every.device)
         pg.reduce_scatter_flat(own.view(-1), dkv.reshape(-1), Group.CP, label="reduce_scatter dkv")
-        return dq.to(q.dtype), own[0], own[1], None, None, None
+        return dq.to(q.dtype), own[0], own[1], None, None, None, None
 
 
 def all_gather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pg: ProcessGroups,
-                         documents: Documents, dropout_p: float) -> torch.Tensor:
-    return _AllGatherAttention.apply(q, k, v, pg, documents, dropout_p)
+                         documents: Documents, dropout_p: float, softcap: float = 0.0) -> torch.Tensor:
+    """``softcap``: the logit cap of every block (--attn-logit-softcapping; 0: none)."""
+    return _AllGatherAttention.apply(q, k, v, pg, documents, dropout_p, softcap)

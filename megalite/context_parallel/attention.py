@@ -59,7 +59,8 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm_type: str, pg
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pg: ProcessGroups,
                                comm_type: str = "p2p", *, dropout_p: float = 0.0,
-                               documents: Documents | None = None, backend: str = "auto") -> torch.Tensor:
+                               documents: Documents | None = None, backend: str = "auto",
+                               softcap: float = 0.0) -> torch.Tensor:
     """Causal attention over global positions for this CP rank's rows.
 
     q [b, nq, s_local, d]; k, v [b, nkv, s_local, d] (nq a multiple of nkv), s_local = seq / c, the rank's
@@ -67,11 +68,13 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     on every CP rank; attention does not cross them (None: one document per sample). ``comm_type``: this
     layer's --cp-comm-type, by its internal name (``ParallelConfig.cp_comm_type`` after normalisation).
     ``backend``: --attention-backend, the kernel of the a2a variant's full-sequence attention.
+    ``softcap``: --attn-logit-softcapping C (scores C·tanh(s/C) before masks and softmax; 0: none), which
+    every variant applies (the blockwise ones in each block, a2a in its one-rank core).
     Returns [b, nq, s_local, d], the rows of full-sequence attention this rank holds."""
     cp = pg.size(Group.CP)
     _check(q, k, v, comm_type, pg, documents)
     if documents is None:
         documents = Documents.whole(q.shape[0], q.shape[2] * cp)
     if comm_type == "a2a":
-        return a2a_attention(q, k, v, pg, documents, dropout_p, backend)
-    return COMM_TYPES[comm_type](q, k, v, pg, documents, dropout_p)
+        return a2a_attention(q, k, v, pg, documents, dropout_p, backend, softcap)
+    return COMM_TYPES[comm_type](q, k, v, pg, documents, dropout_p, softcap)

@@ -29,9 +29,10 @@ def group_chunks(g: int, a: int, c: int, s_local: int) -> list[Chunk]:
 
 
 def hierarchical_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pg: ProcessGroups,
-                           documents: Documents, dropout_p: float) -> torch.Tensor:
+                           documents: Documents, dropout_p: float, softcap: float = 0.0) -> torch.Tensor:
+    """``softcap``: the logit cap the ring's blocks apply (--attn-logit-softcapping; 0: none)."""
     c, a, s_local = pg.size(Group.CP), pg.size(Group.CP_A2A), q.shape[2]
     qh, kh, vh = scatter_heads(q, k, v, pg, Group.CP_A2A)
     ring = Ring(pg, Group.CP_RING, lambda g: group_chunks(g, a, c, s_local))
-    out = ring_over(qh, kh, vh, ring, documents, dropout_p)
+    out = ring_over(qh, kh, vh, ring, documents, dropout_p, softcap)
     return gather_heads(out, pg, Group.CP_A2A)

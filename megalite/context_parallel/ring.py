@@ -27,6 +27,9 @@ j+t, ..., j+n-1 attends to (a nested set that shrinks along the ring; a step wit
 and owner j's dK/dV travels in the layout of step 1's set. So the bytes follow the window, not s/c: with
 one document per sample and W - 1 <= s/(2c), a message holds at most the 2(W - 1) positions the window
 reaches into the two chunks (docs/design.md, "Sliding windows", gives the formula the tests count against).
+
+With --attn-logit-softcapping every block caps its scores (``blocks.forward``) before the log-sum-exp merge, and
+its backward multiplies the score gradient by the cap's derivative: the merge itself is unchanged.
 """
 
 from __future__ import annotations
@@ -147,10 +150,10 @@ class Compaction:
         return out
 
 
-def ring_forward(ring: Ring, q: torch.Tensor, kv: torch.Tensor, documents: Documents, p: float
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def ring_forward(ring: Ring, q: torch.Tensor, kv: torch.Tensor, documents: Documents, p: float,
+                 softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 (out [b, h, s, d], lse [b, h, s]) of this member's queries q [b, h, s, d] over the ring's K/V;
-    kv [2, b, g, s, d] is this member's, in the run's dtype."""
+    kv [2, b, g, s, d] is this member's, in the run's dtype; ``softcap``: the logit cap of every block."""
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.full(q.shape[:3], float("-inf"), device=q.device)
     plan = _plan(ring, documents, kv)
@@ -159,7 +162,7 @@ def ring_forward(ring: Ring, q: torch.Tensor, kv: torch.Tensor, documents: Docum
         if step + 1 < ring.n:
             work, nxt = _pass_kv(ring, plan, kv, step)  # posted before this block's compute
         if kv is not None:
-            attend(q, kv, _pieces(ring, plan, documents, step, j), out, lse, p)
+            attend(q, kv, _pieces(ring, plan, documents, step, j), out, lse, p, softcap)
         if step + 1 < ring.n:
             if work is not None:
                 work.wait()
@@ -208,8 +211,10 @@ def _pieces(ring: Ring, plan: Compaction | None, documents: Documents, step: int
 
 
 def ring_backward(ring: Ring, q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                  dout: torch.Tensor, documents: Documents, p: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dq fp32 [b, h, s, d], dkv fp32 [2, b, g, s, d]) for this member's q and its own K/V."""
+                  dout: torch.Tensor, documents: Documents, p: float, softcap: float = 0.0
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dq fp32 [b, h, s, d], dkv fp32 [2, b, g, s, d]) for this member's q and its own K/V (each block's
+    gradient through its logit cap, ``softcap``)."""
     delta = (dout.float() * out.float()).sum(dim=-1)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     own = dkv_work = dkv_in = None
@@ -220,7 +225,7 @@ def ring_backward(ring: Ring, q: torch.Tensor, kv: torch.Tensor, out: torch.Tens
         if step + 1 < ring.n:
             kv_work, kv_next = _pass_kv(ring, plan, kv, step)
         dkv = None if kv is None else attend_backward(q, kv, _pieces(ring, plan, documents, step, j), out, lse,
-                                                      dout, delta, dq, p)
+                                                      dout, delta, dq, p, softcap)
         if step == 0:
             own = dkv
         else:
@@ -247,10 +252,10 @@ def ring_backward(ring: Ring, q: torch.Tensor, kv: torch.Tensor, out: torch.Tens
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, documents: Documents,
-                p: float) -> torch.Tensor:
-        ctx.ring, ctx.documents, ctx.p = ring, documents, p
+                p: float, softcap: float) -> torch.Tensor:
+        ctx.ring, ctx.documents, ctx.p, ctx.softcap = ring, documents, p, softcap
         ctx.rng = device.get_rng_state() if p > 0 else None  # the backward redraws the same masks
-        out, lse = ring_forward(ring, q, torch.stack([k, v]), documents, p)
+        out, lse = ring_forward(ring, q, torch.stack([k, v]), documents, p, softcap)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         return out
@@ -264,21 +269,22 @@ class _RingAttention(torch.autograd.Function):
             device.set_rng_state(ctx.rng)
         try:
             dq, dkv = ring_backward(ctx.ring, q, torch.stack([k, v]), out, lse, dout.contiguous(), ctx.documents,
-                                    ctx.p)
+                                    ctx.p, ctx.softcap)
         finally:
             if saved is not None:
                 device.set_rng_state(saved)
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 
 def ring_over(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, documents: Documents,
-              dropout_p: float) -> torch.Tensor:
+              dropout_p: float, softcap: float = 0.0) -> torch.Tensor:
     """Attention of this member's queries over every member's keys, K/V passed around ``ring``."""
-    return _RingAttention.apply(q, k, v, ring, documents, dropout_p)
+    return _RingAttention.apply(q, k, v, ring, documents, dropout_p, softcap)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pg: ProcessGroups,
-                   documents: Documents, dropout_p: float) -> torch.Tensor:
+                   documents: Documents, dropout_p: float, softcap: float = 0.0) -> torch.Tensor:
     """Causal attention of this rank's zigzag rows over the whole sequence, K/V passed around the CP ring."""
     c, s_local = pg.size(Group.CP), q.shape[2]
-    return ring_over(q, k, v, Ring(pg, Group.CP, lambda j: zigzag_chunks(j, c, s_local)), documents, dropout_p)
+    return ring_over(q, k, v, Ring(pg, Group.CP, lambda j: zigzag_chunks(j, c, s_local)), documents, dropout_p,
+                     softcap)

@@ -73,12 +73,14 @@ def gather_heads(out: torch.Tensor, pg: ProcessGroups, kind: str = Group.CP) -> 
 
 
 def a2a_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pg: ProcessGroups,
-                  documents: Documents, dropout_p: float, backend: str = "auto") -> torch.Tensor:
-    """``backend``: --attention-backend, the kernel of the full-sequence attention (``core_attention``)."""
+                  documents: Documents, dropout_p: float, backend: str = "auto", softcap: float = 0.0
+                  ) -> torch.Tensor:
+    """``backend``: --attention-backend, the kernel of the full-sequence attention (``core_attention``, which
+    applies the logit cap ``softcap`` on every backend)."""
     c, s_local = pg.size(Group.CP), q.shape[2]
     qh, kh, vh = scatter_heads(q, k, v, pg)
     order = natural_order(s_local, c, q.device)
     qh, kh, vh = (t.index_select(2, order) for t in (qh, kh, vh))  # the ranks' zigzag chunks in sequence order
-    out = core_attention(qh, kh, vh, dropout_p, backend, documents)
+    out = core_attention(qh, kh, vh, dropout_p, backend, documents, softcap=softcap)
     out = out.index_select(2, order.argsort())  # back to the ranks' chunks in rank order
     return gather_heads(out, pg)
