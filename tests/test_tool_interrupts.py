@@ -176,8 +176,9 @@ CASES: dict[str, Case] = {
         lambda tmp, _: ["--world-size", "8", "--tensor-model-parallel-size", "2"],
         lambda mp, mod, exc: mp.setattr(mod.RankLayout, "describe", _raise(exc)), lambda tmp: []),
     "tools/train_tokenizer.py": Case(
-        lambda tmp, _: ["--input", _jsonl(tmp), "--output-dir", str(tmp / "tok"), "--vocab-size", "300"],
-        _tokenizer_training, lambda tmp: [tmp / "tok"]),
+        lambda tmp, _: ["--input", _jsonl(tmp), "--output-dir", str(tmp / "new" / "tok"),
+                         "--vocab-size", "300"],
+        _tokenizer_training, lambda tmp: [tmp / "new" / "tok"]),
     "tasks/main.py": Case(
         lambda tmp, ck: ["--task", "WIKITEXT103", "--valid-data", str(_text(tmp)), "--load", ck, *NULL_TOK,
                          "--overlapping-eval", "8", "--results-json", str(tmp / "res.json")],
@@ -209,8 +210,9 @@ FAILURES = {"interrupt": (KeyboardInterrupt(), 130, "interrupted;"),
 
 
 def _leftovers(tmp: Path, before: set[Path], outputs: list[Path]) -> list[str]:
-    """Files the failed run left: anything new under the work folder, and anything in an output."""
-    now = {p for p in tmp.rglob("*") if p.is_file()}
+    """What the failed run left: any file or folder new under the work folder (a folder made for the output
+    counts), and anything in an output."""
+    now = set(tmp.rglob("*"))
     return sorted(str(p.relative_to(tmp)) for p in now - before)
 
 
@@ -224,7 +226,7 @@ def test_a_failed_write_is_one_line_and_leaves_nothing(entry, failure, ckpt, tmp
     if isinstance(exc, OSError):
         exc = OSError(exc.errno, exc.strerror, str(tmp_path / "target"))
     mod = load(entry, monkeypatch)
-    before = {p for p in tmp_path.rglob("*") if p.is_file()}
+    before = set(tmp_path.rglob("*"))
     capsys.readouterr()
     case.inject(monkeypatch, mod, exc)
     try:
@@ -247,7 +249,7 @@ def test_a_real_file_size_limit_is_one_line_with_no_partial_output(tmp_path):
     said in one line, and the half-merged output is removed."""
     argv = _merge_argv(tmp_path, None)
     (tmp_path / "out").mkdir()
-    before = {p for p in tmp_path.rglob("*") if p.is_file()}
+    before = set(tmp_path.rglob("*"))
 
     def limit():
         resource.setrlimit(resource.RLIMIT_FSIZE, (2048, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))

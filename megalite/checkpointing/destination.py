@@ -29,6 +29,7 @@ except ImportError:  # not on every system
 from megalite.checkpointing.errors import CheckpointError
 from megalite.checkpointing.lock import LOCK, Owner, SaveLock, is_stale, read_owner
 from megalite.checkpointing.paths import exchange, run_tag
+from megalite.launch.tool_errors import first_existing, remove_created
 
 Sources = Sequence[tuple[str, str | None]]  # (flag, path) of everything a writer reads; None: not given
 SCAN_LIMIT = 100_000  # folders looked at for live locks below a destination about to be replaced
@@ -119,24 +120,6 @@ def check_live_runs(dest: str, flag: str = "--save", replacing: bool = False) ->
         dirs[:] = [d for d in dirs if not os.path.islink(os.path.join(root, d))]
 
 
-def _first_existing(path: str) -> str:
-    p = os.path.abspath(path)
-    while not os.path.exists(p):
-        p = os.path.dirname(p)
-    return p
-
-
-def _remove_created(dest: str, existed: str) -> None:
-    """Remove the empty folders a failed claim or write created, from ``dest`` up to ``existed``."""
-    p = os.path.abspath(dest)
-    while p != existed and p.startswith(existed.rstrip(os.sep) + os.sep):
-        try:
-            os.rmdir(p)
-        except OSError:
-            return
-        p = os.path.dirname(p)
-
-
 @contextlib.contextmanager
 def claim(dest: str, sources: Sources, say: Callable[[str], None], *, flag: str = "--save", in_place: bool = False,
           replacing: bool = False) -> Iterator[SaveLock]:
@@ -150,7 +133,7 @@ def claim(dest: str, sources: Sources, say: Callable[[str], None], *, flag: str 
     if os.path.exists(dest) and not os.path.isdir(dest):
         raise CheckpointError(f"{flag} {dest} is a file, not a directory; choose a new directory")
     check_live_runs(dest, flag, replacing)
-    existed = _first_existing(dest)
+    existed = first_existing(dest)
     if not os.path.isdir(existed):
         raise CheckpointError(f"{flag} {dest}: {existed} is a file, not a directory; choose a new directory")
     try:
@@ -161,13 +144,13 @@ def claim(dest: str, sources: Sources, say: Callable[[str], None], *, flag: str 
     try:
         lock.acquire(say)
     except BaseException:
-        _remove_created(dest, existed)
+        remove_created(dest, existed)
         raise
     try:
         yield lock
     finally:
         lock.release()
-        _remove_created(dest, existed)
+        remove_created(dest, existed)
 
 
 def staging_sibling(dest: str, kind: str = "incomplete", tag: str | None = None) -> str:
@@ -227,7 +210,7 @@ def _probable_reason(folder: str) -> str:
     """Why a library's write failed where it does not say (torch.save): a full disk or a file-size limit
     where one is found, else that the reason is unknown."""
     with contextlib.suppress(OSError):
-        st = os.statvfs(_first_existing(folder))
+        st = os.statvfs(first_existing(folder))
         if st.f_bavail * st.f_frsize < (1 << 20):
             return os.strerror(errno.ENOSPC)
     soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE) if resource else (None, None)

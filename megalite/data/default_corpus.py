@@ -22,6 +22,8 @@ import time
 import warnings
 from collections.abc import Callable, Iterator
 
+from megalite.launch.tool_errors import first_existing, remove_created
+
 PREFIX = "stdlib"
 DATA_NAME = f"{PREFIX}_text_document"
 VOCAB_SIZE = 8192
@@ -98,11 +100,22 @@ def is_built(directory: str) -> bool:
 def build_default_corpus(directory: str, *, max_bytes: int | None = None, vocab_size: int = VOCAB_SIZE,
                          workers: int = 2, log: Callable[[str], None] | None = None) -> dict[str, str]:
     """Build the corpus into ``directory`` (replacing what is there); returns ``corpus_paths``."""
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    existed = first_existing(directory)
+    os.makedirs(directory, exist_ok=True)
+    try:
+        _build_into(directory, max_bytes, vocab_size, workers, log)
+    except BaseException:
+        remove_created(directory, existed)  # the folders this build made, when nothing was written in them
+        raise
+    return corpus_paths(directory)
+
+
+def _build_into(directory: str, max_bytes: int | None, vocab_size: int, workers: int,
+                log: Callable[[str], None]) -> None:
     from megalite.data.preprocess import PreprocessOptions, preprocess
     from megalite.data.tokenizer_training import train_bpe
 
-    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    os.makedirs(directory, exist_ok=True)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=directory, prefix=".build-") as tmp:
         jsonl = os.path.join(tmp, f"{PREFIX}.jsonl")
@@ -130,7 +143,6 @@ def build_default_corpus(directory: str, *, max_bytes: int | None = None, vocab_
         for name in names:
             os.replace(os.path.join(tmp, name), os.path.join(directory, name))
     log(f"corpus: built {corpus_paths(directory)['data_path']} in {time.perf_counter() - t0:.1f} s")
-    return corpus_paths(directory)
 
 
 def ensure_default_corpus(directory: str, **kwargs) -> dict[str, str]:

@@ -65,6 +65,25 @@ def temporary_name(path: str) -> str:
     return os.path.join(parent, f".{base}.tmp-{os.getpid()}{os.path.splitext(base)[1]}")
 
 
+def first_existing(path: str) -> str:
+    """The nearest of ``path`` and its ancestors that exists (what a failed write must not remove)."""
+    p = os.path.abspath(path)
+    while not os.path.exists(p):
+        p = os.path.dirname(p)
+    return p
+
+
+def remove_created(dest: str, existed: str) -> None:
+    """Remove the empty folders a failed write created, from ``dest`` up to ``existed``."""
+    p = os.path.abspath(dest)
+    while p != existed and p.startswith(existed.rstrip(os.sep) + os.sep):
+        try:
+            os.rmdir(p)
+        except OSError:
+            return
+        p = os.path.dirname(p)
+
+
 @contextlib.contextmanager
 def atomic_output(path: str) -> Iterator[str]:
     """Yield a temporary name to write ``path`` under; it replaces ``path`` when the body completes, and is
@@ -86,11 +105,17 @@ def atomic_folder_files(folder: str) -> Iterator[str]:
     import shutil
 
     tmp = temporary_name(folder.rstrip(os.sep) or folder)
-    os.makedirs(tmp, exist_ok=True)
+    existed = first_existing(folder)
+    done = False
     try:
+        os.makedirs(tmp, exist_ok=True)
         yield tmp
         os.makedirs(folder, exist_ok=True)
         for entry in sorted(os.listdir(tmp)):
             os.replace(os.path.join(tmp, entry), os.path.join(folder, entry))
+        done = True
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        if not done:  # the parents made for the temporary folder go too (``folder`` itself if emptied)
+            remove_created(folder, existed)
+            remove_created(os.path.dirname(tmp), existed)
