@@ -89,7 +89,7 @@ FLAG_FIELDS = ["num_layers", "hidden_size", "ffn_hidden_size", "num_attention_he
                "num_query_groups", "kv_channels", "max_position_embeddings", "position_embedding_type",
                "rotary_base", "normalization", "norm_epsilon", "swiglu", "untie_embeddings_and_output_weights",
                "disable_bias_linear", "add_qkv_bias", "apply_layernorm_1p", "qk_layernorm", "qk_layernorm_scope",
-               "sublayer_norms", "window_size", "window_attn_skip_freq"]
+               "sublayer_norms", "window_size", "window_attn_skip_freq", "attn_logit_softcapping"]
 OMITTED_AT = {"qk_layernorm_scope": "head", "sublayer_norms": "pre"}  # printed only when they differ from this
 ROPE_SCALING_FLAG_FIELDS = ["use_rope_scaling", "rope_scaling_factor", "rope_scaling_low_freq_factor",
                             "rope_scaling_high_freq_factor", "rope_scaling_original_max_position_embeddings"]

@@ -31,13 +31,13 @@ SHAPE_FIELDS = ["num_layers", "hidden_size", "ffn_hidden_size", "num_attention_h
                 "moe_layer_freq", "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
                 "moe_router_enable_expert_bias", "use_rope_scaling", "rope_scaling_factor",
                 "rope_scaling_low_freq_factor", "rope_scaling_high_freq_factor",
-                "rope_scaling_original_max_position_embeddings"]
+                "rope_scaling_original_max_position_embeddings", "attn_logit_softcapping"]
 # Shape fields added after checkpoints without them were written, with the value those checkpoints meant.
 LATER_FIELDS = {"apply_layernorm_1p": False, "num_experts": None, "moe_ffn_hidden_size": None, "moe_layer_freq": "1",
                 "moe_shared_expert_intermediate_size": None, "moe_shared_expert_gate": False,
                 "moe_router_enable_expert_bias": False, "use_rope_scaling": False, "rope_scaling_factor": 8.0,
                 "rope_scaling_low_freq_factor": 1.0, "rope_scaling_high_freq_factor": 4.0,
-                "rope_scaling_original_max_position_embeddings": 8192}
+                "rope_scaling_original_max_position_embeddings": 8192, "attn_logit_softcapping": None}
 
 
 class CheckpointMismatch(ValueError):

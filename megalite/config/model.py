@@ -76,6 +76,11 @@ class ModelConfig(MoEFields):
         None, help="With --window-size, which layers keep full attention (Megatron's flag): an integer N makes "
         "every N-th layer (counting from 1) full and the others windowed (Gemma 2: 2, Gemma 3: 6); a list of "
         "0/1 per layer, 1 windowed (e.g. '[1,1,1,1,1,0]*2'). Default: every layer windowed.")
+    attn_logit_softcapping: float | None = option(
+        None, help="Attention-logit soft-capping C (Gemma 2: 50): each scaled score s becomes C * tanh(s / C) "
+        "before the masks and the softmax, in every layer. SDPA and the flash kernels cannot cap, so the other "
+        "backends than 'unfused'/'local' run the blockwise path then; every context-parallel comm type and "
+        "KV-cache decoding apply it too. Default: no cap.", domain=positive())
     swiglu: bool = option(False, help="SwiGLU MLP (gated SiLU) instead of GeLU.")
     untie_embeddings_and_output_weights: bool = option(
         False, help="Give the output layer its own weight instead of sharing the input embedding.")

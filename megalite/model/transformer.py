@@ -66,14 +66,16 @@ class Attention(nn.Module):
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float,
               documents: Documents | None = None) -> torch.Tensor:
         ctx = self.ctx
+        softcap = self.cfg.attn_logit_softcapping or 0.0  # --attn-logit-softcapping: every path applies it
         with ctx.tracker.fork() if p > 0 else contextlib.nullcontext():
             if ctx.pg.cp_size > 1:  # this rank's two sequence chunks against the whole sequence's keys
                 if self.window:  # the window travels with the documents (every CP variant cuts by them)
                     documents = (documents or Documents.whole(q.shape[0], q.shape[2] * ctx.pg.cp_size)
                                  ).with_window(self.window)
                 return context_parallel_attention(q, k, v, ctx.pg, self.cp_comm_type, dropout_p=p,
-                                                  documents=documents, backend=self.cfg.attention_backend)
-            return core_attention(q, k, v, p, self.cfg.attention_backend, documents, self.window)
+                                                  documents=documents, backend=self.cfg.attention_backend,
+                                                  softcap=softcap)
+            return core_attention(q, k, v, p, self.cfg.attention_backend, documents, self.window, softcap)
 
     def forward(self, x: torch.Tensor, rope_angles: torch.Tensor | None, kv_cache=None,
                 documents: Documents | None = None) -> torch.Tensor:

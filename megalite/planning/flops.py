@@ -2,7 +2,9 @@
 
 Counted per token, forward: 2 FLOPs per multiply-add of every GEMM (QKV, attention output, MLP, logits)
 plus the two attention matmuls (QK^T and PV, 2*2*s*h_attn, counted over the full causal square as
-Megatron does; a sliding-window layer counts its window instead of the sequence). Training = 3x forward
+Megatron does; a sliding-window layer counts its window instead of the sequence); with
+--attn-logit-softcapping each of those scores also costs a divide, a tanh and a multiply (C·tanh(s/C)),
+counted as 3 FLOPs per score, 3·keys·a per token. Training = 3x forward
 (backward costs two forwards); full recomputation adds the layers' forward again.
 Mixture of experts counts the active parameters: an MoE layer's MLP is its router (h x E), the k routed
 experts a token goes through (expert hidden size) and the shared expert and its gate if any.
@@ -35,8 +37,10 @@ def layer_flops_per_token(cfg: ModelConfig, seq_length: int, layer: LayerShape =
     nq, nkv = cfg.num_attention_heads, cfg.num_query_groups
     qkv = h * (nq + 2 * nkv) * d
     proj = nq * d * h
-    attn = 2 * layer.keys_per_query(seq_length) * nq * d
-    return 2 * (qkv + proj + (moe_mlp_macs(cfg) if layer.moe else mlp_macs(cfg, cfg.ffn_hidden_size)) + attn)
+    keys = layer.keys_per_query(seq_length)
+    attn = 2 * keys * nq * d
+    cap = 3 * keys * nq if cfg.attn_logit_softcapping else 0  # C·tanh(s/C): 3 FLOPs per score, not multiply-adds
+    return 2 * (qkv + proj + (moe_mlp_macs(cfg) if layer.moe else mlp_macs(cfg, cfg.ffn_hidden_size)) + attn) + cap
 
 
 def flops_per_token(cfg: ModelConfig, vocab_size: int, seq_length: int) -> float:

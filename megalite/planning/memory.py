@@ -246,15 +246,17 @@ def layer_outside_core_bytes(sh: RunShape, layer: LayerShape = DENSE_LAYER) -> f
 
 def core_attention_bytes(sh: RunShape) -> float:
     """Per micro-batch: the core attention's saved tensors. Unfused: per score the softmax output, and
-    with --attention-dropout > 0 the dropout mask and output (Korthikanti's 5 bytes, 6 here), K and V
-    repeated to every head, and the causal mask (s x s bytes); flash attention: its output and fp32
-    log-sum-exp (its q, k, v are the tensors selective recomputation keeps)."""
+    with --attention-dropout > 0 the dropout mask and output (Korthikanti's 5 bytes, 6 here), with
+    --attn-logit-softcapping the tanh of the capped scores (its backward's input), K and V repeated to every
+    head, and the causal mask (s x s bytes); flash attention, and the blockwise path a capped layer runs on
+    the other backends: its output and fp32 log-sum-exp (its q, k, v are the tensors selective recomputation
+    keeps)."""
     m, t, e = sh.cfg.model, sh.tp, sh.act_bytes
     a, d = m.num_attention_heads, m.kv_channels
     tokens = sh.local_tokens
     if m.attention_backend in UNFUSED_BACKENDS:
         scores = tokens * sh.s * a / t  # each local query sees the whole sequence
-        per_score = (3 if m.attention_dropout > 0 else 1) * e
+        per_score = ((3 if m.attention_dropout > 0 else 1) + (1 if m.attn_logit_softcapping else 0)) * e
         # QK^T and PV keep the repeated K and V, not the fused QKV output (unless q is a view of it)
         # nor RoPE's rotated k, which layer_outside_core_bytes counts for the recomputed case
         g, rope = m.num_query_groups, m.position_embedding_type == "rope"
