@@ -19,6 +19,7 @@ from megalite.checkpointing.metadata import OPTIM_FIELDS, chunk_layer_numbers
 from megalite.checkpointing.paths import rng_filename
 from megalite.checkpointing.reader import CheckpointError, CheckpointReader
 from megalite.checkpointing.stored import named_params
+from megalite.config.yarn import YARN_DEFAULTS
 from megalite.parallel.groups import ProcessGroups
 from megalite.parallel.placement import LayerSplit
 from megalite.tensor_parallel.param_meta import local_shard, param_meta
@@ -38,6 +39,8 @@ LATER_FIELDS = {"apply_layernorm_1p": False, "num_experts": None, "moe_ffn_hidde
                 "moe_router_enable_expert_bias": False, "use_rope_scaling": False, "rope_scaling_factor": 8.0,
                 "rope_scaling_low_freq_factor": 1.0, "rope_scaling_high_freq_factor": 4.0,
                 "rope_scaling_original_max_position_embeddings": 8192, "attn_logit_softcapping": None}
+SHAPE_FIELDS += list(YARN_DEFAULTS)  # YaRN's options (config/yarn.py): older checkpoints meant their defaults
+LATER_FIELDS.update(YARN_DEFAULTS)
 
 
 class CheckpointMismatch(ValueError):

@@ -8,10 +8,11 @@ from typing import ClassVar
 from megalite.config.domain import MAX_COUNT, MAX_HIDDEN, at_least, fraction, positive, size
 from megalite.config.flags import option
 from megalite.config.moe import MAX_LAYERS, MoEFields
+from megalite.config.yarn import YarnFields
 
 
 @dataclass(kw_only=True)
-class ModelConfig(MoEFields):
+class ModelConfig(MoEFields, YarnFields):
     """Model: the GPT's shape. GPT-2 style by default; Llama style with rope/RMSNorm/swiglu/GQA; MoE layers
     with --num-experts (config/moe.py)."""
 
@@ -28,8 +29,9 @@ class ModelConfig(MoEFields):
     seq_length: int = option(128, help="Training sequence length.", domain=size())
     max_position_embeddings: int | None = option(None, help="Learned position table size; default --seq-length.",
                                                   domain=size())
-    position_embedding_type: str = option("learned_absolute", help="Position encoding.",
-                                          choices=["learned_absolute", "rope"])
+    position_embedding_type: str = option(
+        "learned_absolute", help="Position encoding: a learned table, RoPE, or RoPE with YaRN scaling (its options: "
+        "--rotary-scaling-factor, --yarn-*, --mscale, --mscale-all-dim).", choices=["learned_absolute", "rope", "yarn"])
     rotary_base: int = option(10000, help="RoPE base (theta).", domain=size(MAX_COUNT))
     rotary_percent: float = option(1.0, help="Fraction of each head's channels RoPE rotates.",
                                    domain=fraction(lo_open=True))

@@ -19,6 +19,7 @@ from megalite.config.flags import domain_errors
 from megalite.config.validate_cp import context_parallel_errors, cp_comm_errors
 from megalite.config.validate_moe import expert_layout_errors, moe_errors
 from megalite.config.validate_pipeline import checked_split
+from megalite.config.yarn import yarn_errors
 
 if TYPE_CHECKING:
     from megalite.config.arguments import MegaliteConfig
@@ -73,7 +74,7 @@ def model_errors(m: "ModelConfig") -> list[str]:
     if m.position_embedding_type == "learned_absolute" and m.seq_length > m.max_position_embeddings:
         errors.append(f"--seq-length ({m.seq_length}) must be <= --max-position-embeddings "
                       f"({m.max_position_embeddings}) with learned absolute positions")
-    if m.position_embedding_type == "rope" and m.kv_channels and int(m.kv_channels * m.rotary_percent) % 2:
+    if m.rotary and m.kv_channels and int(m.kv_channels * m.rotary_percent) % 2:
         errors.append(f"--rotary-percent x head dim ({m.kv_channels}) must be even for RoPE")
     if m.use_rope_scaling and m.position_embedding_type != "rope":
         errors.append("--use-rope-scaling needs --position-embedding-type rope (it scales RoPE's frequencies)")
@@ -87,7 +88,7 @@ def model_errors(m: "ModelConfig") -> list[str]:
     if m.qk_layernorm and m.qk_layernorm_scope == "projection" and m.normalization != "RMSNorm":
         errors.append("--qk-layernorm-scope projection needs --normalization RMSNorm (its one all-reduce over the "
                       "tensor-parallel ranks carries the sum of squares only)")
-    return errors + window_errors(m)
+    return errors + window_errors(m) + yarn_errors(m)
 
 
 def window_errors(m: "ModelConfig") -> list[str]:

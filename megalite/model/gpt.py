@@ -15,7 +15,7 @@ from torch import nn
 from megalite.attention import Documents
 from megalite.config.model import ModelConfig
 from megalite.model.norm import Norm
-from megalite.model.rope import Llama3Scaling, rope_frequencies
+from megalite.model.rope import rope_frequencies, rope_scaling
 from megalite.model.transformer import TransformerLayer
 from megalite.tensor_parallel.context import BuildContext
 from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -109,13 +109,13 @@ class GPTModel(nn.Module):
     def _rope(self, seq_len: int, device: torch.device, offset: int = 0) -> torch.Tensor | None:
         """Angles of positions offset..offset+seq_len-1 (each position's angles do not depend on how
         many positions were computed, so a longer cached table is sliced)."""
-        if self.cfg.position_embedding_type != "rope":
+        if not self.cfg.rotary:  # plain RoPE or YaRN
             return None
         end = offset + seq_len
         if self._rope_cache is None or self._rope_cache[0] < end or self._rope_cache[1].device != device:
             rot = int(self.cfg.kv_channels * self.cfg.rotary_percent)
             self._rope_cache = (end, rope_frequencies(end, rot, self.cfg.rotary_base, device,
-                                                          Llama3Scaling.of(self.cfg)))
+                                                          rope_scaling(self.cfg)))
         return self._rope_cache[1][offset:end]
 
     def _run_layers(self, x: torch.Tensor, angles: torch.Tensor | None, documents: Documents | None = None

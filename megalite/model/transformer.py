@@ -93,7 +93,8 @@ class Attention(nn.Module):
         if self.qk_layernorm:
             q, k = apply_qk_norms(q, k, self.q_norm, self.k_norm)
         if rope_angles is not None:
-            q, k = apply_rope(q, rope_angles), apply_rope(k, rope_angles)
+            m = self.cfg.rope_attention_factor  # YaRN scales cos and sin; 1 otherwise
+            q, k = apply_rope(q, rope_angles, m), apply_rope(k, rope_angles, m)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
         if kv_cache is not None:
             k, v = kv_cache.update(k, v, self.window)  # [b, groups_local, past + s, d] (past: within the window)

@@ -37,7 +37,7 @@ def _layer_forward_calls(sh: RunShape) -> int:
         calls += 2 + 1 + 1 + 2 + 1 + 1 + 1 + 1 + (DROPOUT_CALLS if m.attention_dropout > 0 else 0)
     else:
         calls += 2
-    return calls + (2 if m.position_embedding_type == "rope" else 0)
+    return calls + (2 if m.rotary else 0)
 
 
 LAYER_PARAMETERS = 12  # tensors per dense layer with biases (2 norms x 2, 4 linears x 2): one accumulation each

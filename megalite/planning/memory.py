@@ -229,7 +229,7 @@ def layer_outside_core_bytes(sh: RunShape, layer: LayerShape = DENSE_LAYER) -> f
     layer has its router, dispatch and experts' bytes in place of the MLP's (planning/moe.py)."""
     m, h, t, e = sh.cfg.model, sh.h, sh.tp, sh.act_bytes
     a, g, d, f = m.num_attention_heads, m.num_query_groups, m.kv_channels, m.ffn_hidden_size
-    rope = m.position_embedding_type == "rope"
+    rope = m.rotary  # RoPE or YaRN
     qkv = (a + 2 * g) * d + (a * d if rope or a != g else 0) + (g * d if rope else 0)
     # Transformer Engine (--model-te-layers): the projection reads flash attention's saved output, the
     # fused SwiGLU keeps fc1's output and its own (3f), the fused RMSNorm no decomposition
@@ -259,7 +259,7 @@ def core_attention_bytes(sh: RunShape) -> float:
         per_score = ((3 if m.attention_dropout > 0 else 1) + (1 if m.attn_logit_softcapping else 0)) * e
         # QK^T and PV keep the repeated K and V, not the fused QKV output (unless q is a view of it)
         # nor RoPE's rotated k, which layer_outside_core_bytes counts for the recomputed case
-        g, rope = m.num_query_groups, m.position_embedding_type == "rope"
+        g, rope = m.num_query_groups, m.rotary
         unkept = ((a + 2 * g) * d if rope or a != g else 0) + (g * d if rope else 0)
         return (per_score * scores + (2 * a * d - unkept) * tokens / t * e + sh.s * sh.s // sh.cp)
     return a * d * tokens / t * e + 4 * a * tokens / t

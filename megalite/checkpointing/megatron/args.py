@@ -16,6 +16,7 @@ from megalite.checkpointing.config_rules import model_rule_errors
 from megalite.checkpointing.errors import CheckpointError
 from megalite.checkpointing.metadata import config_dict, model_config
 from megalite.config.model import ModelConfig
+from megalite.config.yarn import YARN_DEFAULTS
 
 COPIED = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "kv_channels", "seq_length",
           "max_position_embeddings", "rotary_base", "rotary_percent", "norm_epsilon", "apply_layernorm_1p",
@@ -52,8 +53,8 @@ def _refusals(args: Namespace, where: str) -> list[str]:
         if value not in (ok, None) and not (ok is None and value in (0, False)):
             out.append(f"{name}={value!r} ({what}) is not implemented in megalite")
     position = _position(args)
-    if position not in ("learned_absolute", "rope"):
-        out.append(f"position_embedding_type={position!r} is not implemented (learned_absolute or rope)")
+    if position not in ("learned_absolute", "rope", "yarn"):
+        out.append(f"position_embedding_type={position!r} is not implemented (learned_absolute, rope or yarn)")
     norm = getattr(args, "normalization", "LayerNorm")
     if norm not in ("LayerNorm", "RMSNorm"):
         out.append(f"normalization={norm!r} is not implemented (LayerNorm or RMSNorm)")
@@ -102,6 +103,8 @@ def config_from_args(args: Any, vocab_size: int, where: str) -> dict[str, Any]:
         fields["moe_router_num_groups"] = getattr(args, "moe_router_num_groups", None)
     if getattr(args, "moe_layer_freq", None) is not None and fields.get("num_experts"):
         fields["moe_layer_freq"] = _layer_freq(args.moe_layer_freq)
+    if fields["position_embedding_type"] == "yarn":  # Megatron-LM's defaults where its args hold None
+        fields.update({k: d if getattr(args, k, None) is None else getattr(args, k) for k, d in YARN_DEFAULTS.items()})
     if getattr(args, "use_rope_scaling", False):
         fields.update(use_rope_scaling=True, rope_scaling_factor=float(getattr(args, "rope_scaling_factor", 8.0)),
                       **MCORE_ROPE_SCALING)

@@ -29,6 +29,7 @@ from megalite.checkpointing.megatron.names import LAYER, TOP
 from megalite.checkpointing.metadata import model_config
 from megalite.checkpointing.stored import all_specs
 from megalite.config.domain import MAX_SIZE
+from megalite.config.yarn import YARN_DEFAULTS
 from megalite.tensor_parallel.layers import padded_vocab_size
 
 # megalite layer suffix -> megatron-core's sharded key suffix (local spec; norms under the fused names; a
@@ -84,6 +85,8 @@ def megatron_args(config: dict[str, Any], padded_vocab: int) -> Namespace:
             text = str(freq).strip()
             fields["window_attn_skip_freq"] = int(text) if text.isdigit() else [
                 int(w > 0) for w in cfg.attention_windows()]
+    if cfg.position_embedding_type == "yarn":  # Megatron-LM's argument names are megalite's
+        fields.update({k: getattr(cfg, k) for k in YARN_DEFAULTS})
     if cfg.use_rope_scaling:  # megatron-core fixes the other factors (MCORE_ROPE_SCALING, checked on export)
         fields.update(use_rope_scaling=True, rope_scaling_factor=cfg.rope_scaling_factor)
     if cfg.num_experts:
