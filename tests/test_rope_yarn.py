@@ -8,7 +8,8 @@
   multiplier multi-latent attention will take equals transformers' yarn_apply_mscale;
 - the args to-megatron writes build megatron-core's own YarnRotaryEmbedding with the same angles and
   concentration factor (also where Megatron and transformers differ: --mscale without --mscale-all-dim,
-  where megalite follows Megatron); from-megatron reads them back;
+  where megalite follows Megatron); from-megatron reads them back, and the model flags convert_checkpoint
+  prints carry them;
 - a Llama-style megalite model with YaRN gives the logits of transformers' Llama with the same weights and
   rope parameters (and not those without YaRN);
 - each rule of the flags is a one-line error naming them.
@@ -24,6 +25,7 @@ from megalite.checkpointing.megatron.export import megatron_args
 from megalite.checkpointing.metadata import config_dict, model_config
 from megalite.config import ConfigError, parse_args, validate
 from megalite.config.model import ModelConfig
+from megalite.config.yarn import YARN_DEFAULTS
 from megalite.model.gpt import GPTModel
 from megalite.model.rope import YarnScaling, rope_frequencies
 from megalite.parallel.groups import ProcessGroups
@@ -110,6 +112,17 @@ def test_megatron_args_without_yarn_values_import_megatrons_defaults():
     cfg = model_config(config_from_args(args, 64, "ckpt"))[0]
     assert (cfg.yarn_original_max_position_embeddings, cfg.yarn_beta_fast, cfg.yarn_beta_slow,
             cfg.yarn_correction_range_round_to_int) == (4096, 32.0, 1.0, True)
+
+
+def test_printed_model_flags_carry_yarn():
+    """convert_checkpoint prints the flags that train an imported model: YaRN's among them."""
+    import shlex
+
+    from tools.convert_checkpoint import model_flags
+
+    cfg = yarn_cfg(**CASES["fractional_ramp"])
+    flags = parse_args(["--mock-data", *shlex.split(model_flags(config_dict(cfg, 64)))]).model
+    assert {k: getattr(flags, k) for k in YARN_DEFAULTS} == {k: getattr(cfg, k) for k in YARN_DEFAULTS}
 
 
 def test_llama_with_yarn_gives_transformers_logits():

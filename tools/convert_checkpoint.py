@@ -79,6 +79,7 @@ from megalite.config.flags import domain_of  # noqa: E402
 from megalite.config.parallel import ParallelConfig  # noqa: E402
 from megalite.config.validate import layout_errors  # noqa: E402
 from megalite.config.validate_pipeline import split_flag_errors  # noqa: E402
+from megalite.config.yarn import yarn_flags  # noqa: E402
 from megalite.data.tokenizer import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
 from megalite.parallel.placement import LayerSplit  # noqa: E402
 
@@ -114,6 +115,8 @@ def model_flags(config: dict) -> str:
         elif v is not None and v != OMITTED_AT.get(k) and not (
                 k == "num_query_groups" and not config.get("group_query_attention")):
             out += [flag, shlex.quote(str(v))]
+    if config.get("position_embedding_type") == "yarn":
+        out += yarn_flags(config)
     return " ".join(out)
 
 

@@ -98,3 +98,14 @@ def yarn_errors(m: "ModelConfig") -> list[str]:
     if m.yarn_beta_fast <= m.yarn_beta_slow:
         errors.append(f"--yarn-beta-fast ({m.yarn_beta_fast:g}) must exceed --yarn-beta-slow ({m.yarn_beta_slow:g})")
     return errors
+
+
+def yarn_flags(config: dict) -> list[str]:
+    """The command-line flags of a model config dict's YaRN options that differ from their defaults."""
+    out: list[str] = []
+    for f, default in YARN_DEFAULTS.items():
+        v = config.get(f, default)
+        if v != default:
+            flag = flag_name(YarnFields.__dataclass_fields__[f])
+            out += [flag] if isinstance(v, bool) else [flag, str(v)]
+    return out
