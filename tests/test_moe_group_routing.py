@@ -9,8 +9,8 @@ sum of its top topk // group-topk scores), and its top-k experts come from those
 - softmax scores (top-k of the logits, and --moe-router-pre-softmax) and a per-group k other than 2: equal
   megatron-core's own ``topk_routing_with_score_function``;
 - the choice never leaves the chosen groups, and the gradient reaches the router weight as plain top-k's;
-- an EP 2 training run (sigmoid, expert bias moving, group-limited, alltoall) equals the single-process
-  run under NCCL's point-to-point rules (MEGALITE_NCCL_SEMANTICS=1);
+- EP 2 training runs (sigmoid, expert bias moving, group-limited; the alltoall and the allgather
+  dispatcher) equal the single-process run under NCCL's point-to-point rules (MEGALITE_NCCL_SEMANTICS=1);
 - each rule of the flags is a one-line error naming them; to-megatron writes both flags and the Megatron
   import reads them back (the groups alone, which Megatron ignores, are dropped; the deprecated
   moe_router_topk_limited_devices is refused by name).
@@ -133,10 +133,14 @@ ITERS = 4
 
 
 def test_ep2_group_routing_trains_as_one_process_under_nccl_semantics():
+    """Both dispatchers at EP 2 against one single-process run (the dispatcher is idle in one process)."""
     flat = layout_flat(MODEL, vocab=128, iters=ITERS, log_interval=1)
+    runs = {kind: {**flat, "expert_model_parallel_size": 2, "moe_token_dispatcher_type": kind}
+            for kind in ("alltoall", "allgather")}
     with p2p_mode("nccl_semantics"):
-        curves = layout_curves(2, {"ep2": {**flat, "expert_model_parallel_size": 2}})
-    assert_matches_serial(curves, "ep2", serial_curve(flat), ITERS)
+        curves = layout_curves(2, runs)
+    for kind in runs:
+        assert_matches_serial(curves, kind, serial_curve(flat), ITERS)
 
 
 BASE = ["--mock-data", "--vocab-size", "128", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads",
