@@ -8,7 +8,7 @@ sum of its top topk // group-topk scores), and its top-k experts come from those
   have topk // group-topk = 2);
 - softmax scores (top-k of the logits, and --moe-router-pre-softmax) and a per-group k other than 2: equal
   megatron-core's own ``topk_routing_with_score_function``;
-- the choice never leaves the chosen groups, and the gradient reaches the router weight as plain top-k's;
+- the choice never leaves the chosen groups; backward gets plain top-k's gradient and keeps its bytes;
 - EP 2 training runs (sigmoid, expert bias moving, group-limited; the alltoall and the allgather
   dispatcher) equal the single-process run under NCCL's point-to-point rules (MEGALITE_NCCL_SEMANTICS=1);
 - each rule of the flags is a one-line error naming them; to-megatron writes both flags and the Megatron
@@ -112,8 +112,24 @@ def test_group_routing_equals_megatron_core(case):
     torch.testing.assert_close(got, probs, rtol=1e-6, atol=0)
 
 
-def test_choice_stays_in_the_best_groups_and_the_gradient_is_top_ks():
+def saved_bytes(fn, scores: torch.Tensor) -> int:
+    """Bytes autograd keeps for backward of ``fn(scores)`` (each storage once)."""
+    seen = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(scores)
+    return sum(seen.values())
+
+
+def test_choice_stays_in_the_best_groups_and_backward_is_top_ks():
+    """Group-limited: the experts of the best groups only; the gradient and the saved bytes of plain top-k
+    (the planner's router bytes hold)."""
     scores = torch.randn(64, 12, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    assert saved_bytes(lambda x: group_limited_topk(x, 4, 4, 2), scores) == saved_bytes(lambda x: x.topk(4), scores)
     values, experts = group_limited_topk(scores, 4, num_groups=4, group_topk=2)
     best = scores.detach().view(64, 4, 3).topk(2, -1).values.sum(-1).topk(2, -1).indices  # [T, 2] groups kept
     assert (experts.div(3, rounding_mode="floor")[:, :, None] == best[:, None, :]).any(-1).all()

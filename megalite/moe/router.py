@@ -40,6 +40,22 @@ def capacity(tokens: int, topk: int, num_experts: int, factor: float) -> int:
     return math.ceil(tokens * topk / num_experts * factor)
 
 
+class _Pick(torch.autograd.Function):
+    """``scores.gather(1, index)`` whose backward keeps only the index (gather's keeps ``scores`` too): top-k's
+    own gradient, zeros with the grad scattered to the chosen entries."""
+
+    @staticmethod
+    def forward(ctx, scores: torch.Tensor, index: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(index)
+        ctx.shape = scores.shape
+        return scores.gather(1, index)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        (index,) = ctx.saved_tensors
+        return grad.new_zeros(ctx.shape).scatter(1, index, grad), None
+
+
 def group_limited_topk(scores: torch.Tensor, k: int, num_groups: int, group_topk: int
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k among the experts of each token's ``group_topk`` best groups (Megatron-LM's rule): the E experts
@@ -56,7 +72,7 @@ def group_limited_topk(scores: torch.Tensor, k: int, num_groups: int, group_topk
         keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, chosen, True)
         keep = keep.unsqueeze(-1).expand_as(per_group).reshape(T, E)
         experts = scores.masked_fill(~keep, float("-inf")).topk(k, dim=-1).indices
-    return scores.gather(1, experts), experts
+    return _Pick.apply(scores, experts), experts
 
 
 def load_balancing_loss(scores: torch.Tensor, counts: torch.Tensor, tokens: int, topk: int, coeff: float
