@@ -13,13 +13,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from megalite.config.domain import Domain, at_least, positive, size
 from megalite.config.flags import flag_name, option
-
-if TYPE_CHECKING:
-    from megalite.config.model import ModelConfig
 
 NON_NEGATIVE = Domain(lo=0)
 
@@ -83,7 +79,7 @@ def yarn_mscale(scale: float, m: float) -> float:
 YARN_DEFAULTS = {f: YarnFields.__dataclass_fields__[f].default for f in YarnFields.__dataclass_fields__}
 
 
-def yarn_errors(m: "ModelConfig") -> list[str]:
+def yarn_errors(m: YarnFields) -> list[str]:
     """YaRN's rules: its options only with it, the whole head rotated, the ramp the right way round (an even
     head and --use-rope-scaling with it: config/validate.py's rules)."""
     if m.position_embedding_type != "yarn":
