@@ -34,6 +34,8 @@ GPT = dict(seq_length=192, max_position_embeddings=192, hidden_size=320, num_att
 LLAMA = dict(seq_length=192, hidden_size=256, num_attention_heads=4, swiglu=True, normalization="RMSNorm",
              position_embedding_type="rope", group_query_attention=True, num_query_groups=2,
              disable_bias_linear=True)
+GEMMA = {**LLAMA, "swiglu": False, "geglu": True, "sublayer_norms": "pre-post", "qk_layernorm": True,
+         "apply_layernorm_1p": True, "softmax_scale": 0.1}
 # (name, model, tp, sequence parallel, recompute granularity, extra model fields, bf16)
 LAYER_ROWS = [
     ("TP1", GPT, 1, False, None, {}, True),
@@ -46,6 +48,8 @@ LAYER_ROWS = [
     ("TP2 SP selective", GPT, 2, True, "selective", {}, True),
     ("TP2 SP full", GPT, 2, True, "full", {}, True),
     ("TP2 SP Llama selective", LLAMA, 2, True, "selective", {}, True),
+    ("TP1 Gemma (GeGLU, four norms, q/k norms)", GEMMA, 1, False, None, {}, True),
+    ("TP2 SP Gemma", GEMMA, 2, True, None, {}, True),
 ]
 MICRO_BATCH, VOCAB = 3, 1000
 

@@ -90,8 +90,11 @@ FLAG_FIELDS = ["num_layers", "hidden_size", "ffn_hidden_size", "num_attention_he
                "num_query_groups", "kv_channels", "max_position_embeddings", "position_embedding_type",
                "rotary_base", "normalization", "norm_epsilon", "swiglu", "untie_embeddings_and_output_weights",
                "disable_bias_linear", "add_qkv_bias", "apply_layernorm_1p", "qk_layernorm", "qk_layernorm_scope",
-               "sublayer_norms", "window_size", "window_attn_skip_freq", "attn_logit_softcapping"]
-OMITTED_AT = {"qk_layernorm_scope": "head", "sublayer_norms": "pre"}  # printed only when they differ from this
+               "sublayer_norms", "window_size", "window_attn_skip_freq", "attn_logit_softcapping", "geglu",
+               "embedding_multiplier", "softmax_scale", "final_logit_softcapping", "rotary_base_local",
+               "rotary_seq_len_interpolation_factor"]
+# printed only when they differ from this
+OMITTED_AT = {"qk_layernorm_scope": "head", "sublayer_norms": "pre", "embedding_multiplier": 1.0}
 ROPE_SCALING_FLAG_FIELDS = ["use_rope_scaling", "rope_scaling_factor", "rope_scaling_low_freq_factor",
                             "rope_scaling_high_freq_factor", "rope_scaling_original_max_position_embeddings"]
 MOE_FLAG_FIELDS = ["num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_layer_freq",

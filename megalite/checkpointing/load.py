@@ -39,6 +39,11 @@ LATER_FIELDS = {"apply_layernorm_1p": False, "num_experts": None, "moe_ffn_hidde
                 "moe_router_enable_expert_bias": False, "use_rope_scaling": False, "rope_scaling_factor": 8.0,
                 "rope_scaling_low_freq_factor": 1.0, "rope_scaling_high_freq_factor": 4.0,
                 "rope_scaling_original_max_position_embeddings": 8192, "attn_logit_softcapping": None}
+# Gemma's options (--geglu and the rest, config/model.py): older checkpoints meant these values
+GEMMA_DEFAULTS = {"geglu": False, "embedding_multiplier": 1.0, "softmax_scale": None, "final_logit_softcapping": None,
+                  "rotary_base_local": None, "rotary_seq_len_interpolation_factor": None}
+SHAPE_FIELDS += list(GEMMA_DEFAULTS)
+LATER_FIELDS.update(GEMMA_DEFAULTS)
 SHAPE_FIELDS += list(YARN_DEFAULTS)  # YaRN's options (config/yarn.py): older checkpoints meant their defaults
 LATER_FIELDS.update(YARN_DEFAULTS)
 

@@ -18,8 +18,8 @@ class ModelConfig(MoEFields, YarnFields):
 
     num_layers: int = option(2, help="Number of transformer layers.", domain=size(MAX_LAYERS))
     hidden_size: int = option(64, help="Transformer hidden size h.", domain=size(MAX_HIDDEN))
-    ffn_hidden_size: int | None = option(None, help="MLP hidden size; default 4h (8h/3 rounded to 64 with --swiglu).",
-                                          domain=size())
+    ffn_hidden_size: int | None = option(
+        None, help="MLP hidden size; default 4h (8h/3 rounded to 64 with --swiglu or --geglu).", domain=size())
     num_attention_heads: int = option(4, help="Number of attention heads.", domain=size(MAX_HIDDEN))
     group_query_attention: bool = option(False, help="Use grouped-query attention (needs --num-query-groups).")
     num_query_groups: int | None = option(None, help="Number of key/value groups with --group-query-attention.",
@@ -84,6 +84,29 @@ class ModelConfig(MoEFields, YarnFields):
         "backends than 'unfused'/'local' run the blockwise path then; every context-parallel comm type and "
         "KV-cache decoding apply it too. Default: no cap.", domain=positive())
     swiglu: bool = option(False, help="SwiGLU MLP (gated SiLU) instead of GeLU.")
+    geglu: bool = option(
+        False, help="GeGLU MLP: the gated MLP of --swiglu (fc1 holds [gate; up], cut alike over TP) with the tanh "
+        "approximation of GELU on the gate (megatron-core's geglu; Gemma's gelu_pytorch_tanh).")
+    embedding_multiplier: float = option(
+        1.0, help="Multiply the word embeddings by this on the first pipeline stage, rounded to the run's dtype "
+        "as transformers rounds it (Gemma: sqrt(--hidden-size)); a tied output layer uses the unscaled weight.",
+        domain=positive())
+    softmax_scale: float | None = option(
+        None, help="Scale of the attention scores q.k before the softmax (megatron-core's softmax_scale; Gemma's "
+        "query_pre_attn_scalar Q is Q**-0.5); default 1 / sqrt(--kv-channels). Every attention path, context "
+        "parallelism and decoding included.", domain=positive())
+    final_logit_softcapping: float | None = option(
+        None, help="Soft-cap the output logits to C * tanh(logits / C) (Gemma 2: 30): in the loss (the "
+        "vocab-parallel and the fused cross-entropy) and in the logits of generation and evaluation.",
+        domain=positive())
+    rotary_base_local: int | None = option(
+        None, help="With --window-size: the RoPE base of the windowed layers, which use it unscaled; the "
+        "full-attention layers keep --rotary-base and its scaling (Gemma 3: 10000 local, 1000000 global). "
+        "Default: every layer uses --rotary-base.", domain=size(MAX_COUNT))
+    rotary_seq_len_interpolation_factor: float | None = option(
+        None, help="Linear RoPE scaling (Megatron's flag): the rotary angles divided by this factor "
+        "(transformers' rope_type 'linear'); with --rotary-base-local only the full-attention layers are "
+        "scaled.", domain=at_least(1.0))
     untie_embeddings_and_output_weights: bool = option(
         False, help="Give the output layer its own weight instead of sharing the input embedding.")
     disable_bias_linear: bool = option(False, help="No bias in the linear layers (Llama style).")
@@ -117,7 +140,7 @@ class ModelConfig(MoEFields, YarnFields):
 
     # Defaults filled in from other fields: {field: (its sources, how)}; the domain check names them.
     DERIVED: ClassVar[dict[str, tuple[tuple[str, ...], str]]] = {
-        "ffn_hidden_size": (("hidden_size",), "4 x --hidden-size, 8/3 with --swiglu"),
+        "ffn_hidden_size": (("hidden_size",), "4 x --hidden-size, 8/3 with --swiglu or --geglu"),
         "kv_channels": (("hidden_size", "num_attention_heads"), "--hidden-size / --num-attention-heads"),
         "max_position_embeddings": (("seq_length",), "--seq-length"),
         "num_query_groups": (("num_attention_heads",), "--num-attention-heads"),
@@ -131,7 +154,7 @@ class ModelConfig(MoEFields, YarnFields):
         if self.kv_channels is None and self.num_attention_heads > 0:
             self.kv_channels = self.hidden_size // self.num_attention_heads
         if self.ffn_hidden_size is None:
-            if self.swiglu:
+            if self.gated_linear_unit:
                 self.ffn_hidden_size = ((8 * self.hidden_size // 3 + 63) // 64) * 64
             else:
                 self.ffn_hidden_size = 4 * self.hidden_size
@@ -166,6 +189,11 @@ class ModelConfig(MoEFields, YarnFields):
         them cannot disagree with the model."""
         groups = self.num_query_groups or self.num_attention_heads
         return self.num_attention_heads // tp, max(groups // tp, 1)
+
+    @property
+    def gated_linear_unit(self) -> bool:
+        """fc1 holds [gate; up] (--swiglu or --geglu: megatron-core's gated_linear_unit)."""
+        return self.swiglu or self.geglu
 
     @property
     def tied_embeddings(self) -> bool:

@@ -88,7 +88,7 @@ def model_errors(m: "ModelConfig") -> list[str]:
     if m.qk_layernorm and m.qk_layernorm_scope == "projection" and m.normalization != "RMSNorm":
         errors.append("--qk-layernorm-scope projection needs --normalization RMSNorm (its one all-reduce over the "
                       "tensor-parallel ranks carries the sum of squares only)")
-    return errors + window_errors(m) + yarn_errors(m)
+    return errors + window_errors(m) + activation_and_rope_errors(m) + yarn_errors(m)
 
 
 def window_errors(m: "ModelConfig") -> list[str]:
@@ -104,6 +104,25 @@ def window_errors(m: "ModelConfig") -> list[str]:
     except ValueError as e:
         return [str(e)]
     return []
+
+
+def activation_and_rope_errors(m: "ModelConfig") -> list[str]:
+    """--geglu, and the RoPE options of a layer kind (--rotary-base-local) or a linear factor."""
+    errors = []
+    if m.swiglu and m.geglu:
+        errors.append("--swiglu and --geglu are two activations of the gated MLP: pick one")
+    windowed = bool(m.window_size) and m.window_size[0] >= 0
+    if m.rotary_base_local is not None and not (m.rotary and windowed):
+        errors.append("--rotary-base-local needs --position-embedding-type rope and windowed layers (--window-size): "
+                      "it is the RoPE base of the windowed layers")
+    if m.rotary_seq_len_interpolation_factor is not None:
+        if m.position_embedding_type != "rope":
+            errors.append("--rotary-seq-len-interpolation-factor needs --position-embedding-type rope (YaRN scales "
+                          "its own way)")
+        if m.use_rope_scaling:
+            errors.append("--rotary-seq-len-interpolation-factor and --use-rope-scaling are two RoPE scalings: "
+                          "pick one")
+    return errors
 
 
 def layout_errors(m: "ModelConfig", tp: int, pp: int, layers_per_virtual_stage: int | None = None,

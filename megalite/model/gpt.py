@@ -15,10 +15,10 @@ from torch import nn
 from megalite.attention import Documents
 from megalite.config.model import ModelConfig
 from megalite.model.norm import Norm
-from megalite.model.rope import rope_frequencies, rope_scaling
+from megalite.model.rope import KindAngles, rope_frequencies, rope_scaling
 from megalite.model.transformer import TransformerLayer
 from megalite.tensor_parallel.context import BuildContext
-from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megalite.tensor_parallel.cross_entropy import softcap, vocab_parallel_cross_entropy
 from megalite.tensor_parallel.fused_cross_entropy import fused_linear_cross_entropy
 from megalite.tensor_parallel.layers import (
     ColumnParallelLinear,
@@ -59,6 +59,8 @@ class Embedding(nn.Module):
         """``positions``: the tokens' positions when they are not consecutive, [s] (context parallelism) or
         [b, s] (each sample's own: reset after every document)."""
         x = self.word(tokens)  # [s, b, h], summed over TP
+        if self.cfg.embedding_multiplier != 1.0:  # rounded to the run's dtype first, as transformers does
+            x = x * x.new_tensor(self.cfg.embedding_multiplier)
         if self.position is not None:
             if positions is None:
                 pos = self.position.weight[position_offset: position_offset + tokens.shape[1]].unsqueeze(1)
@@ -104,19 +106,25 @@ class GPTModel(nn.Module):
             amend_param(self.embedding.word.weight, embedding_or_output=True)
         if post_process and self.output_layer is not None:
             amend_param(self.output_layer.weight, embedding_or_output=True)
-        self._rope_cache: tuple[int, torch.Tensor] | None = None
+        self._rope_cache: tuple[int, torch.device, torch.Tensor | KindAngles] | None = None
 
-    def _rope(self, seq_len: int, device: torch.device, offset: int = 0) -> torch.Tensor | None:
+    def _rope(self, seq_len: int, device: torch.device, offset: int = 0) -> torch.Tensor | KindAngles | None:
         """Angles of positions offset..offset+seq_len-1 (each position's angles do not depend on how
-        many positions were computed, so a longer cached table is sliced)."""
-        if not self.cfg.rotary:  # plain RoPE or YaRN
+        many positions were computed, so a longer cached table is sliced); with --rotary-base-local the
+        windowed layers' own angles beside the others' (``KindAngles``)."""
+        cfg = self.cfg
+        if not cfg.rotary:  # plain RoPE or YaRN
             return None
         end = offset + seq_len
-        if self._rope_cache is None or self._rope_cache[0] < end or self._rope_cache[1].device != device:
-            rot = int(self.cfg.kv_channels * self.cfg.rotary_percent)
-            self._rope_cache = (end, rope_frequencies(end, rot, self.cfg.rotary_base, device,
-                                                          rope_scaling(self.cfg)))
-        return self._rope_cache[1][offset:end]
+        if self._rope_cache is None or self._rope_cache[0] < end or self._rope_cache[1] != device:
+            rot = int(cfg.kv_channels * cfg.rotary_percent)
+            table = rope_frequencies(end, rot, cfg.rotary_base, device, rope_scaling(cfg),
+                                     cfg.rotary_seq_len_interpolation_factor)
+            if cfg.rotary_base_local is not None:  # windowed layers: their own base, unscaled
+                table = KindAngles(table, rope_frequencies(end, rot, cfg.rotary_base_local, device))
+            self._rope_cache = (end, device, table)
+        table = self._rope_cache[2]
+        return table.map(lambda t: t[offset:end]) if isinstance(table, KindAngles) else table[offset:end]
 
     def _run_layers(self, x: torch.Tensor, angles: torch.Tensor | None, documents: Documents | None = None
                     ) -> torch.Tensor:
@@ -167,7 +175,11 @@ class GPTModel(nn.Module):
             angles = self._rope(seq_len, x.device, offset)
         else:
             angles = self._rope(self.cfg.seq_length, x.device)
-            angles = None if angles is None else angles[positions if positions.dim() == 1 else positions.t()]
+            index = positions if positions.dim() == 1 else positions.t()
+            if isinstance(angles, KindAngles):
+                angles = angles.map(lambda t: t[index])
+            elif angles is not None:
+                angles = angles[index]
         if kv_cache is None:
             x = self._run_layers(x, angles, documents)
         else:
@@ -175,12 +187,13 @@ class GPTModel(nn.Module):
                 x = layer(x, angles, kv_cache.layer(int(number)))
         if not self.post_process:
             return x
+        cap = self.cfg.final_logit_softcapping  # logits C * tanh(logits / C) in the loss and in the logits
         if labels is not None and self.cfg.cross_entropy_loss_fusion:  # never the full fp32 logits
             weight = self.embedding.word.weight if self.output_layer is None else self.output_layer.weight
             return fused_linear_cross_entropy(self.final_norm(x), weight, labels.t(), self.pg, self.vocab_size,
-                                              self.ctx.sequence_parallel).t()
+                                              self.ctx.sequence_parallel, softcap=cap).t()
         logits = self.logits(x)
         if labels is None:
             full = gather_from_tp(logits, self.pg, dim=-1)[..., : self.vocab_size]
-            return full.transpose(0, 1).contiguous()
-        return vocab_parallel_cross_entropy(logits, labels.t(), self.pg, self.vocab_size).t()
+            return (full if cap is None else softcap(full, cap)).transpose(0, 1).contiguous()
+        return vocab_parallel_cross_entropy(logits, labels.t(), self.pg, self.vocab_size, softcap=cap).t()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,14 +85,37 @@ def rope_scaling(cfg: Any) -> Llama3Scaling | YarnScaling | None:
 
 
 def rope_frequencies(seq_len: int, rot_dim: int, base: float, device: torch.device | None = None,
-                     scaling: Llama3Scaling | YarnScaling | None = None) -> torch.Tensor:
-    """Angles [s, rot_dim]: position x inverse frequency (scaled by ``scaling``, if any), duplicated for the
-    two rotated halves."""
+                     scaling: Llama3Scaling | YarnScaling | None = None,
+                     linear_factor: float | None = None) -> torch.Tensor:
+    """Angles [s, rot_dim]: position x inverse frequency (scaled by ``scaling``, if any, or divided by
+    ``linear_factor``: --rotary-seq-len-interpolation-factor, transformers' 'linear'), duplicated for the two
+    rotated halves."""
     inv_freq = 1.0 / (base ** (torch.arange(0, rot_dim, 2, dtype=torch.float32, device=device) / rot_dim))
     if scaling is not None:
         inv_freq = scaling.apply(inv_freq)
+    if linear_factor is not None:
+        inv_freq = inv_freq / linear_factor
     angles = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv_freq)
     return torch.cat([angles, angles], dim=-1)
+
+
+@dataclass(frozen=True)
+class KindAngles:
+    """The angles of the full-attention layers and of the windowed ones when their bases differ
+    (--rotary-base-local), passed down the layers as one value; each attention picks its own."""
+
+    full: torch.Tensor
+    local: torch.Tensor
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "KindAngles":
+        return KindAngles(fn(self.full), fn(self.local))
+
+
+def layer_angles(angles: "torch.Tensor | KindAngles | None", window: int) -> torch.Tensor | None:
+    """The angles of a layer whose window is ``window`` (0: full attention)."""
+    if isinstance(angles, KindAngles):
+        return angles.local if window else angles.full
+    return angles
 
 
 def apply_rope(x: torch.Tensor, angles: torch.Tensor, scale: float = 1.0) -> torch.Tensor:

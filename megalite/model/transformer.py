@@ -10,9 +10,9 @@ ones reduce-scatter back.
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megalite.attention import Documents, core_attention
@@ -20,8 +20,9 @@ from megalite.config.model import ModelConfig
 from megalite.context_parallel import context_parallel_attention
 from megalite.model.norm import Norm
 from megalite.model.qk_norm import apply_qk_norms, qk_norms
-from megalite.model.rope import apply_rope
+from megalite.model.rope import KindAngles, apply_rope, layer_angles
 from megalite.moe.layer import MoELayer
+from megalite.tensor_parallel.activations import mlp_activation
 from megalite.tensor_parallel.context import BuildContext
 from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megalite.tensor_parallel.param_meta import amend_param
@@ -62,6 +63,9 @@ class Attention(nn.Module):
         if cfg.qk_layernorm:
             self.q_norm, self.k_norm = qk_norms(cfg, ctx, self.heads_local, self.groups_local)
         self.qk_layernorm = cfg.qk_layernorm
+        # --softmax-scale: every core scales the scores by 1/sqrt(d), so q is scaled by the ratio, which holds
+        # on every path (each attention backend, context parallelism, decoding) and before any logit cap
+        self.q_scale = None if cfg.softmax_scale is None else cfg.softmax_scale * math.sqrt(self.head_dim)
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float,
               documents: Documents | None = None) -> torch.Tensor:
@@ -77,9 +81,10 @@ class Attention(nn.Module):
                                                   softcap=softcap)
             return core_attention(q, k, v, p, self.cfg.attention_backend, documents, self.window, softcap)
 
-    def forward(self, x: torch.Tensor, rope_angles: torch.Tensor | None, kv_cache=None,
+    def forward(self, x: torch.Tensor, rope_angles: torch.Tensor | KindAngles | None, kv_cache=None,
                 documents: Documents | None = None) -> torch.Tensor:
-        """``kv_cache`` (inference): an object whose ``update(k, v)`` appends this step's keys and values
+        """``rope_angles``: this layer's, or both kinds' (``KindAngles``: it picks by its window).
+        ``kv_cache`` (inference): an object whose ``update(k, v)`` appends this step's keys and values
         [b, groups_local, s, d] and returns all of them so far (see megalite/inference/kv_cache.py).
         ``documents``: the packed documents of the micro-batch's sequences (attention stays inside each)."""
         qkv = self.qkv(x)  # [s, b, groups_local * (q_per_group + 2) * d]
@@ -92,9 +97,12 @@ class Attention(nn.Module):
         k, v = k.squeeze(3), v.squeeze(3)  # [s, b, groups_local, d]
         if self.qk_layernorm:
             q, k = apply_qk_norms(q, k, self.q_norm, self.k_norm)
+        rope_angles = layer_angles(rope_angles, self.window)  # --rotary-base-local: the windowed layers' own
         if rope_angles is not None:
             m = self.cfg.rope_attention_factor  # YaRN scales cos and sin; 1 otherwise
             q, k = apply_rope(q, rope_angles, m), apply_rope(k, rope_angles, m)
+        if self.q_scale is not None:
+            q = q * self.q_scale
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
         if kv_cache is not None:
             k, v = kv_cache.update(k, v, self.window)  # [b, groups_local, past + s, d] (past: within the window)
@@ -108,26 +116,21 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """fc1 (column-parallel) -> GeLU or SwiGLU -> fc2 (row-parallel)."""
+    """fc1 (column-parallel) -> GeLU, SwiGLU or GeGLU -> fc2 (row-parallel)."""
 
     def __init__(self, cfg: ModelConfig, ctx: BuildContext, ffn_hidden_size: int | None = None) -> None:
         """``ffn_hidden_size``: this instance's width when it is not --ffn-hidden-size (the shared expert)."""
         super().__init__()
-        self.swiglu = cfg.swiglu
+        self.cfg = cfg
         ffn = ffn_hidden_size or cfg.ffn_hidden_size
-        # SwiGLU's fc1 is [gate; up] stacked; each rank keeps its slice of both halves.
-        self.fc1 = ColumnParallelLinear(cfg.hidden_size, 2 * ffn if cfg.swiglu else ffn, ctx,
-                                        bias=cfg.add_bias_linear, spec=ShardSpec(dim=0, chunks=2 if cfg.swiglu else 1))
+        gated = cfg.gated_linear_unit
+        # A gated MLP's fc1 is [gate; up] stacked; each rank keeps its slice of both halves.
+        self.fc1 = ColumnParallelLinear(cfg.hidden_size, 2 * ffn if gated else ffn, ctx,
+                                        bias=cfg.add_bias_linear, spec=ShardSpec(dim=0, chunks=2 if gated else 1))
         self.fc2 = RowParallelLinear(ffn, cfg.hidden_size, ctx, bias=cfg.add_bias_linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.fc1(x)
-        if self.swiglu:
-            gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
-        else:
-            h = F.gelu(h)
-        return self.fc2(h)
+        return self.fc2(mlp_activation(self.fc1(x), self.cfg))
 
 
 class TransformerLayer(nn.Module):

@@ -9,12 +9,12 @@ expert-TP slice of F. The local experts run one after the other (the reference) 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megalite import compat
 from megalite.config.model import ModelConfig
 from megalite.parallel.groups import Group
+from megalite.tensor_parallel.activations import mlp_activation
 from megalite.tensor_parallel.context import BuildContext
 from megalite.tensor_parallel.param_meta import EXPERT, amend_param, declare_param
 from megalite.tensor_parallel.sharding import ShardSpec
@@ -69,10 +69,11 @@ class Experts(nn.Module):
         E, h, ffn = cfg.num_experts, cfg.hidden_size, cfg.expert_ffn_hidden_size
         etp, local = ctx.pg.size(Group.ETP), cfg.num_experts // ctx.pg.size(Group.EP)
         dtype, device = ctx.dtype, ctx.device
-        self.swiglu, self.grouped = cfg.swiglu, cfg.moe_grouped_gemm
-        rows = 2 * ffn if cfg.swiglu else ffn
+        self.cfg, self.grouped = cfg, cfg.moe_grouped_gemm
+        rows = 2 * ffn if cfg.gated_linear_unit else ffn
         self.fc1_weight = nn.Parameter(torch.empty((local, rows // etp, h), dtype=dtype, device=device))
-        declare_param(self.fc1_weight, ShardSpec(dim=1, chunks=2 if cfg.swiglu else 1), (E, rows, h), "normal")
+        declare_param(self.fc1_weight, ShardSpec(dim=1, chunks=2 if cfg.gated_linear_unit else 1), (E, rows, h),
+                      "normal")
         self.fc2_weight = nn.Parameter(torch.empty((local, h, ffn // etp), dtype=dtype, device=device))
         declare_param(self.fc2_weight, ShardSpec(dim=2), (E, h, ffn), "output")
         for p in (self.fc1_weight, self.fc2_weight):
@@ -80,10 +81,5 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """``x`` [n, h] sorted by local expert, ``counts`` rows each: [n, h] (partial sums over expert-TP)."""
-        h = grouped_linear(x, self.fc1_weight, counts, self.grouped)
-        if self.swiglu:
-            gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
-        else:
-            h = F.gelu(h)
+        h = mlp_activation(grouped_linear(x, self.fc1_weight, counts, self.grouped), self.cfg)
         return grouped_linear(h, self.fc2_weight, counts, self.grouped)

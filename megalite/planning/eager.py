@@ -32,7 +32,7 @@ def _layer_forward_calls(sh: RunShape) -> int:
     scaling, the causal mask (2) and masked_fill, softmax, the attention dropout, PV, and the copy of the
     heads back to [s, b, h]; a fused kernel, one call and that copy."""
     m = sh.cfg.model
-    calls = 2 + 4 + (2 if m.swiglu else 1) + 2 + (2 * DROPOUT_CALLS if m.hidden_dropout > 0 else 0)
+    calls = 2 + 4 + (2 if m.gated_linear_unit else 1) + 2 + (2 * DROPOUT_CALLS if m.hidden_dropout > 0 else 0)
     if m.attention_backend in UNFUSED_BACKENDS:
         calls += 2 + 1 + 1 + 2 + 1 + 1 + 1 + 1 + (DROPOUT_CALLS if m.attention_dropout > 0 else 0)
     else:

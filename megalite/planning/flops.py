@@ -18,7 +18,7 @@ from megalite.planning.model_shape import DENSE_LAYER, LayerShape, ModelShape
 
 def mlp_macs(cfg: ModelConfig, ffn: int) -> int:
     """Multiply-adds per token of one MLP of hidden size ``ffn`` (SwiGLU: gate, up and down)."""
-    return cfg.hidden_size * ffn * (3 if cfg.swiglu else 2)
+    return cfg.hidden_size * ffn * (3 if cfg.gated_linear_unit else 2)
 
 
 def moe_mlp_macs(cfg: ModelConfig) -> int:
@@ -44,15 +44,20 @@ def layer_flops_per_token(cfg: ModelConfig, seq_length: int, layer: LayerShape =
 
 
 def flops_per_token(cfg: ModelConfig, vocab_size: int, seq_length: int) -> float:
-    """Forward FLOPs per token: each layer's, by its kind (model_shape.py), and the output layer's."""
+    """Forward FLOPs per token: each layer's, by its kind (model_shape.py), and the output layer's (with
+    --final-logit-softcapping its C·tanh(z/C), 3 FLOPs per logit)."""
     model = ModelShape.of(cfg)
     per_kind = {kind: layer_flops_per_token(cfg, seq_length, kind) for kind in model.kinds}
-    return sum(per_kind[layer] for layer in model.layers) + 2 * cfg.hidden_size * vocab_size
+    return sum(per_kind[layer] for layer in model.layers) + output_flops_per_token(cfg, vocab_size)
+
+
+def output_flops_per_token(cfg: ModelConfig, vocab_size: int) -> float:
+    return 2 * cfg.hidden_size * vocab_size + (3 * vocab_size if cfg.final_logit_softcapping else 0)
 
 
 def training_flops(cfg: ModelConfig, vocab_size: int, seq_length: int, tokens: int, recompute: bool = False
                    ) -> float:
     """3x the forward; full recomputation runs the layers' forward again (never the output layer's)."""
     forward = flops_per_token(cfg, vocab_size, seq_length)
-    again = forward - 2 * cfg.hidden_size * vocab_size if recompute else 0.0
+    again = forward - output_flops_per_token(cfg, vocab_size) if recompute else 0.0
     return (3.0 * forward + again) * tokens

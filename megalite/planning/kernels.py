@@ -73,7 +73,7 @@ def linear_s(sh: RunShape, cl: ClusterConfig, layer: LayerShape = DENSE_LAYER) -
 def mlp_s(sh: RunShape, cl: ClusterConfig, rows: float, ffn: float, batch: int = 1) -> float:
     """An MLP of hidden size ``ffn`` (per rank) on ``rows`` rows: fc1 (2 x ffn with SwiGLU) and fc2."""
     args = (cl, sh.dtype, sh.act_bytes)
-    fc1 = 2 * ffn if sh.cfg.model.swiglu else ffn
+    fc1 = 2 * ffn if sh.cfg.model.gated_linear_unit else ffn
     kw = {"batch": batch, "forwards": _forwards(sh)}
     return train_gemm_s(rows, fc1, sh.h, *args, **kw) + train_gemm_s(rows, sh.h, ffn, *args, **kw)
 

@@ -44,7 +44,7 @@ def layer_params(sh: RunShape, layer: LayerShape = DENSE_LAYER) -> int:
     if layer.moe:
         n += moe_dense_params(sh)
     else:
-        fc1_rows = (2 * f if m.swiglu else f) // t
+        fc1_rows = (2 * f if m.gated_linear_unit else f) // t
         n += fc1_rows * h + (fc1_rows if bias else 0)
         n += (f // t) * h + (h if bias else 0)
     return n + layer_norms(sh) * norm_params(sh) + qk_norm_params(sh)
@@ -235,13 +235,38 @@ def layer_outside_core_bytes(sh: RunShape, layer: LayerShape = DENSE_LAYER) -> f
     # fused SwiGLU keeps fc1's output and its own (3f), the fused RMSNorm no decomposition
     te = sh.te_layers
     proj = 0 if te and m.attention_backend not in UNFUSED_BACKENDS else a * d
-    sharded = (qkv + proj + (0 if layer.moe else (3 if te else 4) * f if m.swiglu else 2 * f)) * e
+    sharded = (qkv + proj + (0 if layer.moe else (3 if te else 4) * f if m.gated_linear_unit else 2 * f)) * e
     replicated = (4 + (2 if m.hidden_dropout > 0 else 0)) * h * e + 4 * e
     if m.normalization == "RMSNorm" and not te:
         replicated += 12 * h
+    replicated += (layer_norms(sh) - 2) * extra_norm_bytes(m.normalization, h, e)
     per_token = (replicated + sharded) / t if sh.sp else replicated + sharded / t
+    per_token += qk_norm_bytes(sh)  # this rank's heads (K/V groups copied where ranks share one)
     tables = 4 * (sh.s // sh.cp) * int(d * m.rotary_percent) * e if rope else 0
     return per_token * sh.local_tokens + tables + (moe_mlp_activation_bytes(sh) if layer.moe else 0.0)
+
+
+def extra_norm_bytes(kind: str, width: int, e: int) -> float:
+    """Per token, what one more norm over ``width`` channels keeps (--sublayer-norms pre-post's third and
+    fourth, whose inputs no GEMM keeps): the eager RMSNorm its fp32 input and normalized copy (8 bytes per
+    channel) and its fp32 statistic; LayerNorm its input and two statistics (measured, tests/test_planning.py)."""
+    return 8 * width + 4 if kind == "RMSNorm" else (width + 2) * e
+
+
+def qk_norm_bytes(sh: RunShape) -> float:
+    """Per token, on one TP rank: what --qk-layernorm keeps for this rank's q and k channels (c) and rows
+    (one per head, or one per projection): RMSNorm its fp32 input, its output and the rotated copy RoPE
+    then makes of a new tensor ((4 + 2e) bytes per channel) and a fp32 statistic per row; LayerNorm 2e per
+    channel and per row (measured, tests/test_planning.py)."""
+    m, t, e = sh.cfg.model, sh.tp, sh.act_bytes
+    if not m.qk_layernorm:
+        return 0.0
+    a, g = m.heads_per_tp_rank(t)
+    channels = (a + g) * m.kv_channels
+    rows = a + g if m.qk_layernorm_scope == "head" else 2
+    if m.normalization == "RMSNorm":
+        return (4 + 2 * e) * channels + 4 * rows
+    return 2 * e * (channels + rows)
 
 
 def core_attention_bytes(sh: RunShape) -> float:

@@ -26,7 +26,7 @@ def moe_dense_params(sh: RunShape) -> int:
     n = m.num_experts * h
     shared = m.moe_shared_expert_intermediate_size
     if shared:
-        n += ((2 * shared if m.swiglu else shared) // sh.tp) * h + h * (shared // sh.tp)
+        n += ((2 * shared if m.gated_linear_unit else shared) // sh.tp) * h + h * (shared // sh.tp)
         n += h if m.moe_shared_expert_gate else 0
     return n
 
@@ -36,7 +36,7 @@ def expert_params(sh: RunShape) -> int:
     F split over expert-TP."""
     m, h = sh.cfg.model, sh.h
     f = m.expert_ffn_hidden_size
-    rows = 2 * f if m.swiglu else f
+    rows = 2 * f if m.gated_linear_unit else f
     return m.num_experts // sh.ep * (rows // sh.etp * h + h * (f // sh.etp))
 
 
@@ -52,7 +52,7 @@ def active_mlp_params(sh: RunShape) -> int:
     expert and gate."""
     m, h = sh.cfg.model, sh.h
     f, s = m.expert_ffn_hidden_size, m.moe_shared_expert_intermediate_size or 0
-    per = 3 if m.swiglu else 2
+    per = 3 if m.gated_linear_unit else 2
     return m.num_experts * h + m.moe_router_topk * per * h * f + per * h * s + (h if s and m.moe_shared_expert_gate
                                                                                  else 0)
 
@@ -124,7 +124,7 @@ def expert_activation_bytes(sh: RunShape) -> float:
     m = sh.cfg.model
     f = m.expert_ffn_hidden_size // sh.etp
     swiglu = 3 * f if sh.te_layers else 4 * f  # Transformer Engine's fused SwiGLU keeps fc1's output and its own
-    return expert_rows(sh) * (swiglu if m.swiglu else 2 * f) * sh.act_bytes
+    return expert_rows(sh) * (swiglu if m.gated_linear_unit else 2 * f) * sh.act_bytes
 
 
 def shared_expert_activation_bytes(sh: RunShape) -> float:
@@ -134,7 +134,7 @@ def shared_expert_activation_bytes(sh: RunShape) -> float:
     s = m.moe_shared_expert_intermediate_size
     if not s:
         return 0.0
-    n = sh.local_tokens * (4 * s if m.swiglu else 2 * s) / sh.tp * sh.act_bytes
+    n = sh.local_tokens * (4 * s if m.gated_linear_unit else 2 * s) / sh.tp * sh.act_bytes
     if m.moe_shared_expert_gate:
         n += routed_tokens(sh) * (sh.h + 1) * sh.act_bytes
     return n

@@ -39,7 +39,7 @@ def layer_elements(cfg: ModelConfig, tokens: int, tp: int, sp: bool, moe: bool =
 
 def _mlp(cfg: ModelConfig, ffn: int, col_in: int, tp: int) -> int:
     """Per token, a dense MLP of width ``ffn``: fc1's input and output gradient, fc2's."""
-    return col_in + (2 * ffn if cfg.swiglu else ffn) // tp + ffn // tp + cfg.hidden_size
+    return col_in + (2 * ffn if cfg.gated_linear_unit else ffn) // tp + ffn // tp + cfg.hidden_size
 
 
 def expert_elements(cfg: ModelConfig, rows: int, etp: int = 1) -> int:
@@ -47,7 +47,7 @@ def expert_elements(cfg: ModelConfig, rows: int, etp: int = 1) -> int:
     capacity drop; with EP, what the dispatch brought, which depends on the routing), each keeping fc1's
     input (h) and output gradient (f₁/etp) and fc2's input (f/etp) and output gradient (h)."""
     f = cfg.expert_ffn_hidden_size
-    return rows * (2 * cfg.hidden_size + ((2 * f if cfg.swiglu else f) + f) // etp)
+    return rows * (2 * cfg.hidden_size + ((2 * f if cfg.gated_linear_unit else f) + f) // etp)
 
 
 def output_bytes(cfg: ModelConfig, tokens: int, padded_vocab: int, tp: int, sp: bool, element: int) -> int:

@@ -14,7 +14,9 @@ tokens has one g0 for all tokens; a loss mask adds its masked tokens; arbitrary 
 recompute every token (correct, one more GEMM).
 
 Same rules as megalite/tensor_parallel/cross_entropy.py: padded vocabulary entries (ids >= vocab_size)
-never take part, so the loss depends neither on the padding nor on the TP size.
+never take part, so the loss depends neither on the padding nor on the TP size. Soft-capping
+(--final-logit-softcapping C) caps each chunk's logits to z = C * tanh(logits / C) and multiplies D by the
+cap's derivative 1 - (z / C)^2 (a chunk-sized temporary), in forward and where backward recomputes a chunk.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.parallel.groups import Group, ProcessGroups
+from megalite.tensor_parallel.cross_entropy import softcap_, softcap_derivative_
 from megalite.tensor_parallel.weight_grad import weight_grad
 
 # A chunk holds about CHUNK_ELEMENTS fp32 logits (64 MiB), and at least MIN_CHUNK_TOKENS tokens: below that
@@ -37,17 +40,25 @@ def chunk_rows(local_vocab: int) -> int:
     return max(MIN_CHUNK_TOKENS, CHUNK_ELEMENTS // max(local_vocab, 1), 1)
 
 
-def _chunk_logits(x: torch.Tensor, weight: torch.Tensor, n_real: int, buf: torch.Tensor) -> torch.Tensor:
-    """fp32 logits [c, v/tp] of one chunk (GEMM in the compute dtype), padded columns at -inf, written
-    into the reused fp32 buffer ``buf`` (a fresh large buffer per chunk costs its page faults each time)."""
+def _chunk_logits(x: torch.Tensor, weight: torch.Tensor, n_real: int, buf: torch.Tensor, cap: float | None
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """fp32 logits [c, v/tp] of one chunk (GEMM in the compute dtype), soft-capped when ``cap`` is set,
+    padded columns at -inf, written into the reused fp32 buffer ``buf`` (a fresh large buffer per chunk
+    costs its page faults each time); and the cap's derivative (None without a cap)."""
     logits = buf[: x.shape[0]]
     if weight.dtype == torch.float32:
         torch.matmul(x, weight.t(), out=logits)
     else:
         logits.copy_(x.matmul(weight.t()))
+    derivative = None
+    if cap is not None:
+        softcap_(logits, cap)
+        derivative = softcap_derivative_(logits.clone(), cap)
     if n_real < logits.shape[-1]:
         logits[:, n_real:] = float("-inf")
-    return logits
+        if derivative is not None:
+            derivative[:, n_real:] = 0.0
+    return logits, derivative
 
 
 def _softmax_minus_onehot(exp: torch.Tensor, sum_exp: torch.Tensor, local_target: torch.Tensor,
@@ -70,7 +81,8 @@ def _accumulate(out: torch.Tensor, d: torch.Tensor, x: torch.Tensor) -> None:
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, pg: ProcessGroups,
-                vocab_size: int, sequence_parallel: bool, rows: int, with_grad: bool) -> torch.Tensor:
+                vocab_size: int, sequence_parallel: bool, rows: int, with_grad: bool, cap: float | None
+                ) -> torch.Tensor:
         # x [s, b, h] ([s/tp, b, h] with sequence parallelism), weight [v/tp, h], target [s, b] global ids.
         sp = sequence_parallel and pg.tp_size > 1
         flat = (pg.all_gather(x, Group.TP, dim=0) if sp else x).reshape(-1, x.shape[-1])
@@ -85,7 +97,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         buf = torch.empty(min(rows, n), local_v, dtype=torch.float32, device=x.device)
         for lo in range(0, n, rows):
             r = slice(lo, min(lo + rows, n))
-            logits = _chunk_logits(flat[r], weight, n_real, buf)
+            logits, derivative = _chunk_logits(flat[r], weight, n_real, buf, cap)
             m = logits.amax(dim=-1)  # -inf on a rank holding only padding; the MAX over TP is finite
             pg.all_reduce(m, Group.TP, op=dist.ReduceOp.MAX)
             target_logit = logits.gather(-1, local_target[r].unsqueeze(-1)).squeeze(-1).sub_(m)
@@ -95,10 +107,11 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             global_max[r], sum_exp[r] = m, stats[0]
             loss[r] = stats[0].log() - stats[1]
             if with_grad:
-                d = _softmax_minus_onehot(exp, stats[0], local_target[r], outside[r]).to(weight.dtype)
+                d = _softmax_minus_onehot(exp, stats[0], local_target[r], outside[r])
+                d = (d if derivative is None else d.mul_(derivative)).to(weight.dtype)
                 torch.matmul(d, weight, out=grad_x_unit[r])
                 _accumulate(grad_w_unit, d, flat[r])
-        ctx.pg, ctx.vocab_size, ctx.sp, ctx.rows = pg, vocab_size, sp, rows
+        ctx.pg, ctx.vocab_size, ctx.sp, ctx.rows, ctx.cap = pg, vocab_size, sp, rows, cap
         if with_grad:
             ctx.save_for_backward(x, weight, global_max, sum_exp, local_target, outside, grad_x_unit, grad_w_unit)
         return loss.view(target.shape)
@@ -119,7 +132,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             grad_x = pg.reduce_scatter(grad_x, Group.TP, dim=0)
         elif pg.tp_size > 1:
             pg.all_reduce(grad_x, Group.TP)  # every rank's vocab columns contributed to the replicated input
-        return grad_x, grad_w, None, None, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None, None, None
 
 
 def _weight_grad(ctx, g: torch.Tensor, weight: torch.Tensor, x: torch.Tensor, global_max: torch.Tensor,
@@ -138,19 +151,23 @@ def _weight_grad(ctx, g: torch.Tensor, weight: torch.Tensor, x: torch.Tensor, gl
         for lo in range(0, redo.numel(), ctx.rows):
             idx = redo[lo:lo + ctx.rows]
             xs = flat[idx]
-            exp = _chunk_logits(xs, weight, n_real, buf).sub_(global_max[idx].unsqueeze(-1)).exp_()
+            logits, derivative = _chunk_logits(xs, weight, n_real, buf, ctx.cap)
+            exp = logits.sub_(global_max[idx].unsqueeze(-1)).exp_()
             d = _softmax_minus_onehot(exp, sum_exp[idx], local_target[idx], outside[idx])
+            if derivative is not None:
+                d.mul_(derivative)
             _accumulate(grad_w, d.mul_((g[idx] - g0).unsqueeze(-1)).to(weight.dtype), xs)
     return grad_w.to(weight.dtype)
 
 
 def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                                pg: ProcessGroups, vocab_size: int, sequence_parallel: bool = False,
-                               rows: int | None = None) -> torch.Tensor:
+                               rows: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """Per-token loss [s, b] of the output layer ``weight`` [v_pad/tp, h] applied to the final hidden
     states ``hidden`` [s, b, h] (or this rank's [s/tp, b, h] with sequence parallelism), against global
-    target ids [s, b]; ``rows``: tokens per chunk (default: chunk_rows())."""
+    target ids [s, b]; ``rows``: tokens per chunk (default: chunk_rows()); ``softcap``: the logits capped to
+    C * tanh(logits / C) (--final-logit-softcapping)."""
     rows = rows or chunk_rows(weight.shape[0])
     with_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     return _FusedLinearCrossEntropy.apply(hidden, weight, target, pg, vocab_size, sequence_parallel, rows,
-                                          with_grad)
+                                          with_grad, softcap)

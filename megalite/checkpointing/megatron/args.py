@@ -25,7 +25,8 @@ COPIED = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
           "moe_router_topk", "moe_shared_expert_intermediate_size", "moe_router_score_function",
           "moe_router_pre_softmax", "moe_router_topk_scaling_factor", "moe_aux_loss_coeff",
           "moe_router_group_topk",
-          "moe_router_enable_expert_bias", "moe_router_load_balancing_type", "moe_z_loss_coeff")
+          "moe_router_enable_expert_bias", "moe_router_load_balancing_type", "moe_z_loss_coeff", "softmax_scale",
+          "rotary_seq_len_interpolation_factor")
 REQUIRED = ("num_layers", "hidden_size", "num_attention_heads")
 # What megatron-core's --use-rope-scaling fixes (its arguments name only the factor): Llama 3's frequency
 # factors and original context, as megalite's --rope-scaling-* flags

@@ -55,7 +55,7 @@ ARG_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_hea
               "max_position_embeddings", "position_embedding_type", "rotary_base", "rotary_percent",
               "normalization", "norm_epsilon", "apply_layernorm_1p", "swiglu", "untie_embeddings_and_output_weights",
               "add_qkv_bias", "qk_layernorm", "hidden_dropout", "attention_dropout", "init_method_std",
-              "make_vocab_size_divisible_by")
+              "make_vocab_size_divisible_by", "softmax_scale")
 MOE_ARG_FIELDS = ("num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_shared_expert_intermediate_size",
                   "moe_router_score_function", "moe_router_pre_softmax", "moe_router_topk_scaling_factor",
                   "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
@@ -85,6 +85,8 @@ def megatron_args(config: dict[str, Any], padded_vocab: int) -> Namespace:
             text = str(freq).strip()
             fields["window_attn_skip_freq"] = int(text) if text.isdigit() else [
                 int(w > 0) for w in cfg.attention_windows()]
+    if cfg.rotary_seq_len_interpolation_factor is not None:  # Megatron's flag is an integer (checked on export)
+        fields["rotary_seq_len_interpolation_factor"] = int(cfg.rotary_seq_len_interpolation_factor)
     if cfg.position_embedding_type == "yarn":  # Megatron-LM's argument names are megalite's
         fields.update({k: getattr(cfg, k) for k in YARN_DEFAULTS})
     if cfg.use_rope_scaling:  # megatron-core fixes the other factors (MCORE_ROPE_SCALING, checked on export)
@@ -111,6 +113,7 @@ def _refuse_unexported(config: dict[str, Any]) -> None:
     if config.get("attn_logit_softcapping") is not None:
         raise CheckpointError(f"to-megatron: --attn-logit-softcapping {config['attn_logit_softcapping']:g} is not "
                               "exported (megatron-core's attention has no logit soft-capping)")
+    _refuse_gemma_options(config)
     if config.get("use_rope_scaling"):
         differ = [f"--{k.replace('_', '-')} {config.get(k)} (megatron-core: {v:g})"
                   for k, v in MCORE_ROPE_SCALING.items() if config.get(k) != v]
@@ -120,6 +123,26 @@ def _refuse_unexported(config: dict[str, Any]) -> None:
     if config.get("moe_shared_expert_gate"):
         raise CheckpointError("to-megatron: --moe-shared-expert-gate is not exported (Megatron-LM's shared-expert "
                               "gate computes another function than megalite's)")
+
+
+def _refuse_gemma_options(config: dict[str, Any]) -> None:
+    """Options Megatron-LM's arguments cannot express (--softmax-scale travels as megatron-core's
+    softmax_scale, an integral --rotary-seq-len-interpolation-factor as Megatron's flag)."""
+    unexported = {"geglu": (bool(config.get("geglu")), "Megatron-LM's gated MLP activations are --swiglu and "
+                            "--quick-geglu"),
+                  "embedding-multiplier": (config.get("embedding_multiplier", 1.0) != 1.0,
+                                           "megatron-core's embedding is not scaled"),
+                  "final-logit-softcapping": (config.get("final_logit_softcapping") is not None,
+                                              "megatron-core's output layer has no soft-capping"),
+                  "rotary-base-local": (config.get("rotary_base_local") is not None,
+                                        "megatron-core's RoPE has one base for every layer")}
+    for flag, (used, why) in unexported.items():
+        if used:
+            raise CheckpointError(f"to-megatron: --{flag} is not exported ({why})")
+    factor = config.get("rotary_seq_len_interpolation_factor")
+    if factor is not None and not float(factor).is_integer():
+        raise CheckpointError(f"to-megatron: --rotary-seq-len-interpolation-factor {factor:g} is not exported "
+                              "(Megatron-LM's flag is an integer)")
 
 
 def megatron_layers(config: dict[str, Any], get: Callable[[str], torch.Tensor], padded_vocab: int,
