@@ -17,6 +17,8 @@ from megalite.config.model import ModelConfig
 # export tries them in this order: a family that refines another comes before it
 ADAPTERS: list[HFAdapter] = [
     families.gpt2.ADAPTER,
+    families.gemma3.ADAPTER,
+    families.gemma2.ADAPTER,
     families.mixtral.ADAPTER,
     families.qwen2_moe.ADAPTER,
     families.qwen3_moe.ADAPTER,
