@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from megalite.config.data_values import data_string_errors
 from megalite.config.flags import domain_errors
+from megalite.config.mla import mla_errors
 from megalite.config.validate_cp import context_parallel_errors, cp_comm_errors
 from megalite.config.validate_moe import expert_layout_errors, moe_errors
 from megalite.config.validate_pipeline import checked_split
@@ -74,7 +75,7 @@ def model_errors(m: "ModelConfig") -> list[str]:
     if m.position_embedding_type == "learned_absolute" and m.seq_length > m.max_position_embeddings:
         errors.append(f"--seq-length ({m.seq_length}) must be <= --max-position-embeddings "
                       f"({m.max_position_embeddings}) with learned absolute positions")
-    if m.rotary and m.kv_channels and int(m.kv_channels * m.rotary_percent) % 2:
+    if m.rotary and not m.multi_latent_attention and m.kv_channels and int(m.kv_channels * m.rotary_percent) % 2:
         errors.append(f"--rotary-percent x head dim ({m.kv_channels}) must be even for RoPE")
     if m.use_rope_scaling and m.position_embedding_type != "rope":
         errors.append("--use-rope-scaling needs --position-embedding-type rope (it scales RoPE's frequencies)")
@@ -88,6 +89,7 @@ def model_errors(m: "ModelConfig") -> list[str]:
     if m.qk_layernorm and m.qk_layernorm_scope == "projection" and m.normalization != "RMSNorm":
         errors.append("--qk-layernorm-scope projection needs --normalization RMSNorm (its one all-reduce over the "
                       "tensor-parallel ranks carries the sum of squares only)")
+    errors += mla_errors(m)  # --multi-latent-attention and its sizes (config/mla.py)
     return errors + window_errors(m) + activation_and_rope_errors(m) + yarn_errors(m)
 
 

@@ -6,7 +6,10 @@ TP a rank caches only its own KV groups; under PP a rank caches only its own lay
 by global layer number, like the parameters), so the cache is sharded exactly like the model.
 
 The model reads ``offset`` and calls ``layer(number).update(k, v)``; the caller ``advance``s the offset
-after every rank has run its layers for the step.
+after every rank has run its layers for the step. The two tensors a layer keeps need not have one shape:
+a multi-latent attention layer (model/mla.py) keeps its latent [b, 1, s, --kv-lora-rank] and its rotated
+key [b, 1, s, --qk-pos-emb-head-dim] in their place, on every TP rank, instead of per-head keys and values
+(``nbytes`` counts what a cache holds; docs/models.md compares the two kinds per token).
 
 A sliding-window layer (--window-size) passes its window: it keeps only the window - 1 latest positions
 between steps (a query sees itself and the window - 1 before it), so its cache is bounded by the window,
@@ -19,7 +22,8 @@ import torch
 
 
 class LayerKVCache:
-    """One layer's keys and values: [b, groups_local, capacity, d] buffers, the first ``length`` filled."""
+    """One layer's keys and values: [b, groups_local, capacity, d] buffers (each of its own width), the first
+    ``length`` filled."""
 
     def __init__(self, owner: KVCache) -> None:
         self.owner = owner
@@ -34,9 +38,8 @@ class LayerKVCache:
         start, s = self.owner.offset, k.shape[2]
         end = start + s
         if self.k is None:
-            shape = (k.shape[0], k.shape[1], self.owner.capacity, k.shape[3])
-            self.k = k.new_empty(shape)
-            self.v = v.new_empty(shape)
+            self.k = k.new_empty((*k.shape[:2], self.owner.capacity, k.shape[3]))
+            self.v = v.new_empty((*v.shape[:2], self.owner.capacity, v.shape[3]))
         if end > self.k.shape[2]:
             raise ValueError(f"KV cache holds {self.k.shape[2]} positions; step needs {end}")
         if k.shape[0] != self.k.shape[0]:
@@ -64,6 +67,11 @@ class LayerKVCache:
         """Positions this layer's cache holds in memory."""
         return 0 if self.k is None else self.k.shape[2]
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes this layer's buffers hold."""
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v) if t is not None)
+
 
 class KVCache:
     """The cache of every layer this rank holds, for sequences of up to ``capacity`` positions."""
@@ -77,6 +85,11 @@ class KVCache:
         if number not in self._layers:
             self._layers[number] = LayerKVCache(self)
         return self._layers[number]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the cache holds over all of this rank's layers."""
+        return sum(layer.nbytes for layer in self._layers.values())
 
     def advance(self, steps: int) -> None:
         """Called once the step's new positions are stored in every layer of this rank."""

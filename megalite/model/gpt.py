@@ -117,7 +117,7 @@ class GPTModel(nn.Module):
             return None
         end = offset + seq_len
         if self._rope_cache is None or self._rope_cache[0] < end or self._rope_cache[1] != device:
-            rot = int(cfg.kv_channels * cfg.rotary_percent)
+            rot = cfg.rotary_dim  # the rotated channels per head (MLA: --qk-pos-emb-head-dim)
             table = rope_frequencies(end, rot, cfg.rotary_base, device, rope_scaling(cfg),
                                      cfg.rotary_seq_len_interpolation_factor)
             if cfg.rotary_base_local is not None:  # windowed layers: their own base, unscaled

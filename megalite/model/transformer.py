@@ -9,15 +9,15 @@ ones reduce-scatter back.
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
 from torch import nn
 
-from megalite.attention import Documents, core_attention
+from megalite.attention import Documents
 from megalite.config.model import ModelConfig
-from megalite.context_parallel import context_parallel_attention
+from megalite.model.attention_core import layer_core
+from megalite.model.mla import MultiLatentAttention
 from megalite.model.norm import Norm
 from megalite.model.qk_norm import apply_qk_norms, qk_norms
 from megalite.model.rope import KindAngles, apply_rope, layer_angles
@@ -69,17 +69,7 @@ class Attention(nn.Module):
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float,
               documents: Documents | None = None) -> torch.Tensor:
-        ctx = self.ctx
-        softcap = self.cfg.attn_logit_softcapping or 0.0  # --attn-logit-softcapping: every path applies it
-        with ctx.tracker.fork() if p > 0 else contextlib.nullcontext():
-            if ctx.pg.cp_size > 1:  # this rank's two sequence chunks against the whole sequence's keys
-                if self.window:  # the window travels with the documents (every CP variant cuts by them)
-                    documents = (documents or Documents.whole(q.shape[0], q.shape[2] * ctx.pg.cp_size)
-                                 ).with_window(self.window)
-                return context_parallel_attention(q, k, v, ctx.pg, self.cp_comm_type, dropout_p=p,
-                                                  documents=documents, backend=self.cfg.attention_backend,
-                                                  softcap=softcap)
-            return core_attention(q, k, v, p, self.cfg.attention_backend, documents, self.window, softcap)
+        return layer_core(self.cfg, self.ctx, self.cp_comm_type, self.window, q, k, v, p, documents)
 
     def forward(self, x: torch.Tensor, rope_angles: torch.Tensor | KindAngles | None, kv_cache=None,
                 documents: Documents | None = None) -> torch.Tensor:
@@ -142,7 +132,8 @@ class TransformerLayer(nn.Module):
         # --sublayer-norms: 'pre' norms each sublayer's input, 'post' its output before the residual add
         pre, post = cfg.sublayer_norms in ("pre", "pre-post"), cfg.sublayer_norms in ("post", "pre-post")
         self.input_norm = Norm(cfg, ctx) if pre else nn.Identity()
-        self.attention = Attention(cfg, ctx, layer_number)
+        # --multi-latent-attention: MLA's latent projections in place of the fused QKV (model/mla.py)
+        self.attention = (MultiLatentAttention if cfg.multi_latent_attention else Attention)(cfg, ctx, layer_number)
         self.post_attention_norm = Norm(cfg, ctx) if post else nn.Identity()
         self.pre_mlp_norm = Norm(cfg, ctx) if pre else nn.Identity()
         if cfg.is_moe and cfg.moe_layers()[layer_number]:

@@ -6,6 +6,8 @@ gather_from_tp  forward all-gather      backward split last dim   (a column-para
 With sequence parallelism (activations split along dim 0, the sequence):
 scatter_to_sp   forward split dim 0     backward all-gather
 reduce_scatter_to_sp forward reduce-scatter backward all-gather   (after a row-parallel GEMM)
+gather_from_sp  forward all-gather      backward reduce-scatter   (a replicated activation every rank's heads read
+                                                                   whole: multi-latent attention's RoPE key)
 The all-gather before a column-parallel GEMM is not here: layers.linear_gathering_sequence does it
 inside the GEMM's own autograd function, so the gathered input is not kept for backward.
 """
@@ -66,6 +68,17 @@ class _GatherFromTP(torch.autograd.Function):
         return _split(g, ctx.pg, ctx.dim), None, None
 
 
+class _GatherFromSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, pg):
+        ctx.pg = pg
+        return pg.all_gather(x.contiguous(), Group.TP, dim=0)
+
+    @staticmethod
+    def backward(ctx, g):
+        return ctx.pg.reduce_scatter(g.contiguous(), Group.TP, dim=0), None
+
+
 class _ReduceScatterToSP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, pg):
@@ -95,3 +108,9 @@ def scatter_to_sp(x: torch.Tensor, pg: ProcessGroups) -> torch.Tensor:
 
 def reduce_scatter_to_sp(x: torch.Tensor, pg: ProcessGroups) -> torch.Tensor:
     return _ReduceScatterToSP.apply(x, pg) if pg.tp_size > 1 else x
+
+
+def gather_from_sp(x: torch.Tensor, pg: ProcessGroups) -> torch.Tensor:
+    """The whole sequence of a sequence-parallel activation [s/tp, ...] -> [s, ...]; each rank's gradient is a
+    partial sum (its heads' part), reduce-scattered back to the shards."""
+    return _GatherFromSP.apply(x, pg) if pg.tp_size > 1 else x
