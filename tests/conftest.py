@@ -10,7 +10,8 @@ from megalite.parallel.groups import NCCL_SEMANTICS_ENV
 # each take whole files in collection order, so that the run ends on short files, not on one worker still
 # busy with a long one while the other idles. Measured with --durations on 2 cores (this round's new files
 # placed by their launches); order only, no limit.
-LONG_FIRST = ("test_soak.py", "test_hf_family_mistral.py", "test_sliding_window_training.py", "test_hf_family_llama.py",
+LONG_FIRST = ("test_soak.py", "test_hf_family_gemma2.py", "test_hf_family_gemma3.py", "test_hf_family_mistral.py",
+              "test_sliding_window_training.py", "test_hf_family_llama.py",
               "test_sliding_window.py", "test_moe_training.py", "test_cli_layouts.py", "test_sharding.py",
               "test_context_parallel_training.py",
               "test_bad_inputs_entry_points.py", "test_cli_context_parallel.py", "test_pipeline_parallel.py",
@@ -20,7 +21,8 @@ LONG_FIRST = ("test_soak.py", "test_hf_family_mistral.py", "test_sliding_window_
               "test_deepspeed_config.py", "test_fused_kernels.py", "test_training_layouts.py",
               "test_hf_family_olmo2.py", "test_hf_family_qwen3_moe.py", "test_hf_family_qwen2.py",
               "test_megatron_export_families.py", "test_megatron_window.py", "test_megatron_qk_layernorm.py",
-              "test_hf_family_qwen3.py", "test_checkpoint_writers.py", "test_zero_bubble_training.py")
+              "test_hf_family_qwen3.py", "test_checkpoint_writers.py", "test_zero_bubble_training.py",
+              "test_attn_softcap.py", "test_moe_group_routing.py", "test_rope_yarn.py", "test_mla.py")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
