@@ -225,3 +225,23 @@ def test_mla_flags_parse_with_megatrons_defaults():
     m = parse_args(BASE_FLAGS + MLA_FLAGS + ["--q-lora-rank", "0"]).model
     validate(parse_args(BASE_FLAGS + MLA_FLAGS + ["--q-lora-rank", "0"]), 1)
     assert (m.q_lora, m.kv_lora_rank, m.qk_head_dim, m.qk_pos_emb_head_dim, m.v_head_dim) == (False, 32, 128, 64, 128)
+
+
+# ---- checkpoints: compared on load, refused by the exports not written yet -----------------------------
+def test_checkpoints_compare_mla_fields_and_exports_refuse_mla():
+    from megalite.checkpointing.errors import CheckpointError
+    from megalite.checkpointing.hf.common import HFConversionError
+    from megalite.checkpointing.hf.convert import to_hf_config
+    from megalite.checkpointing.load import shape_diffs
+    from megalite.checkpointing.megatron.export import megatron_layers
+    from megalite.checkpointing.metadata import config_dict
+
+    cfg, _ = small_model()
+    saved = config_dict(cfg, VOCAB)
+    standard = {k: v for k, v in saved.items() if k not in ("multi_latent_attention", "q_lora_rank")}
+    assert any("--multi-latent-attention" in d for d in shape_diffs(standard, saved))  # an older checkpoint: off
+    assert any("--kv-lora-rank" in d for d in shape_diffs(saved, {**saved, "kv_lora_rank": 16}))
+    with pytest.raises(HFConversionError, match="missing: no --multi-latent-attention"):
+        to_hf_config({**saved, "position_embedding_type": "rope"})
+    with pytest.raises(CheckpointError, match="--multi-latent-attention is not exported"):
+        megatron_layers(saved, lambda key: None, 128)

@@ -19,6 +19,7 @@ from megalite.checkpointing.metadata import OPTIM_FIELDS, chunk_layer_numbers
 from megalite.checkpointing.paths import rng_filename
 from megalite.checkpointing.reader import CheckpointError, CheckpointReader
 from megalite.checkpointing.stored import named_params
+from megalite.config.mla import MLA_DEFAULTS
 from megalite.config.yarn import YARN_DEFAULTS
 from megalite.parallel.groups import ProcessGroups
 from megalite.parallel.placement import LayerSplit
@@ -46,6 +47,8 @@ SHAPE_FIELDS += list(GEMMA_DEFAULTS)
 LATER_FIELDS.update(GEMMA_DEFAULTS)
 SHAPE_FIELDS += list(YARN_DEFAULTS)  # YaRN's options (config/yarn.py): older checkpoints meant their defaults
 LATER_FIELDS.update(YARN_DEFAULTS)
+SHAPE_FIELDS += list(MLA_DEFAULTS)  # multi-latent attention's (config/mla.py): older checkpoints meant its defaults
+LATER_FIELDS.update(MLA_DEFAULTS)
 
 
 class CheckpointMismatch(ValueError):

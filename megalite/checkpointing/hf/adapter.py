@@ -8,8 +8,9 @@ of an HF config's ``model_type`` (import) or for the first adapter that ``matche
   config.json, its ``config_class_name``, the HF name of the word embedding (a tied head is that tensor);
 - **configs**: ``from_hf`` (refusals first, then the megalite ``ModelConfig``, then the training flags'
   rules named by ``hf_keys``) and ``to_hf`` (the transformers config of a megalite config);
-- **export choice**: ``requirements`` (what a megalite config needs, each named by its flag) and
-  ``matches``; the registry names every adapter's missing requirements when none matches;
+- **export choice**: ``requirements`` (what a megalite config needs, each named by its flag; with the
+  attention kind, ``latent_attention``, they are ``export_requirements``) and ``matches``; the registry names
+  every adapter's missing requirements when none matches;
 - **tensors**: ``name_table`` (one ``TensorRule`` per megalite tensor, both directions) built from the
   embedding, per-layer and final rules, each a method a family overrides;
 - **files**: per-expert tensors some files store one by one (``expert_files``) and stored names to rename
@@ -44,6 +45,7 @@ class HFAdapter:
     hf_norm_zero_centred: ClassVar[bool] = False  # HF norms scale by (1 + w) and store w (Gemma)
     expert_files: ClassVar[tuple] = ()  # files.ExpertFiles: per-expert tensors stored one by one
     stored_renames: ClassVar[tuple[tuple[str, str], ...]] = ()  # (stored infix, transformers infix)
+    latent_attention: ClassVar[bool] = False  # its attention is multi-latent (--multi-latent-attention)
 
     # ---- names and classes --------------------------------------------------------------------------
 
@@ -72,8 +74,14 @@ class HFAdapter:
         A requirement's name must not contain ';' (the registry joins adapters with it)."""
         raise NotImplementedError
 
+    def export_requirements(self, cfg: ModelConfig) -> dict[str, bool]:
+        """``requirements`` and the attention kind every architecture has: multi-latent or per-head q/k/v
+        (a family states ``latent_attention``; none needs to repeat the rule)."""
+        kind = "--multi-latent-attention" if self.latent_attention else "no --multi-latent-attention"
+        return {**self.requirements(cfg), kind: cfg.multi_latent_attention == self.latent_attention}
+
     def matches(self, cfg: ModelConfig) -> bool:
-        return all(self.requirements(cfg).values())
+        return all(self.export_requirements(cfg).values())
 
     # ---- configs ---------------------------------------------------------------------------------------
 

@@ -70,7 +70,8 @@ def for_export(cfg: ModelConfig, model_type: str | None = None) -> HFAdapter:
     for a in candidates:
         if a.matches(cfg):
             return a
-    missing = [(a, [k for k, ok in a.requirements(cfg).items() if not ok]) for a in candidates]
+    missing = [(a, [k for k, ok in a.export_requirements(cfg).items() if not ok]) for a in candidates]
     missing.sort(key=lambda am: len(am[1]))
     raise HFConversionError("this model has no Hugging Face equivalent: " + "; ".join(
-        f"{a.architecture} needs {', '.join(a.requirements(cfg))} (missing: {', '.join(lack)})" for a, lack in missing))
+        f"{a.architecture} needs {', '.join(a.export_requirements(cfg))} (missing: {', '.join(lack)})"
+        for a, lack in missing))

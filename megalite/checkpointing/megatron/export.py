@@ -102,7 +102,7 @@ def _refuse_unexported(config: dict[str, Any]) -> None:
     """What a Megatron-LM model would compute differently: a gated shared expert (Megatron's gate differs
     from megalite's, as the import refuses it too); q/k norms over the whole projection and norms after the
     sublayers (megatron-core's layer has neither: its --qk-layernorm is per head, its norms pre-sublayer);
-    attention-logit soft-capping (megatron-core has no such option)."""
+    attention-logit soft-capping (megatron-core has no such option); multi-latent attention (not written yet)."""
     if config.get("qk_layernorm") and config.get("qk_layernorm_scope", "head") != "head":
         raise CheckpointError(f"to-megatron: --qk-layernorm-scope {config['qk_layernorm_scope']} is not exported "
                               "(megatron-core's --qk-layernorm normalizes each head; it has no norm over the whole "
@@ -110,6 +110,9 @@ def _refuse_unexported(config: dict[str, Any]) -> None:
     if config.get("sublayer_norms", "pre") != "pre":
         raise CheckpointError(f"to-megatron: --sublayer-norms {config['sublayer_norms']} is not exported "
                               "(megatron-core's transformer layer normalizes each sublayer's input only)")
+    if config.get("multi_latent_attention"):
+        raise CheckpointError("to-megatron: --multi-latent-attention is not exported yet (megatron-core's MLA "
+                              "takes its own layer spec and tensor names)")
     if config.get("attn_logit_softcapping") is not None:
         raise CheckpointError(f"to-megatron: --attn-logit-softcapping {config['attn_logit_softcapping']:g} is not "
                               "exported (megatron-core's attention has no logit soft-capping)")
