@@ -29,6 +29,7 @@ from megalite.model.gpt import GPTModel
 from megalite.model.mla import MultiLatentAttention
 from megalite.model.rope import rope_frequencies, rope_scaling
 from megalite.parallel.groups import ProcessGroups
+from megalite.planning.mla import kv_cache_bytes_per_token
 from megalite.tensor_parallel.context import BuildContext
 from megalite.tensor_parallel.random import RNGTracker
 from tests.layouts import LayoutMatrix, serial_curve
@@ -39,6 +40,8 @@ SHAPE = dict(hidden_size=32, num_attention_heads=4, multi_latent_attention=True,
              disable_bias_linear=True, attention_dropout=0.0, hidden_dropout=0.0)
 YARN = dict(position_embedding_type="yarn", rotary_scaling_factor=4.0, mscale=1.0, mscale_all_dim=1.0,
             yarn_original_max_position_embeddings=8)
+MLA_SIZES = ("multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+             "v_head_dim")
 LAYER_CASES = {
     "no_q_lora_wide_v": dict(position_embedding_type="rope", v_head_dim=16),
     "q_lora_yarn": dict(q_lora_rank=6, **YARN),
@@ -143,17 +146,23 @@ def _gradients(rank: int, world: int) -> dict[bool, dict[str, torch.Tensor]]:
         model(tokens[:, :-1], labels=tokens[:, 1:]).mean().backward()
         finalize_grads([model], buffers, pg)
         out[sp] = {n: gather_full(p, p.main_grad, pg) for n, p in model.named_parameters()}
+        out["numel"] = sum(p.numel() for p in model.parameters())
     return out
 
 
-def test_tp2_gradients_equal_serial_with_and_without_sequence_parallelism():
-    """Each rank's heads read the shared latent and RoPE key: their gradients must sum over TP (with SP: the
-    replicated down-projections' partial sums too). The curves above barely see a wrong sum under Adam."""
+@pytest.fixture(scope="module")
+def tp2_runs() -> list[dict]:
     from tests.harness import run_ranks
 
+    return run_ranks(_gradients, 2)
+
+
+def test_tp2_gradients_equal_serial_with_and_without_sequence_parallelism(tp2_runs):
+    """Each rank's heads read the shared latent and RoPE key: their gradients must sum over TP (with SP: the
+    replicated down-projections' partial sums too). The curves above barely see a wrong sum under Adam."""
     ref = _gradients(0, 1)[False]
-    for rank, per_sp in enumerate(run_ranks(_gradients, 2)):
-        for sp, grads in per_sp.items():
+    for rank, run in enumerate(tp2_runs):
+        for sp, grads in ((sp, g) for sp, g in run.items() if sp != "numel"):
             for name, want in ref.items():
                 torch.testing.assert_close(grads[name], want, rtol=1e-4, atol=1e-6, msg=f"rank {rank} sp {sp} {name}")
 
@@ -193,7 +202,14 @@ def test_greedy_generation_from_the_latent_cache_equals_recomputation():
             cache.advance(1)
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=0, atol=2e-5)
     per_token = cfg.num_layers * (cfg.kv_lora_rank + cfg.qk_pos_emb_head_dim) * 4  # fp32 latent + RoPE key
-    assert cache.nbytes == 2 * 9 * per_token
+    assert cache.nbytes == 2 * 9 * per_token == 2 * 9 * kv_cache_bytes_per_token(cfg, element_bytes=4)
+    standard_cfg = ModelConfig(**{k: v for k, v in MODEL.items() if k not in (*PACKED, *MLA_SIZES)},
+                               group_query_attention=True, num_query_groups=2)
+    standard = build(standard_cfg, pg, VOCAB)
+    cache = KVCache(9)
+    with torch.no_grad():
+        standard(tokens, kv_cache=cache)
+    assert cache.nbytes == 2 * 9 * kv_cache_bytes_per_token(standard_cfg, element_bytes=4) == 2 * 9 * 2 * 2 * 2 * 8 * 4
 
 
 # ---- flags --------------------------------------------------------------------------------------------
@@ -245,3 +261,32 @@ def test_checkpoints_compare_mla_fields_and_exports_refuse_mla():
         to_hf_config({**saved, "position_embedding_type": "rope"})
     with pytest.raises(CheckpointError, match="--multi-latent-attention is not exported"):
         megatron_layers(saved, lambda key: None, 128)
+
+
+# ---- the planner ---------------------------------------------------------------------------------------
+def test_planner_counts_the_built_models_parameters_flops_and_saved_bytes(tp2_runs):
+    """Parameters per rank at TP1 and TP2 (replicated down-projections, heads split) as built; the projections'
+    multiply-adds are their weights' sizes; one layer's saved bytes as autograd measures them (bf16, unfused
+    core, with and without selective recomputation: exact on the torch releases the RMSNorm term holds)."""
+    from megalite.planning import mla
+    from megalite.planning.memory import chunk_activation_bytes, stage_params
+    from megalite.planning.shape import RunShape
+    from tests.plan_measure import layer_activation_bytes, rms_norm_overcount
+    from tests.test_planning import planner_cfg
+
+    model = {k: v for k, v in MODEL.items() if k not in PACKED}
+    cfg, built = small_model()
+    for tp, numel in ((1, sum(p.numel() for p in built.parameters())), (2, tp2_runs[0]["numel"])):
+        sh = RunShape.of(planner_cfg(model, tp, tensor_model_parallel_size=tp), tp, VOCAB)
+        assert stage_params(sh, 0) == numel, tp
+    attention = built.layers["0"].attention
+    weights = sum(p.numel() for n, p in attention.named_parameters() if p.dim() == 2)
+    assert mla.gemm_macs(cfg) == weights
+    assert mla.core_macs(cfg, 16) == 16 * 4 * ((8 + 4) + 6)
+    shape = {**model, "seq_length": 48, "attention_backend": "unfused"}
+    for gran in (None, "selective"):
+        measured = layer_activation_bytes(ModelConfig(**{**shape, "num_layers": 1, "recompute_granularity": gran}),
+                                          ProcessGroups.single(), 3, VOCAB)
+        sh = RunShape.of(planner_cfg(shape, 1, num_layers=1, bf16=True, micro_batch_size=3,
+                                     recompute_granularity=gran), 1, VOCAB)
+        assert chunk_activation_bytes(sh) - rms_norm_overcount(sh) == pytest.approx(measured, rel=0.05), gran

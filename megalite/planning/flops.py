@@ -6,6 +6,8 @@ Megatron does; a sliding-window layer counts its window instead of the sequence)
 --attn-logit-softcapping each of those scores also costs a divide, a tanh and a multiply (C·tanh(s/C)),
 counted as 3 FLOPs per score, 3·keys·a per token. Training = 3x forward
 (backward costs two forwards); full recomputation adds the layers' forward again.
+Multi-latent attention counts its own projections and QK^T at --qk-head-dim + --qk-pos-emb-head-dim,
+PV at --v-head-dim (planning/mla.py), as Megatron-LM does (the core's padding is the kernels' time only).
 Mixture of experts counts the active parameters: an MoE layer's MLP is its router (h x E), the k routed
 experts a token goes through (expert hidden size) and the shared expert and its gate if any.
 """
@@ -13,6 +15,7 @@ experts a token goes through (expert hidden size) and the shared expert and its 
 from __future__ import annotations
 
 from megalite.config.model import ModelConfig
+from megalite.planning import mla
 from megalite.planning.model_shape import DENSE_LAYER, LayerShape, ModelShape
 
 
@@ -39,6 +42,8 @@ def layer_flops_per_token(cfg: ModelConfig, seq_length: int, layer: LayerShape =
     proj = nq * d * h
     keys = layer.keys_per_query(seq_length)
     attn = 2 * keys * nq * d
+    if cfg.multi_latent_attention:  # its latent projections and head widths (planning/mla.py)
+        qkv, proj, attn = mla.gemm_macs(cfg), 0, mla.core_macs(cfg, keys)
     cap = 3 * keys * nq if cfg.attn_logit_softcapping else 0  # C·tanh(s/C): 3 FLOPs per score, not multiply-adds
     return 2 * (qkv + proj + (moe_mlp_macs(cfg) if layer.moe else mlp_macs(cfg, cfg.ffn_hidden_size)) + attn) + cap
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 
+from megalite.planning import mla
 from megalite.planning.hardware import ClusterConfig
 from megalite.planning.model_shape import DENSE_LAYER, LayerShape
 from megalite.planning.moe import expert_rows, routed_tokens
@@ -65,6 +66,8 @@ def linear_s(sh: RunShape, cl: ClusterConfig, layer: LayerShape = DENSE_LAYER) -
     args = (cl, sh.dtype, sh.act_bytes)
     kw = {"forwards": _forwards(sh)}
     out = train_gemm_s(T, (a + 2 * g) * d / t, h, *args, **kw) + train_gemm_s(T, h, a * d / t, *args, **kw)
+    if m.multi_latent_attention:  # its projections' multiply-adds on this rank (planning/mla.py)
+        out = train_gemm_s(T, mla.rank_gemm_macs(m, t, sh.sp) / h, h, *args, **kw)
     if not layer.moe:
         out += mlp_s(sh, cl, T, f / t)
     return out
@@ -87,6 +90,8 @@ def attention_s(sh: RunShape, cl: ClusterConfig, layer: LayerShape = DENSE_LAYER
     sliding-window layer's flash (blockwise) work is its band: s/c queries x the window's keys."""
     m = sh.cfg.model
     heads, d, q = m.num_attention_heads // sh.tp, m.kv_channels, sh.s // sh.cp
+    if m.multi_latent_attention:  # q, k and v at the core's common width (planning/mla.py)
+        d = mla.core_width(m)
     again = 1 if sh.recompute == "selective" else sh.recomputed_share
     if m.attention_backend in UNFUSED_BACKENDS or not cl.spec().flash_share:
         args = (cl, sh.dtype, sh.act_bytes)

@@ -15,6 +15,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from megalite.pipeline.timeline import spec_for
+from megalite.planning import mla
 from megalite.planning.model_shape import DENSE_LAYER, EXPERT_FAMILY, LayerShape
 from megalite.planning.moe import (
     active_mlp_params,
@@ -41,6 +42,8 @@ def layer_params(sh: RunShape, layer: LayerShape = DENSE_LAYER) -> int:
     qkv_rows = (a // t + 2 * max(g // t, 1)) * d
     n = qkv_rows * h + (qkv_rows if bias or m.add_qkv_bias else 0)
     n += (a * d // t) * h + (h if bias else 0)
+    if m.multi_latent_attention:  # its latent projections in place of the fused QKV (planning/mla.py)
+        n = mla.attention_params(m, t)
     if layer.moe:
         n += moe_dense_params(sh)
     else:
@@ -235,14 +238,17 @@ def layer_outside_core_bytes(sh: RunShape, layer: LayerShape = DENSE_LAYER) -> f
     # fused SwiGLU keeps fc1's output and its own (3f), the fused RMSNorm no decomposition
     te = sh.te_layers
     proj = 0 if te and m.attention_backend not in UNFUSED_BACKENDS else a * d
+    latent = 0.0
+    if m.multi_latent_attention:  # q, k, v at the core's width, and the latent path (planning/mla.py)
+        (qkv, proj), latent = mla.saved_sharded(m, 1), mla.saved_latent_bytes(m, e, extra_norm_bytes)
     sharded = (qkv + proj + (0 if layer.moe else (3 if te else 4) * f if m.gated_linear_unit else 2 * f)) * e
     replicated = (4 + (2 if m.hidden_dropout > 0 else 0)) * h * e + 4 * e
     if m.normalization == "RMSNorm" and not te:
         replicated += 12 * h
-    replicated += (layer_norms(sh) - 2) * extra_norm_bytes(m.normalization, h, e)
+    replicated += (layer_norms(sh) - 2) * extra_norm_bytes(m.normalization, h, e) + latent
     per_token = (replicated + sharded) / t if sh.sp else replicated + sharded / t
     per_token += qk_norm_bytes(sh)  # this rank's heads (K/V groups copied where ranks share one)
-    tables = 4 * (sh.s // sh.cp) * int(d * m.rotary_percent) * e if rope else 0
+    tables = 4 * (sh.s // sh.cp) * m.rotary_dim * e if rope else 0
     return per_token * sh.local_tokens + tables + (moe_mlp_activation_bytes(sh) if layer.moe else 0.0)
 
 
@@ -279,6 +285,8 @@ def core_attention_bytes(sh: RunShape) -> float:
     m, t, e = sh.cfg.model, sh.tp, sh.act_bytes
     a, d = m.num_attention_heads, m.kv_channels
     tokens = sh.local_tokens
+    if m.multi_latent_attention:
+        return mla.core_saved_bytes(m, tokens, t, sh.s, sh.cp, e, m.attention_backend in UNFUSED_BACKENDS)
     if m.attention_backend in UNFUSED_BACKENDS:
         scores = tokens * sh.s * a / t  # each local query sees the whole sequence
         per_score = ((3 if m.attention_dropout > 0 else 1) + (1 if m.attn_logit_softcapping else 0)) * e
@@ -412,6 +420,8 @@ def comm_buffer_bytes(sh: RunShape) -> float:
     sp = sh.local_tokens * sh.h * sh.act_bytes if sh.sp else 0.0
     m = sh.cfg.model
     kv = 2 * sh.local_tokens * m.heads_per_tp_rank(sh.tp)[1] * m.kv_channels * sh.act_bytes
+    if m.multi_latent_attention:  # K and V per head, at the core's width (planning/mla.py)
+        kv = sh.local_tokens * mla.cp_kv_elements(m, sh.tp) * sh.act_bytes
     cp = 2 * kv if sh.cp > 1 else 0.0
     return pp + sp + cp
 

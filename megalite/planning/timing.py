@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from megalite.planning import mla
 from megalite.planning.eager import dropout_mask_s, eager_scores_s, op_overhead_s
 from megalite.planning.flops import training_flops
 from megalite.planning.hardware import ClusterConfig
@@ -35,7 +36,8 @@ def step_flops(sh: RunShape, with_recompute: bool) -> float:
     if with_recompute:  # the forward again, for the share of the layers recomputed
         flops += sh.recomputed_share * (training_flops(m, sh.vocab, sh.s, tokens, recompute=True) - flops)
     if with_recompute and sh.recompute == "selective":
-        flops += tokens * m.num_layers * 2 * 2 * sh.s * m.num_attention_heads * m.kv_channels
+        core = mla.core_macs(m, sh.s) if m.multi_latent_attention else 2 * sh.s * m.num_attention_heads * m.kv_channels
+        flops += tokens * m.num_layers * 2 * core
     return flops
 
 
@@ -210,9 +212,13 @@ def cp_layer_bytes(sh: RunShape, kind: str) -> list[tuple[str, int, float]]:
     neither overlaps the other."""
     c, m = sh.cp, sh.cfg.model
     kv = 2 * sh.local_tokens * m.heads_per_tp_rank(sh.tp)[1] * m.kv_channels * sh.act_bytes
+    width = sh.h  # q, k, v and the output, per token over the heads
+    if m.multi_latent_attention:  # per head at the core's width (planning/mla.py)
+        kv, width = sh.local_tokens * mla.cp_kv_elements(m, sh.tp) * sh.act_bytes, m.num_attention_heads * \
+            mla.core_width(m)
 
     def a2a(n: int) -> float:
-        return 8 * sh.local_tokens * sh.h / sh.tp * sh.act_bytes * (n - 1) / n
+        return 8 * sh.local_tokens * width / sh.tp * sh.act_bytes * (n - 1) / n
 
     if kind == "a2a":
         return [("cp", c, a2a(c))]

@@ -13,6 +13,7 @@ from megalite.config.model import ModelConfig
 from megalite.pipeline.schedule_table import ScheduleSpec, build_tables
 from megalite.pipeline.stages import StageMap
 from megalite.pipeline.timeline import SCHEDULES, idle_per_rank, peak_pending_w, peak_pending_w_bytes, play, spec_for
+from megalite.planning import mla
 
 ZERO_BUBBLE = ("zb-h1", "zbv")
 
@@ -30,6 +31,8 @@ def layer_elements(cfg: ModelConfig, tokens: int, tp: int, sp: bool, moe: bool =
     qkv_out = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * d
     col_in = h // tp if sp else h
     attention = col_in + qkv_out // tp + cfg.num_attention_heads * d // tp + h
+    if cfg.multi_latent_attention:  # its latent projections' (planning/mla.py)
+        attention = round(mla.w_elements(cfg, tp, sp))
     if not moe:
         return tokens * (attention + _mlp(cfg, cfg.ffn_hidden_size, col_in, tp))
     shared = cfg.moe_shared_expert_intermediate_size
