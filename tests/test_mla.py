@@ -167,6 +167,29 @@ def test_tp2_gradients_equal_serial_with_and_without_sequence_parallelism(tp2_ru
                 torch.testing.assert_close(grads[name], want, rtol=1e-4, atol=1e-6, msg=f"rank {rank} sp {sp} {name}")
 
 
+def _save_at_tp2_sp(rank: int, world: int, folder: str) -> list[float]:
+    from megalite.config.arguments import MegaliteConfig
+    from megalite.launch.run import build_groups
+    from tests.layouts import train
+
+    run = flat("mla", 2, 1, 1, sequence_parallel=True, exit_interval=2, save=folder)
+    return train(run, build_groups(MegaliteConfig.from_flat(run), world, rank), world).losses
+
+
+def test_checkpoint_saved_at_tp2_sp_resumes_serially_on_the_curve(tmp_path):
+    """The replicated down-projections and norms are saved once and the heads' shards joined: a TP2+SP run
+    stopped after 2 iterations resumes in one process on the serial curve."""
+    from megalite.parallel.groups import ProcessGroups
+    from tests.harness import run_ranks
+    from tests.layouts import train
+
+    folder = str(tmp_path / "ckpt")
+    ref = serial_curve(flat("mla")).losses
+    assert run_ranks(_save_at_tp2_sp, 2, folder)[0] == pytest.approx(ref[:2], rel=1e-5)
+    resumed = train({**flat("mla"), "load": folder}, ProcessGroups.single(), 1).losses
+    assert resumed == pytest.approx(ref[2:], rel=1e-5)
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_half_precision_follows_the_fp32_curve(precision):
     ref = serial_curve(flat("mla")).losses
