@@ -114,12 +114,21 @@ class PublishedMoE:
     flags: tuple[str, ...]  # pretrain_gpt.py model flags
     total_b: float  # billions, as published
     active_b: float
+    whole_billions: bool = False  # published as whole billions, cut off (not rounded): 37.55 B is "37B"
+
+    def agrees(self, planned: float, published: float) -> bool:
+        """The planner's count (parameters) to the published figure's precision."""
+        b = planned / 1e9
+        return int(b) == published if self.whole_billions else round(b, 1) == published
 
 
 _MIXTRAL = ("Mixtral of experts, Mistral AI announcement (December 2023): 46.7B total, 12.9B per token; "
             "architecture: the released Mixtral-8x7B configuration")
 _QWEN_MOE = ("Qwen1.5-MoE-A2.7B model card: 14.3B total, 2.7B activated; architecture: its released "
              "configuration")
+_DEEPSEEK_V3 = ("DeepSeek-V3 technical report (arXiv 2412.19437): 671B total, 37B activated per token, the "
+                "multi-token prediction module apart; architecture: its released configuration (61 layers, the "
+                "first 3 dense; MLA; 256 routed experts in 8 groups, top-8 from 4 groups, 1 shared expert)")
 _LLAMA_STYLE = ("--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
                 "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--make-vocab-size-divisible-by",
                 "128")
@@ -134,4 +143,14 @@ PUBLISHED_MOE: list[PublishedMoE] = [
         "--moe-ffn-hidden-size", "1408", "--num-experts", "60", "--moe-router-topk", "4",
         "--moe-shared-expert-intermediate-size", "5632", "--moe-shared-expert-gate", "--vocab-size", "151935",
         *_LLAMA_STYLE), 14.3, 2.7),
+    PublishedMoE(_DEEPSEEK_V3, "DeepSeek-V3", (
+        "--num-layers", "61", "--hidden-size", "7168", "--num-attention-heads", "128", "--ffn-hidden-size", "18432",
+        "--multi-latent-attention", "--q-lora-rank", "1536", "--kv-lora-rank", "512", "--qk-head-dim", "128",
+        "--qk-pos-emb-head-dim", "64", "--v-head-dim", "128", "--position-embedding-type", "yarn",
+        "--rotary-scaling-factor", "40", "--yarn-original-max-position-embeddings", "4096", "--mscale", "1.0",
+        "--mscale-all-dim", "1.0", "--num-experts", "256", "--moe-ffn-hidden-size", "2048", "--moe-router-topk", "8",
+        "--moe-shared-expert-intermediate-size", "2048", "--moe-layer-freq", "([0]*3+[1]*58)",
+        "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias", "--moe-router-num-groups", "8",
+        "--moe-router-group-topk", "4", "--moe-router-topk-scaling-factor", "2.5", "--vocab-size", "129279",
+        *(f for f in _LLAMA_STYLE if f not in ("--position-embedding-type", "rope"))), 671, 37, whole_billions=True),
 ]
