@@ -9,11 +9,12 @@ from megalite.config.domain import MAX_COUNT, MAX_HIDDEN, at_least, fraction, po
 from megalite.config.flags import option
 from megalite.config.mla import MLAFields
 from megalite.config.moe import MAX_LAYERS, MoEFields
+from megalite.config.mtp import MTPFields
 from megalite.config.yarn import YarnFields
 
 
 @dataclass(kw_only=True)
-class ModelConfig(MoEFields, YarnFields, MLAFields):
+class ModelConfig(MoEFields, YarnFields, MLAFields, MTPFields):
     """Model: the GPT's shape. GPT-2 style by default; Llama style with rope/RMSNorm/swiglu/GQA; MoE layers
     with --num-experts (config/moe.py)."""
 

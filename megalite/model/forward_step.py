@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from megalite.model.gpt import GPTModel
+from megalite.model.mtp import AddToGradient, mtp_loss
 
 
 def lm_forward_step(chunk: nn.Module, mb: dict[str, torch.Tensor], hidden: torch.Tensor | None) -> torch.Tensor:
@@ -24,10 +25,19 @@ def lm_forward_step(chunk: nn.Module, mb: dict[str, torch.Tensor], hidden: torch
              "documents": mb.get("documents")}
     if not chunk.post_process:
         return chunk(tokens, hidden=hidden, **where)
-    per_token = chunk(tokens, labels=mb["labels"], hidden=hidden, **where)
+    per_token = chunk(tokens, labels=mb["labels"], hidden=hidden, mtp_tokens=mb["tokens"], **where)
     mask = mb["loss_mask"]
     count = mb["num_tokens"] if "num_tokens" in mb else mask.sum()
-    return (per_token.float() * mask).sum() / (count + (count == 0))
+    loss = (per_token.float() * mask).sum() / (count + (count == 0))
+    if chunk.mtp_per_token is None:
+        return loss
+    # --mtp-num-layers: the depths' losses join the gradient, not the value (model/mtp.py); "num_tokens" without
+    # context parallelism (which MTP refuses) is --calculate-per-token-loss's denominator
+    term, logged = mtp_loss(chunk.mtp_per_token, mask, mb.get("num_tokens"), chunk.cfg.mtp_loss_scaling_factor)
+    chunk.mtp_per_token = None
+    if chunk.training:
+        chunk.mtp_losses.add(logged)
+    return AddToGradient.apply(loss, term)
 
 
 def hidden_shape(chunk: GPTModel, tokens: torch.Tensor, tp_size: int) -> tuple[int, int, int]:

@@ -14,6 +14,7 @@ from torch import nn
 
 from megalite.attention import Documents
 from megalite.config.model import ModelConfig
+from megalite.model.mtp import MTPBlock, MTPLosses, shift_left
 from megalite.model.norm import Norm
 from megalite.model.rope import KindAngles, rope_frequencies, rope_scaling
 from megalite.model.transformer import TransformerLayer
@@ -100,7 +101,17 @@ class GPTModel(nn.Module):
                 amend_param(self.output_layer.weight, full_shape=(vocab_size, cfg.hidden_size))
                 if cfg.tied_embeddings:  # the last stage's copy of the tied embedding
                     amend_param(self.output_layer.weight, copy_of=TIED_EMBEDDING, tied_embedding=True)
-        if cfg.tied_embeddings and pre_process and not post_process:  # the first stage's side of the tie
+        # --mtp-num-layers: the depths on the last stage, which look the shifted tokens up in the embedding, the
+        # tied output layer's copy, or (untied) a copy of their own tied like it (model/mtp.py)
+        self.mtp = MTPBlock(cfg, ctx) if post_process and cfg.mtp_depths else None
+        self.mtp_embedding = None
+        if self.mtp is not None and not pre_process and not cfg.tied_embeddings:
+            self.mtp_embedding = VocabParallelEmbedding(vocab_size, self.padded_vocab, cfg.hidden_size, ctx)
+            amend_param(self.mtp_embedding.weight, copy_of=TIED_EMBEDDING, tied_embedding=True,
+                        embedding_or_output=True)
+        self.mtp_losses = MTPLosses(cfg.mtp_depths) if self.mtp is not None else None
+        self.mtp_per_token: list[torch.Tensor] | None = None  # the last forward's, read by the forward step
+        if (cfg.tied_embeddings or cfg.mtp_depths) and pre_process and not post_process:  # the first stage's tie
             amend_param(self.embedding.word.weight, tied_embedding=True)
         if pre_process:
             amend_param(self.embedding.word.weight, embedding_or_output=True)
@@ -147,7 +158,10 @@ class GPTModel(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """This rank's vocab columns of the logits, [s, b, v_pad/tp], from final hidden states."""
-        hidden = self.final_norm(hidden)
+        return self._project(self.final_norm(hidden))
+
+    def _project(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The output layer (or the tied embedding) on final-normed hidden states."""
         if self.output_layer is None:
             if self.ctx.sequence_parallel:
                 return linear_gathering_sequence(hidden, self.embedding.word.weight, None, self.pg)
@@ -156,7 +170,8 @@ class GPTModel(nn.Module):
 
     def forward(self, tokens: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 hidden: torch.Tensor | None = None, kv_cache=None, sequence_index: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, documents: Documents | None = None) -> torch.Tensor:
+                position_ids: torch.Tensor | None = None, documents: Documents | None = None,
+                mtp_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """First stage: tokens [b, s]; other stages: ``hidden`` [s, b, h] from the previous stage.
 
         Returns the per-token loss [b, s] when ``labels`` is given on the last stage, the full logits
@@ -166,7 +181,9 @@ class GPTModel(nn.Module):
         ``sequence_index`` [s] (context parallelism): where this rank's tokens sit in the sequences, which
         causality follows; ``position_ids`` [b, s] (--reset-position-ids): the positions the learned or
         rotary embeddings see, else the sequence index; ``documents`` (--reset-attention-mask): attention
-        stays inside each packed document."""
+        stays inside each packed document. ``mtp_tokens`` [b, s] (--mtp-num-layers, a stage without the
+        embedding): the input tokens, whose shifts the MTP depths embed; their token losses are left in
+        ``mtp_per_token`` for the forward step."""
         offset = 0 if kv_cache is None else kv_cache.offset
         positions = position_ids if position_ids is not None else sequence_index
         x = self.embedding(tokens, offset, positions) if self.pre_process else hidden
@@ -188,12 +205,23 @@ class GPTModel(nn.Module):
         if not self.post_process:
             return x
         cap = self.cfg.final_logit_softcapping  # logits C * tanh(logits / C) in the loss and in the logits
-        if labels is not None and self.cfg.cross_entropy_loss_fusion:  # never the full fp32 logits
-            weight = self.embedding.word.weight if self.output_layer is None else self.output_layer.weight
-            return fused_linear_cross_entropy(self.final_norm(x), weight, labels.t(), self.pg, self.vocab_size,
-                                              self.ctx.sequence_parallel, softcap=cap).t()
-        logits = self.logits(x)
         if labels is None:
-            full = gather_from_tp(logits, self.pg, dim=-1)[..., : self.vocab_size]
+            full = gather_from_tp(self.logits(x), self.pg, dim=-1)[..., : self.vocab_size]
             return (full if cap is None else softcap(full, cap)).transpose(0, 1).contiguous()
-        return vocab_parallel_cross_entropy(logits, labels.t(), self.pg, self.vocab_size, softcap=cap).t()
+        normed = self.final_norm(x)
+        if self.mtp is not None:  # each depth's token losses against the labels shifted 1 + depth ahead
+            table = (self.embedding.word.weight if self.pre_process else self.output_layer.weight
+                     if self.mtp_embedding is None else self.mtp_embedding.weight)
+            hiddens = self.mtp(normed, tokens if tokens is not None else mtp_tokens, table, angles, documents)
+            self.mtp_per_token = [self._token_loss(h, shift_left(labels, k + 1)) for k, h in enumerate(hiddens)]
+        return self._token_loss(normed, labels)
+
+    def _token_loss(self, normed: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Per-token loss [b, s] of final-normed hidden states against ``labels`` [b, s]."""
+        cap = self.cfg.final_logit_softcapping
+        if self.cfg.cross_entropy_loss_fusion:  # never the full fp32 logits
+            weight = self.embedding.word.weight if self.output_layer is None else self.output_layer.weight
+            return fused_linear_cross_entropy(normed, weight, labels.t(), self.pg, self.vocab_size,
+                                              self.ctx.sequence_parallel, softcap=cap).t()
+        return vocab_parallel_cross_entropy(self._project(normed), labels.t(), self.pg, self.vocab_size,
+                                            softcap=cap).t()
