@@ -35,7 +35,8 @@ from megalite.tensor_parallel.random import RNGTracker
 from tests.layouts import LayoutMatrix, serial_curve
 from tests.tp_utils import build, layout_flat
 
-SHAPE = dict(hidden_size=32, num_attention_heads=4, multi_latent_attention=True, kv_lora_rank=12, qk_head_dim=8,
+SHAPE = dict(hidden_size=32, num_attention_heads=4, multi_latent_attention=True, qk_layernorm=True, kv_lora_rank=12,
+             qk_head_dim=8,
              qk_pos_emb_head_dim=4, v_head_dim=6, normalization="RMSNorm", norm_epsilon=1e-6,
              disable_bias_linear=True, attention_dropout=0.0, hidden_dropout=0.0)
 YARN = dict(position_embedding_type="yarn", rotary_scaling_factor=4.0, mscale=1.0, mscale_all_dim=1.0,
@@ -248,7 +249,8 @@ MLA_FLAGS = ["--multi-latent-attention", "--position-embedding-type", "rope"]
     (MLA_FLAGS + ["--rotary-percent", "0.5"], "--multi-latent-attention needs --rotary-percent 1"),
     (MLA_FLAGS + ["--group-query-attention", "--num-query-groups", "2"],
      "--multi-latent-attention and --group-query-attention"),
-    (MLA_FLAGS + ["--qk-layernorm"], "--multi-latent-attention and --qk-layernorm"),
+    (MLA_FLAGS + ["--qk-layernorm", "--qk-layernorm-scope", "projection", "--normalization", "RMSNorm"],
+     "--multi-latent-attention and --qk-layernorm-scope projection"),
     (MLA_FLAGS + ["--window-size", "4", "0"], "--multi-latent-attention and --window-size"),
     (MLA_FLAGS + ["--add-qkv-bias"], "--multi-latent-attention and --add-qkv-bias"),
     (MLA_FLAGS + ["--softmax-scale", "0.1"], "--multi-latent-attention and --softmax-scale"),
@@ -299,9 +301,15 @@ def test_planner_counts_the_built_models_parameters_flops_and_saved_bytes(tp2_ru
 
     model = {k: v for k, v in MODEL.items() if k not in PACKED}
     cfg, built = small_model()
+    numel_1 = sum(p.numel() for p in built.parameters())
     for tp, numel in ((1, sum(p.numel() for p in built.parameters())), (2, tp2_runs[0]["numel"])):
         sh = RunShape.of(planner_cfg(model, tp, tensor_model_parallel_size=tp), tp, VOCAB)
         assert stage_params(sh, 0) == numel, tp
+    # without --qk-layernorm MLA has no latent norms (megatron-core's rule): neither built nor counted
+    _, bare = small_model(qk_layernorm=False)
+    assert not [n for n, _ in bare.named_parameters() if "latent" in n or "q_layernorm" in n or "kv_layernorm" in n]
+    sh = RunShape.of(planner_cfg({**model, "qk_layernorm": False}, 1), 1, VOCAB)
+    assert stage_params(sh, 0) == sum(p.numel() for p in bare.parameters()) == numel_1 - 6 * 2 - 12 * 2
     attention = built.layers["0"].attention
     weights = sum(p.numel() for n, p in attention.named_parameters() if p.dim() == 2)
     assert mla.gemm_macs(cfg) == weights

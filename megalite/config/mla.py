@@ -95,7 +95,8 @@ def mla_errors(m: MLAFields) -> list[str]:
                       "the whole --qk-pos-emb-head-dim part and nothing else")
     refused = [("--group-query-attention", m.group_query_attention, "its keys and values are per head, from the "
                 "shared latent (megatron-core refuses it too)"),
-               ("--qk-layernorm", m.qk_layernorm, "its query and key latents have their own norms"),
+               ("--qk-layernorm-scope projection", m.qk_layernorm_scope == "projection", "with it --qk-layernorm "
+                "normalizes the query and key latents, whole"),
                ("--window-size", bool(m.window_size) and m.window_size[0] >= 0, "sliding-window attention is not "
                 "implemented for it"),
                ("--add-qkv-bias", m.add_qkv_bias, "it has no fused QKV projection (its projections carry no bias)"),

@@ -3,6 +3,7 @@
 x [s, b, h] ->
   queries  q_down_proj -> q_layernorm -> q_up_proj (q_proj without --q-lora-rank) -> per head [q_nope; q_pe]
   keys     kv_down_proj -> [latent (--kv-lora-rank); k_pe (--qk-pos-emb-head-dim)], kv_layernorm(latent)
+  (the two latent norms exist with --qk-layernorm, as in megatron-core's MLA layer: DeepSeek-V3 has them)
            -> kv_up_proj -> per head [k_nope (--qk-head-dim); v (--v-head-dim)]
   RoPE on each head's q_pe and on the one k_pe every head shares (their channels read as interleaved pairs,
   as megatron-core's MLA and DeepSeek's checkpoints rotate them); q = [q_nope; q_pe], k = [k_nope; k_pe];
@@ -69,12 +70,12 @@ class MultiLatentAttention(nn.Module):
         dq = cfg.q_head_dim
         if cfg.q_lora:
             self.q_down_proj = ReplicatedLinear(h, cfg.q_lora_rank, ctx)
-            self.q_layernorm = Norm(cfg, ctx, cfg.q_lora_rank)
+            self.q_layernorm = Norm(cfg, ctx, cfg.q_lora_rank) if cfg.qk_layernorm else nn.Identity()
             self.q_up_proj = ColumnParallelLinear(cfg.q_lora_rank, heads * dq, ctx, bias=False)
         else:
             self.q_proj = ColumnParallelLinear(h, heads * dq, ctx, bias=False)
         self.kv_down_proj = ReplicatedLinear(h, self.rank + self.dpos, ctx)
-        self.kv_layernorm = Norm(cfg, ctx, self.rank)
+        self.kv_layernorm = Norm(cfg, ctx, self.rank) if cfg.qk_layernorm else nn.Identity()
         self.kv_up_proj = ColumnParallelLinear(self.rank, heads * (self.dqk + self.dv), ctx, bias=False)
         self.proj = RowParallelLinear(heads * self.dv, h, ctx, bias=cfg.add_bias_linear)
         # the width q, k and v enter the core with, and q's factor from the core's 1/sqrt(width) to MLA's scale

@@ -62,7 +62,7 @@ def qk_norm_params(sh: RunShape) -> int:
     """--qk-layernorm's weights on one TP rank: per head, one norm of the head dim for q and one for k
     (replicated); over the projection, a weight per channel of this rank's q and k rows (model/qk_norm.py)."""
     m, t = sh.cfg.model, sh.tp
-    if not m.qk_layernorm:
+    if not m.qk_layernorm or m.multi_latent_attention:  # MLA's latent norms: planning/mla.py
         return 0
     d = m.kv_channels
     if m.qk_layernorm_scope == "head":
@@ -265,7 +265,7 @@ def qk_norm_bytes(sh: RunShape) -> float:
     then makes of a new tensor ((4 + 2e) bytes per channel) and a fp32 statistic per row; LayerNorm 2e per
     channel and per row (measured, tests/test_planning.py)."""
     m, t, e = sh.cfg.model, sh.tp, sh.act_bytes
-    if not m.qk_layernorm:
+    if not m.qk_layernorm or m.multi_latent_attention:  # MLA's latent norms: planning/mla.py
         return 0.0
     a, g = m.heads_per_tp_rank(t)
     channels = (a + g) * m.kv_channels

@@ -15,7 +15,8 @@ from megalite.config.model import ModelConfig
 
 
 def norm_params(m: ModelConfig, width: int) -> int:
-    return width * (2 if m.normalization == "LayerNorm" else 1)
+    """A latent norm's weights (--qk-layernorm gives MLA its two latent norms, megatron-core's rule)."""
+    return width * (2 if m.normalization == "LayerNorm" else 1) if m.qk_layernorm else 0
 
 
 def attention_params(m: ModelConfig, tp: int) -> int:
@@ -66,7 +67,8 @@ def saved_latent_bytes(m: ModelConfig, e: int, extra_norm_bytes) -> float:
     latent's norm (``extra_norm_bytes(kind, width, e)``: its input is no GEMM's) and its output, the
     up-projection's input. The down-projections read the layer's normed input, which the layer term counts."""
     widths = [m.kv_lora_rank] + ([m.q_lora_rank] if m.q_lora_rank else [])
-    return sum(extra_norm_bytes(m.normalization, w, e) + w * e for w in widths)
+    norms = m.qk_layernorm  # the latent norms (else the up-projections read the down-projections' outputs)
+    return sum((extra_norm_bytes(m.normalization, w, e) if norms else 0) + w * e for w in widths)
 
 
 def core_saved_bytes(m: ModelConfig, tokens: int, tp: int, seq: int, cp: int, e: int, unfused: bool) -> float:
