@@ -145,7 +145,8 @@ PUBLISHED_MOE: list[PublishedMoE] = [
         *_LLAMA_STYLE), 14.3, 2.7),
     PublishedMoE(_DEEPSEEK_V3, "DeepSeek-V3", (
         "--num-layers", "61", "--hidden-size", "7168", "--num-attention-heads", "128", "--ffn-hidden-size", "18432",
-        "--multi-latent-attention", "--q-lora-rank", "1536", "--kv-lora-rank", "512", "--qk-head-dim", "128",
+        "--multi-latent-attention", "--qk-layernorm", "--q-lora-rank", "1536", "--kv-lora-rank", "512", "--qk-head-dim",
+        "128",
         "--qk-pos-emb-head-dim", "64", "--v-head-dim", "128", "--position-embedding-type", "yarn",
         "--rotary-scaling-factor", "40", "--yarn-original-max-position-embeddings", "4096", "--mscale", "1.0",
         "--mscale-all-dim", "1.0", "--num-experts", "256", "--moe-ffn-hidden-size", "2048", "--moe-router-topk", "8",
