@@ -87,6 +87,7 @@ def _example(script: str, env: dict) -> subprocess.CompletedProcess:
     ("pretrain_gpt_single_node.sh", {}, 8, 8),
     ("pretrain_gpt_multi_node.sh", {"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "node0"}, 16, 8),
     ("pretrain_gpt_slurm.sbatch", {"LAUNCHER": "srun", "SLURM_NNODES": "2", "MASTER_ADDR": "node0"}, 16, 8),
+    ("pretrain_deepseek_v3_small.sh", {}, 8, 8),
 ])
 def test_example_commands_are_valid_runs(script, env, world, per_node):
     """Every example's pretrain_gpt.py flags parse and pass validation for the world it is written for."""
