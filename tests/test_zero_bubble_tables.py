@@ -5,6 +5,8 @@
   micro-batches between F and W (1F1B's peak); ZB-V holds at most 2p chunk-micro-batches (p stages' worth);
 - with F = B = W the simulator gives ZB-H1 a bubble of (p - 1) steps, a third of 1F1B's 3(p - 1) (m >= p),
   and ZB-V p - 1 chunk steps (m >= p), the least a V allows; both complete for every m >= 1;
+- a hold (ScheduleSpec.holds) bounds what a rank keeps between F and W, and every hold down to the least
+  valid one still gives complete tables;
 - the message rounds of both are planned (no deadlock) and a V turn is a hand-off on the rank (the batches
   the executor posts are replayed under the NCCL checker in tests/test_nccl_protocol.py, not here);
 - the V placement: chunk 0 is stage r, chunk 1 stage 2p - 1 - r, the loss on rank 0.
@@ -20,7 +22,7 @@ from megalite.pipeline.p2p_plan import needed, produced, round_plan
 from megalite.pipeline.partition import chunk_layers, loss_rank
 from megalite.pipeline.schedule_table import ScheduleSpec, build_tables, forward_only_table, rank_table, simulate
 from megalite.pipeline.stages import StageMap
-from megalite.pipeline.timeline import peak_in_flight
+from megalite.pipeline.timeline import peak_in_flight, peak_pending_w
 
 GRID = [(p, m) for p in (1, 2, 3, 4, 8) for m in (1, 2, p, 2 * p, 4 * p)]
 KINDS = {"zb-h1": 1, "zbv": 2}
@@ -73,6 +75,29 @@ def test_bubbles_with_equal_f_b_w(p, factor):
     assert _bubble_steps("1f1b", p, m) == 3 * (p - 1)
     assert _bubble_steps("zb-h1", p, m) == p - 1  # a third of 1F1B's
     assert _bubble_steps("zbv", p, m) == p - 1  # in chunk steps: a sixth of 1F1B's 6(p - 1) chunk steps
+
+
+@pytest.mark.parametrize("p,m", [(p, m) for p, m in GRID if p > 1])
+def test_holds_bound_what_each_rank_keeps(p, m):
+    """ScheduleSpec.holds (planning/zero_bubble_memory.py chooses them): ZB-H1's rank r delays its W's by
+    hold - min(p - r, m) B's (at most r), so it holds at most ``hold`` micro-batches between F and W, and a
+    hold below 1F1B's own count is refused; ZB-V's rank 0 at every hold from 2 to 2p still completes (a
+    smaller hold keeps a place for chunk 1's F, or the rank would fill up with chunk 0), holding at most that
+    many chunk-micro-batches between F and W, every action once."""
+    for r in range(p):
+        for hold in range(min(p - r, m), p + 1):
+            holds = tuple(hold if q == r else p for q in range(p))
+            table = build_tables(ScheduleSpec(p, 1, m, "zb-h1", holds))[r]
+            assert peak_in_flight(table, "W") <= hold and peak_pending_w(table) <= hold - min(p - r, m) + 1
+        with pytest.raises(ValueError, match="below it"):
+            build_tables(ScheduleSpec(p, 1, m, "zb-h1", tuple(min(p - q, m) - (q == r) for q in range(p))))
+    for hold in range(2, 2 * p + 1):
+        spec = ScheduleSpec(p, 2, m, "zbv", (hold,) + (2 * p,) * (p - 1))
+        tables = build_tables(spec)
+        assert peak_in_flight(tables[0], "W") <= hold
+        for table in tables:
+            assert len(table) == len(set(table)) == 3 * 2 * m
+        simulate(tables, p, 2, f_time=1, b_time=1, w_time=1, stages=spec.stages)  # no deadlock
 
 
 def test_w_fills_1f1b_idle_slots():

@@ -82,7 +82,8 @@ class PipelinePass:
     its last W where the table has W's (``deferred``: the parameters whose gradients W's still add; every
     other parameter's are complete): its buckets may start reducing. ``weight_grads``: the split
     backward's ``WeightGradStore`` (see the module docstring); ``stages``: the placement of the chunks
-    (default round-robin)."""
+    (default round-robin); ``holds``: per rank, the most chunk-micro-batches a zero-bubble table keeps between
+    F and W (``ScheduleSpec.holds``; every rank must be given the same)."""
 
     chunks: Sequence[nn.Module]
     microbatches: Sequence[dict]
@@ -95,6 +96,7 @@ class PipelinePass:
     last_backward: Callable[[int, set | None], None] | None = None
     weight_grads: WeightGradStore | None = None
     stages: StageMap | None = None
+    holds: tuple[int, ...] | None = None  # zero bubble: ScheduleSpec.holds (None: the schedule's own)
 
 
 @dataclass

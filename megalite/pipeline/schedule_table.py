@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from megalite.pipeline.stages import ZERO_BUBBLE, Action, ScheduleSpec, StageMap
-from megalite.pipeline.zero_bubble import defer_weights, zbv_tables
+from megalite.pipeline.zero_bubble import defer_weights, h1_delay, zbv_tables
 
 __all__ = ["ZERO_BUBBLE", "Action", "ScheduleSpec", "StageMap", "build_tables", "simulate"]
 
@@ -69,7 +69,8 @@ def build_tables(spec: ScheduleSpec) -> list[list[Action]]:
     if spec.kind == "zb-h1":
         if spec.vp != 1:
             raise ValueError(f"--pipeline-schedule zb-h1 runs one model chunk per rank, not {spec.vp}")
-        return [defer_weights(rank_table(ScheduleSpec(spec.pp, 1, spec.microbatches), r), r) for r in range(spec.pp)]
+        return [defer_weights(rank_table(ScheduleSpec(spec.pp, 1, spec.microbatches), r), h1_delay(spec, r))
+                for r in range(spec.pp)]
     return [rank_table(spec, r) for r in range(spec.pp)]
 
 

@@ -13,7 +13,7 @@ from dataclasses import replace
 import torch
 
 from megalite.pipeline.executor import PipelinePass, run_table
-from megalite.pipeline.schedule_table import ScheduleSpec, build_tables, forward_only_table
+from megalite.pipeline.schedule_table import ZERO_BUBBLE, ScheduleSpec, build_tables, forward_only_table
 from megalite.tensor_parallel.weight_grad import WeightGradStore
 
 
@@ -22,7 +22,8 @@ def forward_backward(job: PipelinePass, schedule: str = "1f1b") -> list[torch.Te
     parameters (each micro-batch's backward seeded as ``job.scaling`` says). Returns the last stage's
     per-micro-batch losses, before the backward factor S / m (empty on other stages). A zero-bubble schedule
     splits each backward through a fresh weight-gradient store (tensor_parallel/weight_grad.py)."""
-    spec = ScheduleSpec(job.pg.pp_size, len(job.chunks), len(job.microbatches), schedule)
+    spec = ScheduleSpec(job.pg.pp_size, len(job.chunks), len(job.microbatches), schedule,
+                        job.holds if schedule in ZERO_BUBBLE else None)
     tables = [forward_only_table(spec)] * spec.pp if job.forward_only else build_tables(spec)
     store = job.weight_grads
     if store is None and spec.split_backward and not job.forward_only:

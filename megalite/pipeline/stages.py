@@ -32,10 +32,19 @@ class ScheduleSpec:
     vp: int
     microbatches: int
     kind: str = "1f1b"  # "1f1b", "gpipe" (interleaved when vp > 1), "zb-h1" or "zbv"
+    # zero bubble: per rank, the most chunk-micro-batches held between their F and their W (activations
+    # and pending W's); None: the schedule's own (ZB-H1 p, ZB-V 2p). A smaller hold trades bubble for
+    # bytes (planning/zero_bubble_memory.py chooses it from the model's bytes, zero_bubble.py applies it)
+    holds: tuple[int, ...] | None = None
 
     @property
     def stages(self) -> StageMap:
         return StageMap(self.pp, self.vp, v_shape=self.kind == "zbv")
+
+    def hold(self, rank: int) -> int:
+        """Rank ``rank``'s hold (see ``holds``)."""
+        own = self.pp * self.vp
+        return own if self.holds is None else min(self.holds[rank], own)
 
     @property
     def split_backward(self) -> bool:

@@ -63,6 +63,18 @@ def defer_weights(table: list[Action], delay: int) -> list[Action]:
     return out + [Action("W", *b[1:]) for b in backwards[done:]]
 
 
+def h1_delay(spec: ScheduleSpec, rank: int) -> int:
+    """ZB-H1: how many B's rank ``rank``'s W's follow theirs: r, or less where its hold says so. Rank r holds
+    min(p - r, m) micro-batches between F and B (1F1B's) plus the W's it delays, so a hold leaves
+    hold - min(p - r, m) of them; a hold below 1F1B's own count cannot be kept by moving W's."""
+    p, m = spec.pp, spec.microbatches
+    in_flight = min(p - rank, m)
+    if spec.hold(rank) < in_flight:
+        raise ValueError(f"zb-h1 rank {rank} holds {in_flight} micro-batches between F and B (1F1B's count); "
+                         f"a hold of {spec.hold(rank)} is below it")
+    return min(rank, spec.hold(rank) - in_flight)
+
+
 def _dep(kind: str, stage: int, mb: int, last: int) -> tuple[str, int, int] | None:
     if kind == "F":
         return ("F", stage - 1, mb) if stage > 0 else None
@@ -71,19 +83,24 @@ def _dep(kind: str, stage: int, mb: int, last: int) -> tuple[str, int, int] | No
 
 def _choose(spec: ScheduleSpec, stages: StageMap, rk: _Rank, r: int, done: dict, t: int) -> Action | None:
     """The action rank r takes at step t: a ready B (the shallower chunk's first), else a ready F (the
-    deeper chunk's first) while it holds fewer than 2p chunk-micro-batches, else the oldest pending W."""
+    deeper chunk's first) while it holds fewer than its hold (2p, or ``spec.holds``) chunk-micro-batches short
+    of their W, else the oldest pending W. Below 2p a shallower chunk's F also leaves one place free for
+    each deeper chunk with F's to come: without it a rank fills its hold with chunk 0's micro-batches and
+    waits for ever for the chunk 1 F that would complete one of them."""
     m, ready = spec.microbatches, (lambda d: d is None or done.get(d, t + 1) <= t)
     deep_first = sorted(range(rk.chunks), key=lambda c: -stages.stage(r, c))
     for c in reversed(deep_first):
         mb = rk.next_b[c]
         if mb < m and mb < rk.next_f[c] and ready(_dep("B", stages.stage(r, c), mb, stages.last)):
             return Action("B", c, mb)
-    hold = 2 * spec.pp
-    if rk.forwards - rk.backwards < hold and rk.forwards - rk.weights < hold:
-        for c in deep_first:
-            mb = rk.next_f[c]
-            if mb < m and ready(_dep("F", stages.stage(r, c), mb, stages.last)):
-                return Action("F", c, mb)
+    hold = spec.hold(r)
+    reserve = hold < 2 * spec.pp
+    for i, c in enumerate(deep_first):
+        kept = sum(1 for d in deep_first[:i] if rk.next_f[d] < m) if reserve else 0
+        mb = rk.next_f[c]
+        if mb < m and rk.forwards - rk.weights < hold - kept and ready(_dep("F", stages.stage(r, c), mb,
+                                                                             stages.last)):
+            return Action("F", c, mb)
     return Action("W", *rk.pending_w[0]) if rk.pending_w else None
 
 
