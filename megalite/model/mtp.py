@@ -148,3 +148,24 @@ class AddToGradient(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return grad, grad
+
+
+@torch.no_grad()
+def window_mtp_losses(chunks: list[nn.Module], pg, depths: int) -> list[float]:
+    """Each depth's loss over the logging window (then cleared): the mean over the window's micro-batches of
+    every data-parallel replica (Megatron-LM's "mtp_k loss"). Every rank calls it (one world all-reduce); the
+    last stage's first tensor-parallel rank of each replica contributes."""
+    from megalite import device
+    from megalite.parallel.groups import Group
+
+    table = torch.zeros(depths + 1, dtype=torch.float64, device=device.current_device())
+    for c in chunks:
+        losses = getattr(c, "mtp_losses", None)
+        if losses is not None:
+            if pg.tp_rank == 0 and pg.cp_rank == 0:
+                table[:depths] += losses.sums.to(table.device)
+                table[depths] += losses.microbatches
+            c.mtp_losses = MTPLosses(depths)
+    pg.all_reduce(table, Group.WORLD)
+    n = float(table[depths])
+    return [float(x) / n if n else 0.0 for x in table[:depths]]

@@ -43,6 +43,7 @@ class IterationLine:
     memory: dict[str, float] | None = None
     moe: dict | None = None  # window_metrics' means over the MoE layers
     no_tokens: bool = False  # the step's global batch had no unmasked label: ``loss`` is no loss
+    mtp: list[float] | None = None  # --mtp-num-layers: each depth's loss over the window ("mtp_k loss")
 
 
 def format_iteration_line(line: IterationLine) -> str:
@@ -65,6 +66,7 @@ def format_iteration_line(line: IterationLine) -> str:
         "lm loss: none (no unmasked token)" if line.no_tokens else f"lm loss: {line.loss:.6E}",
         f"loss scale: {line.loss_scale:.1f}",
     ]
+    parts += [f"mtp_{k + 1} loss: {x:.6E}" for k, x in enumerate(line.mtp or [])]
     if line.moe:  # means over the MoE layers of this logging window
         parts.append(f"load balancing loss: {line.moe['load_balancing_loss']:.6E}")
         if line.moe["z_loss"]:
@@ -109,10 +111,12 @@ class LogWindow:
     of the line logged every --log-interval iterations and at the last one, with the timers' breakdown."""
 
     def __init__(self, cfg: MegaliteConfig, pg: ProcessGroups, vocab_size: int, timers: Timers,
-                 writers: MetricWriters, say: Callable[[str], None], moe: Callable[[], dict] | None = None) -> None:
-        """``moe``: returns (and clears) the MoE layers' metrics of the window (every rank calls it)."""
+                 writers: MetricWriters, say: Callable[[str], None], moe: Callable[[], dict] | None = None,
+                 mtp: Callable[[], list[float]] | None = None) -> None:
+        """``moe``: returns (and clears) the MoE layers' metrics of the window (every rank calls it); ``mtp``
+        likewise the MTP depths' losses."""
         self.cfg, self.pg, self.timers, self.writers, self.say = cfg, pg, timers, writers, say
-        self.moe = moe
+        self.moe, self.mtp = moe, mtp
         m = cfg.model
         self.tokens_per_iter = cfg.training.global_batch_size * m.seq_length
         self.flops_per_iter = training_flops(m, vocab_size, m.seq_length, self.tokens_per_iter)
@@ -146,13 +150,14 @@ class LogWindow:
         timer_line, timer_vals = self.timers.report(self.pg, self.iters, elapsed) if self.timers.level else ("", {})
         memory = device.memory_stats() if self.cfg.logging.log_memory else {}
         moe = self.moe() if self.moe is not None else None
+        mtp = self.mtp() if self.mtp is not None else None
         speed = dict(tokens_per_s=self.tokens_per_iter / elapsed, tflops=tflops, mfu=mfu) \
             if self.cfg.logging.log_throughput else {}
         self.say(format_iteration_line(IterationLine(
             iteration=step, train_iters=t.train_iters, consumed=state.consumed_samples, elapsed_ms=elapsed * 1e3,
             lr=lr, global_batch=t.global_batch_size, loss=out.loss, loss_scale=out.loss_scale,
             grad_norm=out.grad_norm, skipped=state.skipped_iterations, nan=state.nan_iterations, memory=memory,
-            moe=moe, no_tokens=out.no_tokens, **speed)))
+            moe=moe, no_tokens=out.no_tokens, mtp=mtp, **speed)))
         if timer_line:
             self.say(timer_line)
             self._warn(timer_vals)
@@ -161,7 +166,8 @@ class LogWindow:
                               "tokens-per-second": self.tokens_per_iter / elapsed,
                               "tflops-per-device": tflops, "mfu": mfu,
                               **{f"memory/{k}": v for k, v in memory.items()},
-                              **{f"time/{k}": v for k, v in timer_vals.items()}, **moe_scalars(moe)}, step)
+                              **{f"time/{k}": v for k, v in timer_vals.items()}, **moe_scalars(moe),
+                              **{f"mtp_{k + 1} loss": x for k, x in enumerate(mtp or [])}}, step)
 
     def _warn(self, timer_vals: dict[str, float]) -> None:
         if timer_vals["communication_share"] > COMM_WARN_SHARE:

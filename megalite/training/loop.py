@@ -16,6 +16,7 @@ from megalite.config.arguments import MegaliteConfig
 from megalite.distributed.grad_buffer import GradBuffer
 from megalite.distributed.param_shard import full_params
 from megalite.model.build import build_model
+from megalite.model.mtp import window_mtp_losses
 from megalite.moe.balance import window_metrics
 from megalite.optimizer.lr_schedule import LRSchedule, schedule_from_config
 from megalite.optimizer.optimizer import MegaliteOptimizer
@@ -56,6 +57,13 @@ class TrainResult:
     exit_reason: str | None = None
     chunks: list[nn.Module] = field(default_factory=list)
     optimizer: MegaliteOptimizer | None = None
+    mtp_losses: list[tuple[int, list[float]]] = field(default_factory=list)  # (iteration, "mtp_k loss"s) logged
+
+
+def _logged_mtp(run: Run, losses: list[float]) -> list[float]:
+    """The window's "mtp_k loss"s (--mtp-num-layers), kept in the result at the iteration logged."""
+    run.result.mtp_losses.append((run.state.iteration, losses))
+    return losses
 
 
 @dataclass
@@ -193,9 +201,12 @@ def pretrain(cfg: MegaliteConfig, pg: ProcessGroups, data: RunData | None = None
     profiler = StepProfiler(lg.profile, lg.profile_step_start, lg.profile_step_end, lg.profile_dir, pg.rank,
                             lg.profile_ranks)
     exits = ExitConditions(t.exit_signal_handler, t.exit_duration_in_mins, pg)
-    moe = (lambda: window_metrics(run.chunks, pg, cfg.model.num_layers, cfg.model.num_experts)) \
+    moe = (lambda: window_metrics(run.chunks, pg, cfg.model.num_layers + cfg.model.mtp_depths,
+                                  cfg.model.num_experts)) \
         if cfg.model.is_moe else None
-    window = LogWindow(cfg, pg, run.vocab_size, timers, writers, run.say, moe)
+    mtp = (lambda: _logged_mtp(run, window_mtp_losses(run.chunks, pg, cfg.model.mtp_depths))) \
+        if cfg.model.mtp_depths else None
+    window = LogWindow(cfg, pg, run.vocab_size, timers, writers, run.say, moe, mtp)
     try:
         run.gc.start()
         while run.state.iteration < t.train_iters:

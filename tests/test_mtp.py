@@ -1,0 +1,177 @@
+"""Promise (model/mtp.py): multi-token prediction with Megatron-LM's semantics. A megatron-core GPT with two MTP
+depths, built and run on CPU by megatron-core itself, and megalite's model holding its weights give the same main
+and per-depth MTP losses and the same gradients of main + factor / depths x the MTP losses (masked labels
+included); PP2 (the last stage's MTP looks tokens up in its tied copy of the embedding) and TP2 + SP give the
+serial loss, grad-norm and "mtp_1 loss" curves under NCCL's point-to-point rules; MTP changes the curve; a
+checkpoint saved at PP2 resumes in one process on the serial curve; the flag rules."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+import torch
+
+from megalite.config import validate
+from megalite.config.arguments import MegaliteConfig
+from megalite.config.model import ModelConfig
+from megalite.config.validate import ConfigError
+from megalite.model.forward_step import lm_forward_step
+from megalite.model.gpt import GPTModel
+from megalite.parallel.groups import ProcessGroups
+from megalite.tensor_parallel.context import BuildContext
+from megalite.tensor_parallel.random import RNGTracker
+from tests.asserts import assert_rel_close
+from tests.harness import run_ranks
+from tests.layouts import assert_matches_serial, layout_curves, p2p_mode, serial_curve
+from tests.tp_utils import LLAMA_GQA, layout_flat
+
+DEPTHS, FACTOR, SEQ, VOCAB = 2, 0.3, 16, 64
+
+
+def _mcore(rank: int, world: int) -> dict:
+    """megatron-core's GPT (local spec, Llama-like, untied) with MTP: one forward and backward of the masked
+    mean loss; MTPLossAutoScaler adds factor / depths x each depth's masked mean to the gradient."""
+    from tests.mcore_cpu import _config, cpu_shim
+
+    cpu_shim()
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel as McoreGPT
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    from tests.test_megatron_import import megatron_args
+
+    ps.initialize_model_parallel(1, 1)
+    args = megatron_args(ffn_hidden_size=48, position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
+                         add_bias_linear=False, untie_embeddings_and_output_weights=True, padded_vocab_size=VOCAB)
+    cfg = dataclasses.replace(_config(args, 1, 1), mtp_num_layers=DEPTHS, mtp_loss_scaling_factor=FACTOR)
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    torch.manual_seed(0)
+    model = McoreGPT(config=cfg, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ,
+                     mtp_block_spec=get_gpt_mtp_block_spec(cfg, spec, use_transformer_engine=False),
+                     share_embeddings_and_output_weights=False, position_embedding_type="rope")
+    with torch.no_grad():  # norms perturbed too, so that each one matters
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    text = torch.randint(0, VOCAB, (2, SEQ + 1), generator=torch.Generator().manual_seed(5))
+    tokens, labels = text[:, :-1], text[:, 1:]
+    mask = torch.ones(2, SEQ)
+    mask[0, 5], mask[1, 12:] = 0, 0
+    causal = torch.triu(torch.ones(SEQ, SEQ), diagonal=1).bool()[None, None]
+    per_token = model(tokens, torch.arange(SEQ).expand(2, SEQ), causal, labels=labels, loss_mask=mask)
+    loss = (per_token * mask).sum() / mask.sum()
+    loss.backward()
+    out = {"state": {n: p.detach().clone() for n, p in model.named_parameters()},
+           "grads": {n: p.grad.clone() for n, p in model.named_parameters()}, "loss": loss.detach(),
+           "mtp": MTPLossLoggingHelper.tracker["values"].clone(), "tokens": tokens, "labels": labels, "mask": mask}
+    ps.destroy_model_parallel()
+    return out
+
+
+NAMES = [(r"^decoder\.final_layernorm", "final_norm"), (r"^decoder\.", ""), (r"\.transformer_layer\.", ".layer."),
+         (r"\.final_layernorm", ".final_norm"), (r"^embedding\.word_embeddings", "embedding.word"),
+         (r"input_layernorm", "input_norm"), (r"self_attention\.linear_qkv", "attention.qkv"),
+         (r"self_attention\.linear_proj", "attention.proj"), (r"pre_mlp_layernorm", "pre_mlp_norm"),
+         (r"linear_fc", "fc")]
+
+
+def _ours(name: str) -> str:
+    for pattern, repl in NAMES:
+        name = re.sub(pattern, repl, name)
+    return name
+
+
+MODEL = dict(num_layers=2, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4, kv_channels=8, seq_length=SEQ,
+             position_embedding_type="rope", normalization="RMSNorm", swiglu=True, disable_bias_linear=True,
+             untie_embeddings_and_output_weights=True, hidden_dropout=0.0, attention_dropout=0.0,
+             make_vocab_size_divisible_by=VOCAB)
+
+
+@pytest.fixture(scope="module")
+def mcore() -> dict:
+    pytest.importorskip("megatron.core")
+    return run_ranks(_mcore, 1, timeout=120)[0]
+
+
+def test_megatron_core_mtp_gives_megalites_losses_and_gradients(mcore):
+    cfg = ModelConfig(**MODEL, mtp_num_layers=DEPTHS, mtp_loss_scaling_factor=FACTOR)
+    model = GPTModel(cfg, BuildContext(ProcessGroups.single(), RNGTracker()), VOCAB)
+    ours = dict(model.named_parameters())
+    assert sorted(ours) == sorted(_ours(n) for n in mcore["state"])
+    with torch.no_grad():
+        for n, t in mcore["state"].items():
+            ours[_ours(n)].copy_(t)
+    mb = {"tokens": mcore["tokens"], "labels": mcore["labels"], "loss_mask": mcore["mask"]}
+    loss = lm_forward_step(model, mb, None)
+    loss.backward()
+    torch.testing.assert_close(loss.detach(), mcore["loss"], rtol=0, atol=1e-5)
+    logged = model.mtp_losses.sums.float() / model.mtp_losses.microbatches
+    torch.testing.assert_close(logged, mcore["mtp"], rtol=0, atol=1e-5)
+    for n, g in mcore["grads"].items():
+        torch.testing.assert_close(ours[_ours(n)].grad, g, rtol=0, atol=1e-5, msg=n)
+
+
+# ---- layouts, checkpoint ---------------------------------------------------------------------------------------
+
+ITERS = 4
+MTP = {**LLAMA_GQA, "mtp_num_layers": 1}
+
+
+def flat(tp: int = 1, pp: int = 1, **extra) -> dict:
+    return layout_flat(MTP, vocab=256, iters=ITERS, tp=tp, pp=pp, **extra)
+
+
+def _mtp_curve(res, pg) -> list:
+    return res.mtp_losses
+
+
+LAYOUTS = {"pp2": flat(pp=2), "tp2_sp": flat(tp=2, sequence_parallel=True)}
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory) -> tuple[list, str]:
+    save = str(tmp_path_factory.mktemp("mtp_ckpt"))
+    runs = {**LAYOUTS, "pp2_save": flat(pp=2, train_iters=2, save=save, save_interval=2)}
+    with p2p_mode("nccl_semantics"):
+        return layout_curves(2, runs, extract={k: _mtp_curve for k in LAYOUTS}), save
+
+
+def _serial():
+    return serial_curve({**flat(), "log_interval": 1}, _mtp_curve)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layouts_give_the_serial_curve_and_mtp_loss(launched, layout):
+    curves, _ = launched
+    ref = serial_curve(flat(), _mtp_curve)
+    assert_matches_serial(curves, layout, ref, ITERS)
+    last = curves[-1][layout].extra  # the logging rank's "mtp_1 loss" lines (--log-interval 5: the last iteration)
+    assert [i for i, _ in last] == [ITERS] and [i for i, _ in ref.extra] == [ITERS]
+    assert_rel_close(last[0][1], ref.extra[0][1], 1e-5, f"{layout}: mtp_1 loss vs serial")
+
+
+def test_mtp_changes_the_curve():
+    with_mtp = serial_curve(flat(), _mtp_curve)
+    without = serial_curve({k: v for k, v in flat().items() if k != "mtp_num_layers"})
+    assert with_mtp.losses[0] == without.losses[0]  # the reported lm loss leaves MTP out
+    assert with_mtp.losses[1:] != without.losses[1:]  # but its gradient moves the model
+    assert 3.0 < with_mtp.extra[0][1][0] < 8.0
+
+
+def test_a_pp2_checkpoint_resumes_in_one_process_on_the_serial_curve(launched):
+    _, save = launched
+    resumed = serial_curve({**flat(), "load": save})
+    assert_rel_close(resumed.losses, serial_curve(flat(), _mtp_curve).losses[2:], 1e-5, "resumed vs serial")
+
+
+@pytest.mark.parametrize("change, named", [
+    ({"mtp_loss_scaling_factor": 0.2}, "--mtp-loss-scaling-factor needs --mtp-num-layers"),
+    ({"mtp_num_layers": 1, "position_embedding_type": "learned_absolute"}, "--mtp-num-layers needs"),
+    ({"mtp_num_layers": 1, "context_parallel_size": 2}, "--mtp-num-layers is not supported with --context-parallel"),
+    ({"mtp_num_layers": 0}, "--mtp-num-layers")])
+def test_the_flag_rules(change, named):
+    base = {k: v for k, v in flat().items() if k != "mtp_num_layers"}
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        validate(MegaliteConfig.from_flat({**base, **change}), 2)
