@@ -42,7 +42,7 @@ def allocator_bytes(cfg: ModelConfig, s: int, b: int, vocab: int) -> int:
         with peak_memory.measure() as rep:
             peak_memory.labelled(one_step)(model, tokens, store)
         held[split] = rep.held
-        deferred = store.deferred.get(0, set()) if store is not None else set()
+        deferred = store.queued() if store is not None else set()  # the output layer's (run after B) too
     grads = sum(p.numel() * p.element_size() for p in deferred)
     return held[True] - held[False] + grads
 

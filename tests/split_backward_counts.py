@@ -43,7 +43,7 @@ def measure(cfg: ModelConfig, pg: ProcessGroups, s: int, b: int, vocab: int) -> 
     store = WeightGradStore()
     one_step(model, tokens, store)
     formula = deferred_w_bytes(cfg, cfg.num_layers, s * b, model.padded_vocab, pg.tp_size, sp,
-                               moe_layers=sum(cfg.moe_layers()))
+                               moe_layers=sum(cfg.moe_layers()), embedding=True)
     return store.pending_bytes(), formula
 
 

@@ -6,13 +6,16 @@ idle time, for the zero-bubble figures (bench/bench_zero_bubble.py, docs/paralle
 - ``peak_pending_w`` / ``peak_pending_w_bytes``: the most W's pending at once, and the most bytes they keep
   when each W keeps its own chunk's (ZB-V's pending W's mix chunks of different sizes);
 - ``peak_loss_buffers``: the most loss-chunk micro-batches holding the logits (or their gradient) at once;
+- ``peak_live_bytes``: the most bytes a rank's table holds at once, activations, pending W's and the loss's
+  and the embedding's moments together, given each chunk's (``ChunkBytes``): the planner's per-rank peak;
 - ``play``: a named schedule (``SCHEDULES``) run on the ideal machine with given F, B, W times per chunk;
 - ``idle_per_rank``: each rank's idle time within the step's span (``bubble_fraction`` divides by busy).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from megalite.pipeline.schedule_table import Action, ScheduleSpec, build_tables, simulate
 
@@ -23,10 +26,10 @@ SCHEDULES: dict[str, tuple[str, int]] = {"1f1b": ("1f1b", 1), "interleaved": ("1
                                          "zbv": ("zbv", 2)}
 
 
-def spec_for(name: str, p: int, m: int) -> ScheduleSpec:
-    """The table spec of a named schedule (``SCHEDULES``)."""
+def spec_for(name: str, p: int, m: int, holds: tuple[int, ...] | None = None) -> ScheduleSpec:
+    """The table spec of a named schedule (``SCHEDULES``); ``holds``: ScheduleSpec.holds (zero bubble)."""
     kind, v = SCHEDULES[name]
-    return ScheduleSpec(p, v, m, kind)
+    return ScheduleSpec(p, v, m, kind, holds if kind in ("zb-h1", "zbv") else None)
 
 
 def peak_in_flight(table: list[Action], until: str = "B") -> int:
@@ -91,11 +94,63 @@ def peak_loss_buffers(table: list[Action], loss_chunk: int, prompt: bool = True)
     return peak
 
 
-def play(name: str, p: int, m: int, f: float, b: float, w: float, whole: float | None = None) -> Trace:
+@dataclass(frozen=True)
+class ChunkBytes:
+    """What one micro-batch of a model chunk keeps, in bytes: ``activation`` from its F to its B (the layers'
+    saved tensors), ``w`` from its B to its W (each GEMM's input and output gradient, the embedding's
+    lookup gradient), ``logits`` from F to just after B (the loss chunk's logits, its gradient in place),
+    ``prompt`` at the end of the loss chunk's B only (the output layer's weight gradient, made there),
+    ``embedding`` at the end of the first stage's backward, or of its W, only (the dense embedding gradient)."""
+
+    activation: float
+    w: float = 0.0
+    logits: float = 0.0
+    prompt: float = 0.0
+    embedding: float = 0.0
+
+
+def peak_live_bytes(table: Sequence[Action], chunks: Sequence[ChunkBytes]) -> tuple[float, float]:
+    """(the most bytes the table keeps at once, the pending W's part of them then): the table played, an F
+    adding its chunk's activation and logits, a B turning the activation into its W bytes (a whole backward,
+    in tables without W's: freeing them) with the output layer's weight gradient on top at its end, the
+    logits freed just after it, a W freeing its bytes; the embedding's gradient on top at the end of the
+    first stage's backward (or W). docs/design.md §3.4; measured: bench/zero_bubble_memory.py."""
+    split = any(a.kind == "W" for a in table)
+    live = pending = 0.0
+    best = (0.0, 0.0)
+
+    def seen(extra: float = 0.0) -> None:
+        nonlocal best
+        if live + extra > best[0]:
+            best = (live + extra, pending)
+
+    for a in table:
+        c = chunks[a.chunk]
+        if a.kind == "F":
+            live += c.activation + c.logits
+            seen()
+        elif a.kind == "B" and split:
+            live += c.w - c.activation
+            pending += c.w
+            seen(c.prompt)
+            live -= c.logits
+        elif a.kind == "B":
+            seen(c.prompt)
+            live -= c.activation + c.logits
+            seen(c.embedding)
+        else:
+            live -= c.w
+            pending -= c.w
+            seen(c.embedding)
+    return best
+
+
+def play(name: str, p: int, m: int, f: float, b: float, w: float, whole: float | None = None,
+         holds: tuple[int, ...] | None = None) -> Trace:
     """The named schedule on the ideal machine (free messages). ``f``, ``b``, ``w``: one chunk's forward,
     input-gradient backward and weight-gradient times (chunk = stage when v = 1); tables without W's run
-    their backward as one action of ``whole`` (default b + w)."""
-    spec = spec_for(name, p, m)
+    their backward as one action of ``whole`` (default b + w); ``holds``: ScheduleSpec.holds."""
+    spec = spec_for(name, p, m, holds)
     tables = build_tables(spec)
     split = any(a.kind == "W" for t in tables for a in t)
     back = b if split else (b + w if whole is None else whole)

@@ -14,7 +14,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from megalite.pipeline.timeline import spec_for
+from megalite.config.arguments import MegaliteConfig
+from megalite.pipeline.schedule_table import ScheduleSpec
+from megalite.pipeline.timeline import ChunkBytes, spec_for
 from megalite.planning import mla
 from megalite.planning.model_shape import DENSE_LAYER, EXPERT_FAMILY, LayerShape
 from megalite.planning.moe import (
@@ -26,7 +28,8 @@ from megalite.planning.moe import (
     moe_mlp_activation_bytes,
 )
 from megalite.planning.shape import RunShape
-from megalite.planning.zero_bubble import ZERO_BUBBLE, peak_table_bytes
+from megalite.planning.zero_bubble import ZERO_BUBBLE, chunk_w_bytes, output_bytes
+from megalite.planning.zero_bubble_memory import choose_holds, one_f_one_b, played
 
 UNFUSED_BACKENDS = ("unfused", "local")  # the explicit softmax(QK^T)V; others are flash attention on a GPU
 
@@ -98,7 +101,7 @@ def stage_dense_params(sh: RunShape, stage: int) -> int:
     n = _stage_layer_params(sh, stage)
     if stage == 0:
         n += embedding_params(sh)
-    if stage == sh.pp - 1:
+    if stage == sh.loss_rank:  # ZB-V: rank 0, beside the embedding
         n += output_params(sh)
     return n
 
@@ -385,7 +388,7 @@ def logits_bytes(sh: RunShape, stage: int) -> float:
     cross-entropy keeps for backward, and the inputs of the final norm and the output layer. With
     --cross-entropy-loss-fusion: one chunk of at least 512 tokens, the fp32 weight-gradient accumulator
     and the input gradient (not measured here)."""
-    if stage != sh.pp - 1:
+    if stage != sh.loss_rank:
         return 0.0
     vocab, tokens = sh.padded_vocab // sh.tp, sh.local_tokens
     inputs = 2 * tokens * sh.h * sh.act_bytes / (sh.tp if sh.sp else 1)
@@ -426,16 +429,91 @@ def comm_buffer_bytes(sh: RunShape) -> float:
     return pp + sp + cp
 
 
-def deferred_w_term(sh: RunShape, stage: int) -> float:
-    """zb-h1 / zbv: the most bytes the rank's pending W's keep at once (docs/design.md §3.4): its schedule
-    table played, each B adding and each W freeing its own chunk's W bytes from the chunk's actual layer count
-    (ZB-V's two chunks, uneven splits included), the output layer's bytes added only at the loss chunk's B
-    (its weight gradient runs right after that B). ZB-H1 with equal stages: min(r + 1, m) stage W's."""
-    name = sh.cfg.parallel.pipeline_schedule
+# ---- zero bubble: each rank's table played with its chunks' bytes (docs/design.md §3.4) -------------------
+def rank_chunks(sh: RunShape, stage: int, split_backward: bool) -> tuple[ChunkBytes, ...]:
+    """Each of pipeline rank ``stage``'s chunks' bytes per micro-batch (``ChunkBytes``), from its own layer
+    count; ``split_backward``: whether W's keep theirs (zero bubble) or the backward is whole (1F1B)."""
     split = sh.split
-    counts = tuple(len(split.layers(stage, c)) for c in range(split.vp)) if split.v_shape else (sh.layers_in(stage),)
-    return float(peak_table_bytes(sh.cfg.model, spec_for(name, sh.pp, sh.m), stage, sh.local_tokens, sh.padded_vocab,
-                                  sh.tp, sh.sp, sh.act_bytes, counts))
+    stages, total = split.stages, sh.layers_in(stage)
+    per_rank = chunk_activation_bytes(sh, stage) * (1 if split.v_shape else sh.v)
+    out = []
+    for c in range(split.vp):
+        layers, vstage = len(split.layers(stage, c)), stages.stage(stage, c)
+        act = per_rank * layers / total if total else 0.0
+        w = chunk_w_bytes(sh.cfg.model, stages, stage, c, sh.local_tokens, sh.padded_vocab, sh.tp, sh.sp,
+                          sh.act_bytes, layers) if split_backward else 0
+        logits, prompt = _loss_bytes(sh, stage) if vstage == stages.last else (0.0, 0.0)
+        first = vstage == 0
+        out.append(ChunkBytes(act + (embedding_activation_bytes(sh, 0) if first else 0.0), float(w), logits, prompt,
+                              float(sh.padded_vocab // sh.tp * sh.h * sh.act_bytes) if first else 0.0))
+    return tuple(out)
+
+
+def _loss_bytes(sh: RunShape, stage: int) -> tuple[float, float]:
+    """(what the loss keeps from F to just after B, what is made on top at B's end). Unfused: the fp32 logits
+    (their gradient in place) and the inputs; then the output layer's weight gradient and input. Fused with
+    the cross-entropy: the fp32 weight-gradient accumulator, the input gradient and the inputs; the chunk of
+    logits lives only inside F and the accumulator is scaled in place, so a chunk's worth on top."""
+    kept = logits_bytes(sh, stage)
+    if not sh.cfg.model.cross_entropy_loss_fusion:
+        return kept, float(output_bytes(sh.cfg.model, sh.local_tokens, sh.padded_vocab, sh.tp, sh.sp, sh.act_bytes))
+    vocab = sh.padded_vocab // sh.tp
+    chunk = min(sh.local_tokens, max(512, 2**24 // vocab)) * vocab * 4  # logits_bytes's chunk
+    return kept - chunk, float(chunk)
+
+
+def live_bytes(sh: RunShape, stage: int, holds: tuple[int, ...] | None = None) -> tuple[float, float]:
+    """(pipeline rank ``stage``'s most bytes above its state at once, the pending W's part then) under its
+    schedule's table (``holds``: ScheduleSpec.holds), plus what full recomputation rebuilds at a time where
+    that exceeds the loss's logits (the two are not live together)."""
+    name = sh.cfg.parallel.pipeline_schedule
+    zero_bubble = name in ZERO_BUBBLE and sh.pp > 1
+    spec = spec_for(name, sh.pp, sh.m, holds) if zero_bubble else ScheduleSpec(
+        sh.pp, sh.v, sh.m, "gpipe" if name == "gpipe" else "1f1b")
+    chunks = rank_chunks(sh, stage, zero_bubble)
+    peak, w = played(spec, stage, chunks)
+    logits = max(c.logits for c in chunks)
+    return peak + max(recompute_working_bytes(sh) - logits, 0.0), w
+
+
+def state_bytes(sh: RunShape, stage: int) -> float:
+    """Rank ``stage``'s bytes no schedule changes (``state_terms``)."""
+    return sum(state_terms(sh, stage).values())
+
+
+def zero_bubble_holds(sh: RunShape) -> tuple[int, ...] | None:
+    """The holds a zero-bubble run uses (``planning/zero_bubble_memory.py:choose_holds``): each rank's room is
+    1F1B's highest rank's planned bytes (same model, even split) less its own state. None: the schedule's own
+    (or not zero bubble, or no even 1F1B split to compare with)."""
+    name, base = sh.cfg.parallel.pipeline_schedule, one_f_one_b(sh)
+    if name not in ZERO_BUBBLE or sh.pp < 2 or base is None:
+        return None
+    total = max(state_bytes(base, r) + live_bytes(base, r)[0] for r in range(sh.pp))
+    room = tuple(total - state_bytes(sh, r) for r in range(sh.pp))
+    return choose_holds(name, sh.pp, sh.m, tuple(rank_chunks(sh, r, True) for r in range(sh.pp)), room)
+
+
+_RUN_HOLDS: dict[tuple[str, int, int], tuple[int, ...] | None] = {}
+
+
+def run_holds(cfg: MegaliteConfig, world: int, vocab: int) -> tuple[int, ...] | None:
+    """``zero_bubble_holds`` of a training run (every rank computes the same), once per configuration."""
+    if cfg.parallel.pipeline_schedule not in ZERO_BUBBLE or cfg.parallel.pipeline_model_parallel_size < 2:
+        return None
+    key = (repr(cfg), world, vocab)
+    if key not in _RUN_HOLDS:
+        _RUN_HOLDS[key] = zero_bubble_holds(RunShape.of(cfg, world, vocab))
+    return _RUN_HOLDS[key]
+
+
+def zero_bubble_live(sh: RunShape, stage: int) -> tuple[float, float]:
+    """zb-h1 / zbv: ``live_bytes`` under the holds training runs."""
+    return live_bytes(sh, stage, zero_bubble_holds(sh))
+
+
+def deferred_w_term(sh: RunShape, stage: int) -> float:
+    """zb-h1 / zbv: the pending W's bytes at the rank's peak (``zero_bubble_live``)."""
+    return zero_bubble_live(sh, stage)[1]
 
 
 # ---- the total -----------------------------------------------------------------------------------------
@@ -450,16 +528,25 @@ class MemoryReport:
         return sum(self.terms.values())
 
 
-def stage_memory(sh: RunShape, stage: int) -> MemoryReport:
+def state_terms(sh: RunShape, stage: int) -> dict[str, float]:
+    """The rank's bytes that no schedule changes: weights, gradients, optimizer (and expert) state, buffers."""
     n = stage_dense_params(sh, stage)
     terms = {"weights": weight_bytes(sh, n, stage) + 4 * stage_frozen_params(sh, stage),
              "gradients": grad_bytes(sh, n), "optimizer state": optimizer_bytes(sh, n)}
     if EXPERT_FAMILY in sh.families:
         terms.update(expert_state_terms(sh, stage))
+    terms["communication buffers"] = comm_buffer_bytes(sh)
+    return terms
+
+
+def stage_memory(sh: RunShape, stage: int) -> MemoryReport:
+    terms = state_terms(sh, stage)
     act, moe_act = activation_bytes(sh, stage), moe_activation_bytes(sh, stage)
-    terms.update({"activations": act - moe_act, "communication buffers": comm_buffer_bytes(sh)})
+    terms["activations"] = act - moe_act
     if sh.cfg.parallel.pipeline_schedule in ZERO_BUBBLE and sh.pp > 1:
-        terms["deferred W (zero bubble)"] = deferred_w_term(sh, stage)
+        live, w = zero_bubble_live(sh, stage)
+        terms["activations"] = max(live - w - moe_act, 0.0)
+        terms["deferred W (zero bubble)"] = w
     if EXPERT_FAMILY in sh.families:
         terms.update({"MoE activations": moe_act, "MoE dispatch buffers": dispatch_buffer_bytes(sh)})
     return MemoryReport(stage, stage_params(sh, stage), terms)

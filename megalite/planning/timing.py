@@ -19,7 +19,7 @@ from megalite.planning.eager import dropout_mask_s, eager_scores_s, op_overhead_
 from megalite.planning.flops import training_flops
 from megalite.planning.hardware import ClusterConfig
 from megalite.planning.kernels import linear_s, stage_compute_s
-from megalite.planning.memory import stage_dense_params, stage_expert_params, stage_layer_bytes
+from megalite.planning.memory import stage_dense_params, stage_expert_params, stage_layer_bytes, zero_bubble_holds
 from megalite.planning.model_shape import EXPERT_FAMILY, LayerShape
 from megalite.planning.moe import dispatch_comm_bytes
 from megalite.planning.shape import RunShape
@@ -95,7 +95,7 @@ def bubble_s(sh: RunShape, cl: ClusterConfig) -> float:
     zbv: their table played with the stage's F = B = W (planning/zero_bubble.py)."""
     name = sh.cfg.parallel.pipeline_schedule
     if name in ZERO_BUBBLE and sh.pp > 1:
-        return zero_bubble_idle_s(name, sh.pp, sh.m, busy_per_micro_batch_s(sh, cl))
+        return zero_bubble_idle_s(name, sh.pp, sh.m, busy_per_micro_batch_s(sh, cl), zero_bubble_holds(sh))
     v = 1 if name == "gpipe" else sh.v
     return busy_per_micro_batch_s(sh, cl) * (sh.pp - 1) / v
 

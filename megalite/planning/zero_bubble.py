@@ -63,22 +63,30 @@ def output_bytes(cfg: ModelConfig, tokens: int, padded_vocab: int, tp: int, sp: 
     return element * tokens * (col_in + padded_vocab // tp)
 
 
+def embedding_bytes(cfg: ModelConfig, tokens: int, element: int) -> int:
+    """The word embedding's: the lookup's output gradient [s·b, h] (the whole sequence: the lookup runs
+    before any sequence-parallel scatter) and its int64 ids."""
+    return element * tokens * cfg.hidden_size + 8 * tokens
+
+
 def deferred_w_bytes(cfg: ModelConfig, layers: int, tokens: int, padded_vocab: int, tp: int = 1, sp: bool = False,
-                     output: bool = True, element: int = 4, moe_layers: int = 0) -> int:
+                     output: bool = True, element: int = 4, moe_layers: int = 0, embedding: bool = False) -> int:
     """One pending W of a stage holding ``layers`` layers, ``moe_layers`` of them MoE (and the output layer
-    with ``output``)."""
+    with ``output``, the word embedding with ``embedding``)."""
     total = element * (layers - moe_layers) * layer_elements(cfg, tokens, tp, sp)
     total += element * moe_layers * layer_elements(cfg, tokens, tp, sp, moe=True) if moe_layers else 0
+    total += embedding_bytes(cfg, tokens, element) if embedding else 0
     return total + (output_bytes(cfg, tokens, padded_vocab, tp, sp, element) if output else 0)
 
 
 def chunk_w_bytes(cfg: ModelConfig, stages: StageMap, rank: int, chunk: int, tokens: int, padded_vocab: int,
                   tp: int = 1, sp: bool = False, element: int = 4, layers: int | None = None) -> int:
     """One pending W of (rank, chunk): its ``layers`` layers' (default: the layers cut evenly over the virtual
-    stages). The output layer's weight gradient is not among them: it runs right after its B (``prompt_bytes``);
-    the embedding's is computed in B."""
+    stages) and, on the first stage, the word embedding's. The output layer's weight gradient is not among
+    them: it runs right after its B (``prompt_bytes``)."""
     layers = cfg.num_layers // (stages.last + 1) if layers is None else layers
-    return deferred_w_bytes(cfg, layers, tokens, padded_vocab, tp, sp, False, element)
+    first = stages.stage(rank, chunk) == 0
+    return deferred_w_bytes(cfg, layers, tokens, padded_vocab, tp, sp, False, element, embedding=first)
 
 
 def prompt_bytes(cfg: ModelConfig, stages: StageMap, rank: int, chunk: int, tokens: int, padded_vocab: int,
@@ -128,15 +136,18 @@ def _pending(name: str, p: int, m: int) -> tuple[int, ...]:
     return tuple(peak_pending_w(table) for table in build_tables(spec_for(name, p, m)))
 
 
-@lru_cache(maxsize=256)
-def _unit_idle(name: str, p: int, m: int) -> float:
-    """The busiest rank's idle time of the table played with F = B = W = 1 per chunk."""
-    return max(idle_per_rank(play(name, p, steady_micro_batches(p, m), 1.0, 1.0, 1.0)))
+@lru_cache(maxsize=1024)
+def zero_bubble_unit_idle(name: str, p: int, m: int, holds: tuple[int, ...] | None = None) -> float:
+    """The busiest rank's idle time of the table played with F = B = W = 1 per chunk (``holds``:
+    ScheduleSpec.holds)."""
+    return max(idle_per_rank(play(name, p, steady_micro_batches(p, m), 1.0, 1.0, 1.0, holds=holds)))
 
 
-def zero_bubble_idle_s(name: str, p: int, m: int, per_micro_batch_s: float) -> float:
+def zero_bubble_idle_s(name: str, p: int, m: int, per_micro_batch_s: float,
+                       holds: tuple[int, ...] | None = None) -> float:
     """Idle time per step of a zero-bubble schedule whose stage takes ``per_micro_batch_s`` per micro-batch,
     split as F = B = W (a third each: the backward twice the forward, half of it the input gradient); a
-    ZB-V chunk is half the stage. ZB-H1 gives the closed form (p - 1)(F + B - W)."""
+    ZB-V chunk is half the stage. ZB-H1 gives the closed form (p - 1)(F + B - W) at its own holds; ``holds``
+    (ScheduleSpec.holds, as training runs them: planning/zero_bubble_memory.py) may lengthen it."""
     chunks = SCHEDULES[name][1]
-    return _unit_idle(name, p, m) * per_micro_batch_s / (3 * chunks)
+    return zero_bubble_unit_idle(name, p, m, holds) * per_micro_batch_s / (3 * chunks)

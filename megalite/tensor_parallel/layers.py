@@ -21,7 +21,7 @@ from megalite.tensor_parallel.mappings import (
 )
 from megalite.tensor_parallel.param_meta import declare_param
 from megalite.tensor_parallel.sharding import REPLICATED, ShardSpec, VocabShardSpec
-from megalite.tensor_parallel.weight_grad import linear, weight_grad
+from megalite.tensor_parallel.weight_grad import embedding, linear, weight_grad
 
 
 def _new_param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | None) -> nn.Parameter:
@@ -156,9 +156,9 @@ class VocabParallelEmbedding(nn.Module):
         if self.pg.tp_size > 1:
             outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
             local = (ids - self.vocab_start).masked_fill(outside, 0)
-            out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+            out = embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
         else:
-            out = F.embedding(ids, self.weight)
+            out = embedding(ids, self.weight)
         if self.reduce_scatter_embeddings:
             return reduce_scatter_to_sp(out, self.pg)
         return reduce_from_tp(out, self.pg)

@@ -11,9 +11,10 @@ unsplit backward and see the same sums.
 What is deferred: the weights of the tensor-parallel linear layers (column and row, with sequence
 parallelism: the input's local shard is kept and all-gathered again in W, as the unsplit backward does),
 the output layer (unfused; fused with the cross-entropy its GEMM runs in the forward by design, and only
-its scaling and per-token corrections move to W) and the routed experts. What stays in B: norms, biases,
-embeddings, the router and the shared-expert gate (vectors or small GEMMs; their gradients come with the
-input gradient's own kernels).
+its scaling and per-token corrections move to W), the routed experts and the word embedding (its dense
+[v/tp, h] gradient, run last in its W, once the layers' W's have freed what they kept). What stays in B:
+norms, biases, the learned positions, the router and the shared-expert gate (vectors or small GEMMs; their
+gradients come with the input gradient's own kernels).
 
 The output layer's W is queued apart and run as soon as its B's input gradient is on its way (the executor
 calls ``store.run_prompt()`` right after posting B's send): it keeps a [s·b, v/tp] logits gradient (or the
@@ -75,11 +76,13 @@ class WeightGradStore:
         finally:
             _ARMED, _COLLECTING = before
 
-    def defer(self, key: Hashable, param: nn.Parameter, fn: WeightGradFn, kept: tuple[torch.Tensor, ...]) -> None:
-        """Queue ``param``'s weight gradient for the W of ``key``; the output layer's (a vocabulary-sized
-        weight, ``ParamMeta.embedding_or_output``) for ``run_prompt`` instead, right after this B. That one
-        is not counted in ``deferred``: its gradient is complete before any W of the chunk runs."""
-        if param_meta(param).embedding_or_output:
+    def defer(self, key: Hashable, param: nn.Parameter, fn: WeightGradFn, kept: tuple[torch.Tensor, ...],
+              prompt: bool | None = None) -> None:
+        """Queue ``param``'s weight gradient for the W of ``key``; the output layer's (``prompt``; None: a
+        vocabulary-sized weight, ``ParamMeta.embedding_or_output``, that is not the embedding's lookup) for
+        ``run_prompt`` instead, right after this B. That one is not counted in ``deferred``: its gradient is
+        complete before any W of the chunk runs."""
+        if param_meta(param).embedding_or_output if prompt is None else prompt:
             self._prompt.setdefault(key, []).append((param, fn, kept))
             return
         self._queues[key].append((param, fn, kept))
@@ -87,8 +90,9 @@ class WeightGradStore:
             self.deferred.setdefault(key[0], set()).add(param)
 
     def run(self, key: Hashable) -> None:
-        """W of ``key``: compute its queued weight gradients and accumulate them (hooks fire); the output
-        layer's too if ``run_prompt`` has not run them."""
+        """W of ``key``: compute its queued weight gradients and accumulate them (hooks fire), in B's order (the
+        embedding's last, once the layers' kept tensors are freed); the output layer's first if ``run_prompt``
+        has not run them."""
         _accumulate(self._prompt.pop(key, []) + self._queues.pop(key, []))
 
     def run_prompt(self) -> None:
@@ -113,11 +117,16 @@ class WeightGradStore:
 
 
 def _accumulate(queue: list[tuple[nn.Parameter, WeightGradFn, tuple[torch.Tensor, ...]]]) -> None:
-    """Compute each queued weight gradient and accumulate it through autograd (its hooks fire)."""
-    for param, fn, _ in queue:
+    """Compute each queued weight gradient and accumulate it through autograd (its hooks fire). Each entry is
+    dropped before the next runs, so what it kept is freed as W goes (not at its end)."""
+    queue.reverse()
+    while queue:
+        param, fn, _ = queue.pop()
         with torch.no_grad():  # as inside a backward: W records no graph
             grad = fn()
+        del fn, _
         torch.autograd.backward([param], [grad.to(param.dtype)])
+        del grad
 
 
 def armed() -> bool:
@@ -125,13 +134,15 @@ def armed() -> bool:
     return _ARMED is not None
 
 
-def weight_grad(param: nn.Parameter, fn: WeightGradFn, *kept: torch.Tensor) -> torch.Tensor | None:
+def weight_grad(param: nn.Parameter, fn: WeightGradFn, *kept: torch.Tensor, prompt: bool | None = None
+                ) -> torch.Tensor | None:
     """In an autograd backward: ``param``'s gradient now (returned), or, inside B, queued for W (None is
-    returned, so autograd accumulates nothing now). ``kept``: what ``fn`` holds, for the byte count."""
+    returned, so autograd accumulates nothing now). ``kept``: what ``fn`` holds, for the byte count;
+    ``prompt``: see ``WeightGradStore.defer``."""
     if _COLLECTING is None or not param.requires_grad:
         return fn() if param.requires_grad else None
     store, key = _COLLECTING
-    store.defer(key, param, fn, kept)
+    store.defer(key, param, fn, kept, prompt)
     return None
 
 
@@ -162,6 +173,31 @@ def linear(x: torch.Tensor, weight: nn.Parameter, bias: torch.Tensor | None = No
     if armed() and weight.requires_grad and torch.is_grad_enabled():
         return _DeferrableLinear.apply(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+class _DeferrableEmbedding(torch.autograd.Function):
+    """F.embedding whose weight gradient may move to W: a dense [rows, h] gradient that, made in B, would be
+    live beside every tensor the layers keep for their W's (the stage's peak at a large vocabulary); W
+    makes it last, after the layers' have run and freed theirs. Same kernel as autograd's."""
+
+    @staticmethod
+    def forward(ctx, ids: torch.Tensor, weight: nn.Parameter) -> torch.Tensor:
+        ctx.save_for_backward(ids, weight)
+        return F.embedding(ids, weight)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        ids, weight = ctx.saved_tensors
+        rows = weight.shape[0]
+        return None, weight_grad(weight, lambda: torch.ops.aten.embedding_dense_backward(g, ids, rows, -1, False),
+                                 g, ids, prompt=False)
+
+
+def embedding(ids: torch.Tensor, weight: nn.Parameter) -> torch.Tensor:
+    """F.embedding, its weight gradient deferrable where a store is armed."""
+    if armed() and weight.requires_grad and torch.is_grad_enabled():
+        return _DeferrableEmbedding.apply(ids, weight)
+    return F.embedding(ids, weight)
 
 
 GroupedMM = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]

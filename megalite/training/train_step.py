@@ -31,6 +31,7 @@ from megalite.parallel.loss_scaling import LossScaling
 from megalite.pipeline.executor import PipelinePass, PipelineRecord
 from megalite.pipeline.partition import loss_rank
 from megalite.pipeline.schedules import forward_backward
+from megalite.planning.memory import run_holds
 from megalite.tensor_parallel.param_meta import FAMILIES, param_meta
 from megalite.training.batches import RunData, global_batch
 from megalite.training.resume import TrainState
@@ -193,8 +194,9 @@ def _forward_backward(run: TrainingRun, microbatches: list[dict], scaling: LossS
                 if deferred is not None:  # split backward: what B computed is complete before the last W
                     b.mark_ready([p for p in b.ranges if p not in deferred])
 
+    holds = run_holds(run.cfg, run.pg.layout.world_size, run.data.tokenizer.vocab_size)  # ZB: within 1F1B's bytes
     return run_microbatches(run.chunks, microbatches, run.pg, scaling, run.cfg.parallel.pipeline_schedule,
-                            record=record, last_backward=last_backward)
+                            record=record, last_backward=last_backward, holds=holds)
 
 
 @torch.no_grad()
