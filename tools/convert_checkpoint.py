@@ -94,12 +94,17 @@ FLAG_FIELDS = ["num_layers", "hidden_size", "ffn_hidden_size", "num_attention_he
                "embedding_multiplier", "softmax_scale", "final_logit_softcapping", "rotary_base_local",
                "rotary_seq_len_interpolation_factor"]
 # printed only when they differ from this
-OMITTED_AT = {"qk_layernorm_scope": "head", "sublayer_norms": "pre", "embedding_multiplier": 1.0}
+OMITTED_AT = {"qk_layernorm_scope": "head", "sublayer_norms": "pre", "embedding_multiplier": 1.0,
+              "moe_router_score_function": "softmax", "moe_router_load_balancing_type": "aux_loss"}
 ROPE_SCALING_FLAG_FIELDS = ["use_rope_scaling", "rope_scaling_factor", "rope_scaling_low_freq_factor",
                             "rope_scaling_high_freq_factor", "rope_scaling_original_max_position_embeddings"]
 MOE_FLAG_FIELDS = ["num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_layer_freq",
                    "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_router_pre_softmax",
-                   "moe_aux_loss_coeff"]
+                   "moe_aux_loss_coeff", "moe_router_score_function", "moe_router_enable_expert_bias",
+                   "moe_router_num_groups", "moe_router_group_topk", "moe_router_topk_scaling_factor",
+                   "moe_router_load_balancing_type"]
+MLA_FLAG_FIELDS = ["multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+                   "v_head_dim"]
 
 ITERATION = Domain(lo=0, hi=MAX_COUNT)  # a saved iteration (from-hf writes 0)
 
@@ -108,7 +113,8 @@ def model_flags(config: dict) -> str:
     """The pretrain_gpt.py model flags that describe a checkpoint's model."""
     out = []
     for k in (FLAG_FIELDS + (ROPE_SCALING_FLAG_FIELDS if config.get("use_rope_scaling") else [])
-              + (MOE_FLAG_FIELDS if config.get("num_experts") else [])):
+              + (MOE_FLAG_FIELDS if config.get("num_experts") else [])
+              + (MLA_FLAG_FIELDS if config.get("multi_latent_attention") else [])):
         v = config.get(k)
         flag = "--" + k.replace("_", "-")
         if isinstance(v, bool):

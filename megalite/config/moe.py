@@ -54,7 +54,9 @@ class MoEFields:
     moe_router_enable_expert_bias: bool = option(
         False, help="Aux-loss-free load balancing: a per-expert bias added to the scores for the top-k choice only, "
         "moved once per step by --moe-router-bias-update-rate toward the mean token count (global counts).")
-    moe_router_bias_update_rate: float = option(1e-3, help="Step of the expert-bias update.", domain=positive())
+    moe_router_bias_update_rate: float = option(
+        1e-3, help="Step of the expert-bias update (0: the bias stays as loaded, e.g. fine-tuning an imported "
+        "DeepSeek-V3 as transformers does).", domain=Domain(lo=0))
     moe_expert_capacity_factor: float | None = option(
         None, help="Each expert takes at most capacity = ceil(tokens x topk / experts x factor) of a rank's "
         "tokens; the rest are dropped (None: dropless).", domain=positive(hi=MAX_SIZE))

@@ -111,6 +111,10 @@ class HFAdapter:
         """The transformers config of a megalite config this adapter matches."""
         return self.config_class()(**self.hf_config_fields(cfg, vocab, eod), architectures=[self.architecture])
 
+    def refuse_stored(self, hf_config, names, where: str) -> None:
+        """Raise HFConversionError naming stored tensors the family knows megalite cannot import yet (e.g.
+        DeepSeek-V3's multi-token prediction layers), before the generic unplaced-tensor refusal."""
+
     def qkv_bias_only(self, hf_config, sd: Mapping[str, torch.Tensor]) -> bool:
         """Whether the weights say more than the config: e.g. a Llama with attention_bias whose o_proj biases
         are all zero is megalite's --add-qkv-bias. Passed back to model_fields on the second reading."""

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from megalite.checkpointing.hf.common import HFConversionError, TensorRule, fuse_qkv, split_qkv
-from megalite.checkpointing.hf.files import read_checked_weights
+from megalite.checkpointing.hf.files import read_checked_weights, stored_tensors
 from megalite.checkpointing.hf.registry import for_export, for_hf_config, for_model_type, supported
 from megalite.checkpointing.metadata import config_dict, model_config
 from megalite.config.model import ModelConfig
@@ -172,6 +172,7 @@ def read_hf_weights(folder: str, hf_config) -> dict[str, torch.Tensor]:
     (files.py): nothing dropped, nothing left to random initialisation."""
     where = os.path.join(folder, "config.json")
     adapter = for_hf_config(hf_config, where)
+    adapter.refuse_stored(hf_config, stored_tensors(folder), where)
     return read_checked_weights(folder, adapter.model_class(), hf_config, where, adapter.expert_files,
                                 adapter.stored_renames)
 

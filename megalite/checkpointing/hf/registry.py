@@ -19,6 +19,7 @@ ADAPTERS: list[HFAdapter] = [
     families.gpt2.ADAPTER,
     families.gemma3.ADAPTER,
     families.gemma2.ADAPTER,
+    families.deepseek_v3.ADAPTER,
     families.mixtral.ADAPTER,
     families.qwen2_moe.ADAPTER,
     families.qwen3_moe.ADAPTER,
