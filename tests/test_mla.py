@@ -283,7 +283,7 @@ def test_checkpoints_compare_mla_fields_and_exports_refuse_mla():
     assert any("--multi-latent-attention" in d for d in shape_diffs(standard, saved))  # an older checkpoint: off
     assert any("--kv-lora-rank" in d for d in shape_diffs(saved, {**saved, "kv_lora_rank": 16}))
     with pytest.raises(HFConversionError, match="missing: no --multi-latent-attention"):
-        to_hf_config({**saved, "position_embedding_type": "rope"})
+        to_hf_config({**saved, "position_embedding_type": "rope", "rope_type": "rope"})
     with pytest.raises(CheckpointError, match="--multi-latent-attention is not exported"):
         megatron_layers(saved, lambda key: None, 128)
 

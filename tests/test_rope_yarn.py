@@ -179,3 +179,25 @@ def test_bad_yarn_flags_are_named(extra, message):
     assert message in str(e.value)
     assert len([line for line in str(e.value).splitlines() if message in line]) == 1
 
+
+
+def test_megatrons_rope_type_resolves_into_the_position_embedding():
+    """Megatron-LM's --rope-type: unset, multi-latent attention takes YaRN (so its DeepSeek-V3 flags, RoPE with
+    --rotary-scaling-factor 40, mean YaRN here too) and standard attention RoPE; given, it picks; a
+    disagreement or a learned table is named."""
+    from megalite.config import ConfigError, parse_args, validate
+
+    base = ["--mock-data", "--vocab-size", "128", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads",
+            "4", "--seq-length", "16", "--micro-batch-size", "1", "--position-embedding-type", "rope"]
+    mla = ["--multi-latent-attention", "--rotary-scaling-factor", "4", "--mscale-all-dim", "1.0"]
+    for extra, kind in ((mla, "yarn"), (["--multi-latent-attention", "--rope-type", "rope"], "rope"),
+                        (["--rope-type", "yarn", "--rotary-scaling-factor", "4"], "yarn"), ([], "rope")):
+        cfg = parse_args(base + extra)
+        validate(cfg, 1)
+        assert cfg.model.position_embedding_type == kind, extra
+    for extra, message in ((["--position-embedding-type", "learned_absolute", "--rope-type", "yarn"],
+                            "--rope-type yarn needs --position-embedding-type rope"),
+                           (["--position-embedding-type", "yarn", "--rope-type", "rope"],
+                            "--rope-type rope and --position-embedding-type yarn disagree")):
+        with pytest.raises(ConfigError, match=message):
+            validate(parse_args(base + extra), 1)

@@ -34,6 +34,11 @@ class ModelConfig(MoEFields, YarnFields, MLAFields, MTPFields):
     position_embedding_type: str = option(
         "learned_absolute", help="Position encoding: a learned table, RoPE, or RoPE with YaRN scaling (its options: "
         "--rotary-scaling-factor, --yarn-*, --mscale, --mscale-all-dim).", choices=["learned_absolute", "rope", "yarn"])
+    rope_type: str | None = option(
+        None, help="Megatron-LM's --rope-type, with --position-embedding-type rope: 'yarn' applies YaRN (its options "
+        "as above), 'rope' plain RoPE; unset, multi-latent attention takes YaRN and standard attention RoPE "
+        "(Megatron's defaults; YaRN at --rotary-scaling-factor 1 is plain RoPE). Resolved into "
+        "--position-embedding-type yarn when the model is configured.", choices=["rope", "yarn"])
     rotary_base: int = option(10000, help="RoPE base (theta).", domain=size(MAX_COUNT))
     rotary_percent: float = option(1.0, help="Fraction of each head's channels RoPE rotates.",
                                    domain=fraction(lo_open=True))
@@ -151,6 +156,9 @@ class ModelConfig(MoEFields, YarnFields, MLAFields, MTPFields):
     def __post_init__(self) -> None:
         # which of DERIVED this instance filled in (messages name a derived value by its sources)
         self.derived_fields = {name for name in self.DERIVED if getattr(self, name) is None}
+        if self.position_embedding_type == "rope" and (
+                self.rope_type == "yarn" or (self.rope_type is None and self.multi_latent_attention)):
+            self.position_embedding_type = "yarn"  # Megatron's --rope-type, and MLA's default
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length
         if self.kv_channels is None and self.num_attention_heads > 0:

@@ -82,6 +82,11 @@ YARN_DEFAULTS = {f: YarnFields.__dataclass_fields__[f].default for f in YarnFiel
 def yarn_errors(m: YarnFields) -> list[str]:
     """YaRN's rules: its options only with it, the whole head rotated, the ramp the right way round (an even
     head and --use-rope-scaling with it: config/validate.py's rules)."""
+    rope_type = getattr(m, "rope_type", None)
+    if rope_type is not None and m.position_embedding_type == "learned_absolute":
+        return [f"--rope-type {rope_type} needs --position-embedding-type rope (it picks the kind of RoPE)"]
+    if rope_type == "rope" and m.position_embedding_type == "yarn":
+        return ["--rope-type rope and --position-embedding-type yarn disagree (plain RoPE or YaRN: give one)"]
     if m.position_embedding_type != "yarn":
         fields = YarnFields.__dataclass_fields__
         given = [flag_name(fields[f]) for f, d in YARN_DEFAULTS.items() if getattr(m, f) != d]
