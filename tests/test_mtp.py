@@ -138,9 +138,6 @@ def launched(tmp_path_factory) -> tuple[list, str]:
         return layout_curves(2, runs, extract={k: _mtp_curve for k in LAYOUTS}), save
 
 
-def _serial():
-    return serial_curve({**flat(), "log_interval": 1}, _mtp_curve)
-
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layouts_give_the_serial_curve_and_mtp_loss(launched, layout):
@@ -175,3 +172,31 @@ def test_the_flag_rules(change, named):
     base = {k: v for k, v in flat().items() if k != "mtp_num_layers"}
     with pytest.raises(ConfigError, match=re.escape(named)):
         validate(MegaliteConfig.from_flat({**base, **change}), 2)
+
+
+# ---- planner ----------------------------------------------------------------------------------------------------
+
+PLANNED = {"dense": {**LLAMA_GQA, "mtp_num_layers": 2},
+           "moe": {**LLAMA_GQA, "mtp_num_layers": 1, "num_experts": 4, "moe_ffn_hidden_size": 32,
+                   "moe_router_enable_expert_bias": True, "moe_router_score_function": "sigmoid"}}
+
+
+@pytest.mark.parametrize("model", list(PLANNED))
+@pytest.mark.parametrize("pp", [1, 2])
+def test_the_planners_count_is_the_built_models(model, pp):
+    """The last stage's parameters (MTP's depths, and at PP2 untied the embedding copy) as built, and the MTP
+    module counted apart from the main model's total."""
+    from megalite.planning import mtp
+    from megalite.planning.memory import stage_params, total_params
+    from megalite.planning.shape import RunShape
+
+    cfg = MegaliteConfig.from_flat({**PLANNED[model], "pipeline_model_parallel_size": pp, "vocab_size": 256})
+    built = GPTModel(cfg.model, BuildContext(ProcessGroups.single(), RNGTracker()), 256,
+                     layer_numbers=[1] if pp == 2 else None, pre_process=pp == 1)
+    params = dict(built.named_parameters())
+    sh = RunShape.of(cfg, pp, 256)
+    assert stage_params(sh, pp - 1) == sum(p.numel() for p in params.values())
+    in_mtp = sum(p.numel() for n, p in params.items() if n.startswith("mtp"))  # mtp.* and mtp_embedding
+    assert ("mtp_embedding.weight" in params) == (pp == 2) and mtp.all_params(sh) == in_mtp
+    if pp == 1:
+        assert total_params(sh) == sum(p.numel() for p in params.values()) - in_mtp

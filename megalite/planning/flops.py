@@ -8,6 +8,7 @@ counted as 3 FLOPs per score, 3·keys·a per token. Training = 3x forward
 (backward costs two forwards); full recomputation adds the layers' forward again.
 Multi-latent attention counts its own projections and QK^T at --qk-head-dim + --qk-pos-emb-head-dim,
 PV at --v-head-dim (planning/mla.py), as Megatron-LM does (the core's padding is the kernels' time only).
+Multi-token prediction adds per depth its layer, its projection and the output head again (planning/mtp.py).
 Mixture of experts counts the active parameters: an MoE layer's MLP is its router (h x E), the k routed
 experts a token goes through (expert hidden size) and the shared expert and its gate if any.
 """
@@ -15,7 +16,7 @@ experts a token goes through (expert hidden size) and the shared expert and its 
 from __future__ import annotations
 
 from megalite.config.model import ModelConfig
-from megalite.planning import mla
+from megalite.planning import mla, mtp
 from megalite.planning.model_shape import DENSE_LAYER, LayerShape, ModelShape
 
 
@@ -53,7 +54,8 @@ def flops_per_token(cfg: ModelConfig, vocab_size: int, seq_length: int) -> float
     --final-logit-softcapping its C·tanh(z/C), 3 FLOPs per logit)."""
     model = ModelShape.of(cfg)
     per_kind = {kind: layer_flops_per_token(cfg, seq_length, kind) for kind in model.kinds}
-    return sum(per_kind[layer] for layer in model.layers) + output_flops_per_token(cfg, vocab_size)
+    return (sum(per_kind[layer] for layer in model.layers) + output_flops_per_token(cfg, vocab_size)
+            + mtp.flops_per_token(cfg, vocab_size, seq_length))  # --mtp-num-layers' depths (planning/mtp.py)
 
 
 def output_flops_per_token(cfg: ModelConfig, vocab_size: int) -> float:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from megalite.config.arguments import MegaliteConfig
 from megalite.pipeline.schedule_table import ScheduleSpec
 from megalite.pipeline.timeline import ChunkBytes, spec_for
-from megalite.planning import mla
+from megalite.planning import mla, mtp
 from megalite.planning.model_shape import DENSE_LAYER, EXPERT_FAMILY, LayerShape
 from megalite.planning.moe import (
     active_mlp_params,
@@ -102,19 +102,21 @@ def stage_dense_params(sh: RunShape, stage: int) -> int:
     if stage == 0:
         n += embedding_params(sh)
     if stage == sh.loss_rank:  # ZB-V: rank 0, beside the embedding
-        n += output_params(sh)
+        n += output_params(sh) + mtp.dense_params(sh)  # --mtp-num-layers: its depths sit with the loss
     return n
 
 
 def stage_expert_params(sh: RunShape, stage: int) -> int:
     """Routed-expert parameters of pipeline rank ``stage`` (the expert family): reduced and sharded over
     expert-DP."""
-    return sum(n * expert_params(sh) for kind, n in sh.kinds_in(stage).items() if kind.moe)
+    return (sum(n * expert_params(sh) for kind, n in sh.kinds_in(stage).items() if kind.moe)
+            + (mtp.expert_params(sh) if stage == sh.loss_rank else 0))
 
 
 def stage_frozen_params(sh: RunShape, stage: int) -> int:
     """fp32 parameters without gradient (the MoE layers' expert bias)."""
-    return sum(n * frozen_params(sh) for kind, n in sh.kinds_in(stage).items() if kind.moe)
+    return (sum(n * frozen_params(sh) for kind, n in sh.kinds_in(stage).items() if kind.moe)
+            + (mtp.frozen_params(sh) if stage == sh.loss_rank else 0))
 
 
 def stage_params(sh: RunShape, stage: int) -> int:
@@ -124,9 +126,10 @@ def stage_params(sh: RunShape, stage: int) -> int:
 
 def active_params(sh: RunShape) -> int:
     """The whole model's parameters one token goes through (unsplit): all of them but, in each MoE layer,
-    the routed experts (and bias) a token is not routed to (a dense model: all of them)."""
+    the routed experts (and bias) a token is not routed to (a dense model: all of them); MTP's apart."""
     one = dataclasses.replace(sh, tp=1, pp=1, v=1, ep=1, etp=1)
-    return stage_params(one, 0) - sum(_inactive_params(one) for layer in sh.model_shape.layers if layer.moe)
+    inactive = sum(_inactive_params(one) for layer in sh.model_shape.layers if layer.moe)
+    return stage_params(one, 0) - mtp.all_params(one) - inactive
 
 
 def _inactive_params(one: RunShape) -> int:
@@ -135,7 +138,9 @@ def _inactive_params(one: RunShape) -> int:
 
 
 def total_params(sh: RunShape) -> int:
-    return stage_params(dataclasses.replace(sh, tp=1, pp=1, v=1, ep=1, etp=1), 0)
+    """The main model's parameters (--mtp-num-layers' depths counted apart: planning/mtp.py:all_params)."""
+    one = dataclasses.replace(sh, tp=1, pp=1, v=1, ep=1, etp=1)
+    return stage_params(one, 0) - mtp.all_params(one)
 
 
 # ---- weights, gradients, optimizer state (docs/design.md §3.6) ---------------------------------------
@@ -411,7 +416,8 @@ def activation_bytes(sh: RunShape, stage: int) -> float:
     chunks = in_flight_chunks(sh, stage)
     first_chunk = -(-chunks // sh.v)
     return (chunks * chunk_activation_bytes(sh, stage) + first_chunk * embedding_activation_bytes(sh, stage)
-            + max(losses_in_flight(sh) * logits_bytes(sh, stage), recompute_working_bytes(sh)))
+            + max(losses_in_flight(sh) * (logits_bytes(sh, stage) + mtp.activation_bytes(sh, stage)),
+                  recompute_working_bytes(sh)))
 
 
 # ---- communication buffers ---------------------------------------------------------------------------
