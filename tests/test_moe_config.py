@@ -77,7 +77,7 @@ def test_valid_moe_configs(extra, world):
          ["--moe-aux-loss-coeff must be a finite number > 0, or 0 (0 is not computed)"]),
     ([*MOE, "--moe-z-loss-coeff", "-0.1"], 1,
          ["--moe-z-loss-coeff must be a finite number > 0, or 0 (0 is off, as None)"]),
-    ([*MOE, "--moe-router-bias-update-rate", "-0.1"], 1, ["--moe-router-bias-update-rate must be", "> 0, got -0.1"]),
+    ([*MOE, "--moe-router-bias-update-rate", "-0.1"], 1, ["--moe-router-bias-update-rate must be", ">= 0, got -0.1"]),
     ([*MOE, "--moe-shared-expert-gate"], 1, ["--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size"]),
     ([*MOE, "--moe-shared-expert-intermediate-size", "30", "--tensor-model-parallel-size", "4",
       "--sequence-parallel"], 4, ["--tensor-model-parallel-size (4) must divide --moe-shared-expert-intermediate-size "
