@@ -10,7 +10,8 @@ from megalite.parallel.groups import NCCL_SEMANTICS_ENV
 # each take whole files in collection order, so that the run ends on short files, not on one worker still
 # busy with a long one while the other idles. Measured with --durations on 2 cores (this round's new files
 # placed by their launches); order only, no limit.
-LONG_FIRST = ("test_soak.py", "test_hf_family_gemma2.py", "test_hf_family_gemma3.py", "test_hf_family_mistral.py",
+LONG_FIRST = ("test_soak.py", "test_hf_family_gemma2.py", "test_hf_family_gemma3.py",
+              "test_hf_family_deepseek_v3.py", "test_hf_family_mistral.py",
               "test_sliding_window_training.py", "test_hf_family_llama.py",
               "test_sliding_window.py", "test_moe_training.py", "test_cli_layouts.py", "test_sharding.py",
               "test_context_parallel_training.py",
