@@ -200,3 +200,14 @@ def test_the_planners_count_is_the_built_models(model, pp):
     assert ("mtp_embedding.weight" in params) == (pp == 2) and mtp.all_params(sh) == in_mtp
     if pp == 1:
         assert total_params(sh) == sum(p.numel() for p in params.values()) - in_mtp
+
+
+@pytest.mark.parametrize("command, named", [("to-megatron", "--mtp-num-layers is not exported yet"),
+                                            ("to-hf", "--mtp-num-layers")])
+def test_conversions_refuse_mtp_by_name(launched, tmp_path, capsys, command, named):
+    """Neither exporter drops the MTP depths silently (to-hf: no adapter but DeepSeek-V3's carries them)."""
+    from tools.convert_checkpoint import main as convert
+
+    _, save = launched
+    assert convert([command, "--load", save, "--save", str(tmp_path / "out")]) == 2
+    assert named in capsys.readouterr().err

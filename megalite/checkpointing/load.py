@@ -20,6 +20,7 @@ from megalite.checkpointing.paths import rng_filename
 from megalite.checkpointing.reader import CheckpointError, CheckpointReader
 from megalite.checkpointing.stored import named_params
 from megalite.config.mla import MLA_DEFAULTS
+from megalite.config.mtp import MTP_DEFAULTS
 from megalite.config.yarn import YARN_DEFAULTS
 from megalite.parallel.groups import ProcessGroups
 from megalite.parallel.placement import LayerSplit
@@ -49,6 +50,8 @@ SHAPE_FIELDS += list(YARN_DEFAULTS)  # YaRN's options (config/yarn.py): older ch
 LATER_FIELDS.update(YARN_DEFAULTS)
 SHAPE_FIELDS += list(MLA_DEFAULTS)  # multi-latent attention's (config/mla.py): older checkpoints meant its defaults
 LATER_FIELDS.update(MLA_DEFAULTS)
+SHAPE_FIELDS.append("mtp_num_layers")  # multi-token prediction's depths (config/mtp.py; its factor is no shape)
+LATER_FIELDS["mtp_num_layers"] = MTP_DEFAULTS["mtp_num_layers"]  # older checkpoints had none
 
 
 class CheckpointMismatch(ValueError):

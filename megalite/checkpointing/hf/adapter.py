@@ -46,6 +46,7 @@ class HFAdapter:
     expert_files: ClassVar[tuple] = ()  # files.ExpertFiles: per-expert tensors stored one by one
     stored_renames: ClassVar[tuple[tuple[str, str], ...]] = ()  # (stored infix, transformers infix)
     latent_attention: ClassVar[bool] = False  # its attention is multi-latent (--multi-latent-attention)
+    mtp_layers: ClassVar[bool] = False  # it exports --mtp-num-layers' depths (others refuse them, never drop them)
 
     # ---- names and classes --------------------------------------------------------------------------
 
@@ -78,7 +79,8 @@ class HFAdapter:
         """``requirements`` and the attention kind every architecture has: multi-latent or per-head q/k/v
         (a family states ``latent_attention``; none needs to repeat the rule)."""
         kind = "--multi-latent-attention" if self.latent_attention else "no --multi-latent-attention"
-        return {**self.requirements(cfg), kind: cfg.multi_latent_attention == self.latent_attention}
+        mtp = {} if self.mtp_layers else {"no --mtp-num-layers": not cfg.mtp_num_layers}
+        return {**self.requirements(cfg), kind: cfg.multi_latent_attention == self.latent_attention, **mtp}
 
     def matches(self, cfg: ModelConfig) -> bool:
         return all(self.export_requirements(cfg).values())

@@ -113,6 +113,9 @@ def _refuse_unexported(config: dict[str, Any]) -> None:
     if config.get("multi_latent_attention"):
         raise CheckpointError("to-megatron: --multi-latent-attention is not exported yet (megatron-core's MLA "
                               "takes its own layer spec and tensor names)")
+    if config.get("mtp_num_layers"):
+        raise CheckpointError("to-megatron: --mtp-num-layers is not exported yet (megatron-core's MTP block takes "
+                              "its own tensor names, mtp.layers.K.*)")
     if config.get("attn_logit_softcapping") is not None:
         raise CheckpointError(f"to-megatron: --attn-logit-softcapping {config['attn_logit_softcapping']:g} is not "
                               "exported (megatron-core's attention has no logit soft-capping)")
