@@ -74,6 +74,30 @@ def test_from_hf_reads_mla_yarn_and_the_router(dsv3):
     H.assert_imported_logits(dsv3)
 
 
+PLAIN = H.Family("deepseek_v3_plain", "DeepseekV3ForCausalLM", lambda: deepseek_v3_config(
+    num_hidden_layers=2, first_k_dense_replace=0, q_lora_rank=None, rope_parameters={"rope_type": "default",
+    "rope_theta": 5000.0}, n_group=1, topk_group=1, num_experts_per_tok=1, norm_topk_prob=False,
+    routed_scaling_factor=1.0, tie_word_embeddings=True))
+
+
+def test_without_query_compression_yarn_or_groups_both_ways(tmp_path):
+    """q_proj instead of the query latent, plain RoPE, every layer MoE, top-1 unnormalised, no groups, no
+    scaling, tied embeddings: from-hf gives transformers' logits, and to-hf of the import gives them back."""
+    plain = H.prepare(PLAIN, str(tmp_path))
+    flags = " ".join(plain.model_flags)
+    assert "--moe-layer-freq 1" in flags and "--position-embedding-type rope" in flags, flags
+    for absent in ("--q-lora-rank", "--moe-router-num-groups", "--moe-router-topk-scaling-factor",
+                   "--untie-embeddings-and-output-weights"):
+        assert absent not in flags, (absent, flags)
+    H.assert_imported_logits(plain)
+    out = str(tmp_path / "out")
+    assert H.convert(["to-hf", "--load", plain.imported, "--save", out]) == 0
+    tokens = H.sample_tokens(PLAIN, seed=11)
+    with torch.no_grad():
+        want = plain.hf_model(input_ids=tokens).logits
+    H.assert_close_logits(H.hf_logits(out, PLAIN.hf_class, tokens), want, "to-hf of the plain import")
+
+
 def test_finetune_equals_transformers_and_adamw(dsv3):
     H.assert_finetune_equals_hf(dsv3)
 

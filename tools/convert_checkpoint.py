@@ -87,7 +87,7 @@ TOKENIZER_FLAGS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_mode
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TOKENIZER_DIR = "tokenizer"  # from-hf keeps the HF tokenizer files here, to-hf exports them again
 FLAG_FIELDS = ["num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "group_query_attention",
-               "num_query_groups", "kv_channels", "max_position_embeddings", "position_embedding_type",
+               "num_query_groups", "kv_channels", "max_position_embeddings", "position_embedding_type", "rope_type",
                "rotary_base", "normalization", "norm_epsilon", "swiglu", "untie_embeddings_and_output_weights",
                "disable_bias_linear", "add_qkv_bias", "apply_layernorm_1p", "qk_layernorm", "qk_layernorm_scope",
                "sublayer_norms", "window_size", "window_attn_skip_freq", "attn_logit_softcapping", "geglu",

@@ -92,7 +92,8 @@ def yarn_fields(rope: dict[str, Any], c, where: str) -> dict[str, Any]:
 def hf_yarn_parameters(cfg: ModelConfig) -> dict[str, Any]:
     """transformers' rope_parameters of a megalite model (rope_type 'yarn' with --position-embedding-type yarn;
     the concentration factor written out, as megalite computes it)."""
-    if cfg.position_embedding_type != "yarn":
+    if cfg.position_embedding_type != "yarn" or (cfg.rotary_scaling_factor == 1.0 and cfg.rope_attention_factor == 1.0
+                                                 and cfg.yarn_softmax_scale_multiplier == 1.0):  # YaRN at 1: RoPE
         return {"rope_type": "default", "rope_theta": float(cfg.rotary_base)}
     return {"rope_type": "yarn", "rope_theta": float(cfg.rotary_base),
             **{theirs: getattr(cfg, ours) for ours, theirs in YARN_KEYS.items()},
@@ -134,8 +135,7 @@ class DeepseekV3(Llama):
                     bool(shared) and shared % ffn == 0,
                 "no --moe-shared-expert-gate": not cfg.moe_shared_expert_gate,
                 f"--moe-router-topk / --moe-router-group-topk = {HF_GROUP_SCORE_TOPK} (transformers' group score)":
-                    not g or k // g == HF_GROUP_SCORE_TOPK,
-                "no --mtp-num-layers (not exported yet)": not getattr(cfg, "mtp_num_layers", None)}
+                    not g or k // g == HF_GROUP_SCORE_TOPK}
 
     def norm_requirements(self, cfg: ModelConfig) -> dict[str, bool]:
         """transformers' q_a_layernorm / kv_a_layernorm: megalite's MLA has them with --qk-layernorm (megatron-core's
@@ -186,9 +186,10 @@ class DeepseekV3(Llama):
         if rope.get("partial_rotary_factor", 1.0) != 1.0:
             raise HFConversionError(f"{where}: rope_parameters partial_rotary_factor "
                                     f"{rope['partial_rotary_factor']!r}: MLA rotates the whole qk_rope_head_dim")
-        fields = {"position_embedding_type": "rope", "rotary_base": rope_theta(rope["rope_theta"])}
+        # --rope-type rope: plain RoPE stays plain (unset, megalite's MLA takes YaRN, Megatron-LM's default)
+        fields = {"position_embedding_type": "rope", "rope_type": "rope", "rotary_base": rope_theta(rope["rope_theta"])}
         if rope["rope_type"] == "yarn":
-            return {**fields, **yarn_fields(rope, c, where)}
+            return {**fields, "rope_type": None, **yarn_fields(rope, c, where)}
         if rope["rope_type"] != "default":
             raise HFConversionError(f"{where}: rope_type {rope['rope_type']!r} is not supported for DeepSeek-V3; "
                                     "megalite converts plain RoPE and 'yarn'")
