@@ -187,7 +187,7 @@ def test_the_planners_count_is_the_built_models(model, pp):
     """The last stage's parameters (MTP's depths, and at PP2 untied the embedding copy) as built, and the MTP
     module counted apart from the main model's total."""
     from megalite.planning import mtp
-    from megalite.planning.memory import stage_params, total_params
+    from megalite.planning.memory import layer_params, norm_params, stage_params, total_params
     from megalite.planning.shape import RunShape
 
     cfg = MegaliteConfig.from_flat({**PLANNED[model], "pipeline_model_parallel_size": pp, "vocab_size": 256})
@@ -197,7 +197,7 @@ def test_the_planners_count_is_the_built_models(model, pp):
     sh = RunShape.of(cfg, pp, 256)
     assert stage_params(sh, pp - 1) == sum(p.numel() for p in params.values())
     in_mtp = sum(p.numel() for n, p in params.items() if n.startswith("mtp"))  # mtp.* and mtp_embedding
-    assert ("mtp_embedding.weight" in params) == (pp == 2) and mtp.all_params(sh) == in_mtp
+    assert ("mtp_embedding.weight" in params) == (pp == 2) and mtp.all_params(sh, layer_params, norm_params) == in_mtp
     if pp == 1:
         assert total_params(sh) == sum(p.numel() for p in params.values()) - in_mtp
 
@@ -211,3 +211,22 @@ def test_conversions_refuse_mtp_by_name(launched, tmp_path, capsys, command, nam
     _, save = launched
     assert convert([command, "--load", save, "--save", str(tmp_path / "out")]) == 2
     assert named in capsys.readouterr().err
+
+
+def test_full_recomputation_recomputes_the_mtp_layers_with_the_same_gradients():
+    """--recompute-granularity full (uniform) recomputes each depth, as megatron-core does; same gradients."""
+    grads = []
+    for extra in ({}, {"recompute_granularity": "full"}):
+        cfg = ModelConfig(**MODEL, mtp_num_layers=DEPTHS, **extra)
+        model = GPTModel(cfg, BuildContext(ProcessGroups.single(), RNGTracker()), VOCAB)
+        torch.manual_seed(1)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(0.1 * torch.randn_like(p) + (1.0 if "norm" in n else 0.0))
+        assert model.mtp.recomputed == bool(extra)
+        text = torch.randint(0, VOCAB, (2, SEQ + 1), generator=torch.Generator().manual_seed(2))
+        lm_forward_step(model, {"tokens": text[:, :-1], "labels": text[:, 1:], "loss_mask": torch.ones(2, SEQ)},
+                        None).backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    for n, g in grads[0].items():
+        torch.testing.assert_close(grads[1][n], g, rtol=1e-6, atol=1e-7, msg=n)

@@ -28,6 +28,7 @@ from megalite.tensor_parallel.context import BuildContext
 from megalite.tensor_parallel.layers import ColumnParallelLinear
 from megalite.tensor_parallel.mappings import gather_from_tp, reduce_from_tp, scatter_to_sp
 from megalite.tensor_parallel.random import hidden_dropout
+from megalite.tensor_parallel.recompute import recompute
 from megalite.tensor_parallel.weight_grad import embedding
 
 
@@ -91,6 +92,13 @@ class MTPBlock(nn.Module):
         self.cfg, self.ctx = cfg, ctx
         self.layers = nn.ModuleList(MTPLayer(cfg, ctx, k) for k in range(cfg.mtp_depths))
 
+    @property
+    def recomputed(self) -> bool:
+        """--recompute-granularity full with the uniform method recomputes each depth (megatron-core skips
+        'block' for MTP, so does megalite)."""
+        cfg = self.cfg
+        return self.training and cfg.recompute_granularity == "full" and cfg.recompute_method in (None, "uniform")
+
     def forward(self, normed: torch.Tensor, tokens: torch.Tensor, weight: torch.Tensor, angles,
                 documents) -> list[torch.Tensor]:
         """``normed``: the main model's final-normed output [s(/tp), b, h]; ``tokens`` [b, s]; ``weight``: this
@@ -100,7 +108,11 @@ class MTPBlock(nn.Module):
         for k, layer in enumerate(self.layers):
             e = hidden_dropout(vocab_lookup(shift_left(tokens, k + 1), weight, self.cfg, self.ctx), p,
                                self.ctx.tracker, self.ctx.sequence_parallel)
-            h = layer(h, e, angles, documents)
+            if self.recomputed:  # as megatron-core's 'uniform' recomputation of each MTP layer
+                h = recompute(lambda x, y, a, d, one=layer: one(x, y, a, d), self.ctx.tracker, h, e, angles,
+                              documents)
+            else:
+                h = layer(h, e, angles, documents)
             out.append(h)
         return out
 

@@ -54,8 +54,9 @@ def flops_per_token(cfg: ModelConfig, vocab_size: int, seq_length: int) -> float
     --final-logit-softcapping its C·tanh(z/C), 3 FLOPs per logit)."""
     model = ModelShape.of(cfg)
     per_kind = {kind: layer_flops_per_token(cfg, seq_length, kind) for kind in model.kinds}
-    return (sum(per_kind[layer] for layer in model.layers) + output_flops_per_token(cfg, vocab_size)
-            + mtp.flops_per_token(cfg, vocab_size, seq_length))  # --mtp-num-layers' depths (planning/mtp.py)
+    output = output_flops_per_token(cfg, vocab_size)
+    depths = mtp.flops_per_token(cfg, lambda kind: layer_flops_per_token(cfg, seq_length, kind), output)  # MTP's
+    return sum(per_kind[layer] for layer in model.layers) + output + depths
 
 
 def output_flops_per_token(cfg: ModelConfig, vocab_size: int) -> float:

@@ -102,7 +102,8 @@ def stage_dense_params(sh: RunShape, stage: int) -> int:
     if stage == 0:
         n += embedding_params(sh)
     if stage == sh.loss_rank:  # ZB-V: rank 0, beside the embedding
-        n += output_params(sh) + mtp.dense_params(sh)  # --mtp-num-layers: its depths sit with the loss
+        # --mtp-num-layers: its depths sit with the loss (planning/mtp.py)
+        n += output_params(sh) + mtp.dense_params(sh, layer_params, norm_params)
     return n
 
 
@@ -129,7 +130,7 @@ def active_params(sh: RunShape) -> int:
     the routed experts (and bias) a token is not routed to (a dense model: all of them); MTP's apart."""
     one = dataclasses.replace(sh, tp=1, pp=1, v=1, ep=1, etp=1)
     inactive = sum(_inactive_params(one) for layer in sh.model_shape.layers if layer.moe)
-    return stage_params(one, 0) - mtp.all_params(one) - inactive
+    return stage_params(one, 0) - mtp.all_params(one, layer_params, norm_params) - inactive
 
 
 def _inactive_params(one: RunShape) -> int:
@@ -140,7 +141,7 @@ def _inactive_params(one: RunShape) -> int:
 def total_params(sh: RunShape) -> int:
     """The main model's parameters (--mtp-num-layers' depths counted apart: planning/mtp.py:all_params)."""
     one = dataclasses.replace(sh, tp=1, pp=1, v=1, ep=1, etp=1)
-    return stage_params(one, 0) - mtp.all_params(one)
+    return stage_params(one, 0) - mtp.all_params(one, layer_params, norm_params)
 
 
 # ---- weights, gradients, optimizer state (docs/design.md §3.6) ---------------------------------------
@@ -415,9 +416,10 @@ def activation_bytes(sh: RunShape, stage: int) -> float:
     loss's backward frees its logits before any layer is recomputed)."""
     chunks = in_flight_chunks(sh, stage)
     first_chunk = -(-chunks // sh.v)
+    logits = logits_bytes(sh, stage)
+    loss = logits + mtp.activation_bytes(sh, stage, full_layer_bytes, logits)  # --mtp-num-layers' depths
     return (chunks * chunk_activation_bytes(sh, stage) + first_chunk * embedding_activation_bytes(sh, stage)
-            + max(losses_in_flight(sh) * (logits_bytes(sh, stage) + mtp.activation_bytes(sh, stage)),
-                  recompute_working_bytes(sh)))
+            + max(losses_in_flight(sh) * loss, recompute_working_bytes(sh)))
 
 
 # ---- communication buffers ---------------------------------------------------------------------------
