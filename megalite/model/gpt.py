@@ -209,7 +209,9 @@ class GPTModel(nn.Module):
             full = gather_from_tp(self.logits(x), self.pg, dim=-1)[..., : self.vocab_size]
             return (full if cap is None else softcap(full, cap)).transpose(0, 1).contiguous()
         normed = self.final_norm(x)
-        if self.mtp is not None:  # each depth's token losses against the labels shifted 1 + depth ahead
+        # each depth's token losses against the labels shifted 1 + depth ahead; they change only gradients, so a
+        # forward without them (evaluation) skips them
+        if self.mtp is not None and torch.is_grad_enabled():
             table = (self.embedding.word.weight if self.pre_process else self.output_layer.weight
                      if self.mtp_embedding is None else self.mtp_embedding.weight)
             hiddens = self.mtp(normed, tokens if tokens is not None else mtp_tokens, table, angles, documents)
