@@ -230,3 +230,22 @@ def test_full_recomputation_recomputes_the_mtp_layers_with_the_same_gradients():
         grads.append({n: p.grad for n, p in model.named_parameters()})
     for n, g in grads[0].items():
         torch.testing.assert_close(grads[1][n], g, rtol=1e-6, atol=1e-7, msg=n)
+
+
+def test_the_mtp_term_follows_megatrons_normalisation():
+    """Depth k's losses count where the loss mask shifted k ahead is set: the term is F / D x each depth's mean
+    over its shifted mask, or with --calculate-per-token-loss its sum over the main loss's token count; the
+    logged loss is the mean in both cases."""
+    from megalite.model.mtp import mtp_loss, shift_left
+
+    per_token = [torch.arange(12.0).view(2, 6), 10 + torch.arange(12.0).view(2, 6)]
+    mask = torch.tensor([[1.0, 1, 0, 1, 1, 1], [1, 1, 1, 1, 0, 0]])
+    assert shift_left(mask, 2).tolist() == [[0, 1, 1, 1, 0, 0], [1, 1, 0, 0, 0, 0]]
+    means = [(x * shift_left(mask, k + 1)).sum() / shift_left(mask, k + 1).sum() for k, x in enumerate(per_token)]
+    term, logged = mtp_loss(per_token, mask, None, 0.5)
+    torch.testing.assert_close(term, 0.25 * (means[0] + means[1]))
+    torch.testing.assert_close(torch.stack(logged), torch.stack(means))
+    sums = [(x * shift_left(mask, k + 1)).sum() for k, x in enumerate(per_token)]
+    term, logged = mtp_loss(per_token, mask, torch.tensor(7.0), 0.5)
+    torch.testing.assert_close(term, 0.25 * (sums[0] + sums[1]) / 7)
+    torch.testing.assert_close(torch.stack(logged), torch.stack(means))
