@@ -9,7 +9,9 @@ downloaded."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 
 import pytest
 import torch
@@ -146,20 +148,78 @@ def test_unconvertible_configs_are_refused_by_name(over, message):
         from_hf_config(deepseek_v3_config(**over))
 
 
-def test_multi_token_prediction_layers_are_refused_by_name(dsv3, tmp_path, capsys):
-    """An HF checkpoint's MTP module (layer index num_hidden_layers) is named, not dropped."""
+def mtp_depth(p: H.Prepared, seed: int = 9) -> dict[str, torch.Tensor]:
+    """One multi-token prediction depth as DeepSeek-V3's checkpoints store it (layer index num_hidden_layers):
+    a perturbed decoder layer of transformers' own class with its experts one by one, the depth's norms and
+    projection, and copies of the embedding and head."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
+
+    cfg, n = p.hf_model.config, p.hf_model.config.num_hidden_layers
+    gen = torch.Generator().manual_seed(seed)
+    rand = lambda *shape: torch.randn(*shape, generator=gen) * 0.1  # noqa: E731
+    out = {}
+    for name, t in DeepseekV3DecoderLayer(cfg, layer_idx=n).state_dict().items():
+        t = rand(*t.shape) + (1.0 if name.endswith("layernorm.weight") else 0.0)  # (its experts start empty)
+        if name == "mlp.experts.gate_up_proj":
+            for j, e in enumerate(t):
+                out[f"mlp.experts.{j}.gate_proj.weight"], out[f"mlp.experts.{j}.up_proj.weight"] = e.chunk(2)
+        elif name == "mlp.experts.down_proj":
+            out.update((f"mlp.experts.{j}.down_proj.weight", e) for j, e in enumerate(t))
+        else:
+            out[name] = t
+    h = cfg.hidden_size
+    out.update({"enorm.weight": 1 + rand(h), "hnorm.weight": 1 + rand(h), "eh_proj.weight": rand(h, 2 * h),
+                "shared_head.norm.weight": 1 + rand(h), "embed_tokens.weight": p.hf_model.model.embed_tokens.weight,
+                "shared_head.head.weight": p.hf_model.lm_head.weight})
+    return {f"model.layers.{n}.{k}": v.detach().contiguous() for k, v in out.items()}
+
+
+def with_tensors(p: H.Prepared, folder, extra: dict[str, torch.Tensor]) -> str:
+    """A copy of the saved folder whose one weight file also holds ``extra``."""
     from safetensors.torch import load_file, save_file
 
-    folder = tmp_path / "mtp"
     folder.mkdir()
-    for name in os.listdir(dsv3.hf_folder):
-        (folder / name).write_bytes(open(os.path.join(dsv3.hf_folder, name), "rb").read())
+    for name in os.listdir(p.hf_folder):
+        (folder / name).write_bytes(open(os.path.join(p.hf_folder, name), "rb").read())
     sd = load_file(str(folder / "model.safetensors"))
-    sd["model.layers.4.eh_proj.weight"] = torch.zeros(32, 64)
-    save_file(sd, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    save_file({**sd, **extra}, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return str(folder)
+
+
+def test_multi_token_prediction_depth_imports_and_exports(dsv3, tmp_path):
+    """A checkpoint's MTP depth becomes --mtp-num-layers 1 (the main model's logits unchanged) and to-hf writes
+    every one of its tensors back as stored, in a file transformers loads around."""
+    from safetensors import safe_open
+
+    depth = mtp_depth(dsv3)
+    folder = with_tensors(dsv3, tmp_path / "mtp", depth)
+    imported = str(tmp_path / "imported")
+    flags = H.from_hf(folder, imported)
+    assert "--mtp-num-layers 1" in " ".join(flags), flags
+    tokens = H.sample_tokens(DSV3)
+    with torch.no_grad():
+        want = dsv3.hf_model(input_ids=tokens).logits
+    H.assert_close_logits(H.megalite_logits(imported, tokens), want, "from-hf with an MTP depth")
+    out = str(tmp_path / "out")
+    assert H.convert(["to-hf", "--load", imported, "--save", out]) == 0
+    index = json.load(open(os.path.join(out, "model.safetensors.index.json")))["weight_map"]
+    for name, t in depth.items():
+        with safe_open(os.path.join(out, index[name]), "pt") as f:
+            assert torch.equal(f.get_tensor(name), t), name
+    H.assert_close_logits(H.hf_logits(out, DSV3.hf_class, tokens), want, "to-hf with an MTP depth")
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda d: {**d, "model.layers.4.bogus.weight": torch.zeros(2)}, "tensor model.layers.4.bogus.weight of a "
+     "multi-token prediction depth"),
+    (lambda d: {**d, "model.layers.4.embed_tokens.weight": d["model.layers.4.embed_tokens.weight"] + 1},
+     "model.layers.4.embed_tokens.weight differs from model.embed_tokens.weight"),
+    (lambda d: {**d, "model.layers.6.enorm.weight": torch.ones(32)}, "layers \\[4, 6\\] past num_hidden_layers 4"),
+])
+def test_multi_token_prediction_mismatches_are_refused_by_name(dsv3, tmp_path, capsys, change, message):
+    folder = with_tensors(dsv3, tmp_path / "mtp", change(mtp_depth(dsv3)))
     out = tmp_path / "out"
-    assert H.convert(["from-hf", "--load", str(folder), "--save", str(out)]) != 0
+    assert H.convert(["from-hf", "--load", folder, "--save", str(out)]) != 0
     err = capsys.readouterr().err
-    assert "layer(s) [4] past num_hidden_layers 4" in err and "multi-token prediction" in err, err
-    assert len(err.strip().splitlines()) == 1, err
+    assert re.search(message, err) and len(err.strip().splitlines()) == 1, err
     assert not out.exists()

@@ -92,7 +92,7 @@ FLAG_FIELDS = ["num_layers", "hidden_size", "ffn_hidden_size", "num_attention_he
                "disable_bias_linear", "add_qkv_bias", "apply_layernorm_1p", "qk_layernorm", "qk_layernorm_scope",
                "sublayer_norms", "window_size", "window_attn_skip_freq", "attn_logit_softcapping", "geglu",
                "embedding_multiplier", "softmax_scale", "final_logit_softcapping", "rotary_base_local",
-               "rotary_seq_len_interpolation_factor"]
+               "rotary_seq_len_interpolation_factor", "mtp_num_layers"]
 # printed only when they differ from this
 OMITTED_AT = {"qk_layernorm_scope": "head", "sublayer_norms": "pre", "embedding_multiplier": 1.0,
               "moe_router_score_function": "softmax", "moe_router_load_balancing_type": "aux_loss"}

@@ -113,9 +113,12 @@ class HFAdapter:
         """The transformers config of a megalite config this adapter matches."""
         return self.config_class()(**self.hf_config_fields(cfg, vocab, eod), architectures=[self.architecture])
 
-    def refuse_stored(self, hf_config, names, where: str) -> None:
-        """Raise HFConversionError naming stored tensors the family knows megalite cannot import yet (e.g.
-        DeepSeek-V3's multi-token prediction layers), before the generic unplaced-tensor refusal."""
+    def outside_model(self, hf_config, names, where: str) -> set[str]:
+        """Of the tensor ``names`` (stored on import, converted on export), those the family maps although
+        transformers' class has no place for them (DeepSeek-V3's multi-token prediction layers): read without
+        its shape check, written beside its save_pretrained files. Raise HFConversionError naming any the
+        family cannot map; everything else unplaced is refused by files.py."""
+        return set()
 
     def qkv_bias_only(self, hf_config, sd: Mapping[str, torch.Tensor]) -> bool:
         """Whether the weights say more than the config: e.g. a Llama with attention_bias whose o_proj biases

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from megalite.checkpointing.hf.common import HFConversionError, TensorRule, fuse_qkv, split_qkv
-from megalite.checkpointing.hf.files import read_checked_weights, stored_tensors
+from megalite.checkpointing.hf.files import read_checked_weights, write_beside
 from megalite.checkpointing.hf.registry import for_export, for_hf_config, for_model_type, supported
 from megalite.checkpointing.metadata import config_dict, model_config
 from megalite.config.model import ModelConfig
@@ -131,6 +131,9 @@ def save_hf_model(out_dir: str, hf_config, state_dict: dict[str, torch.Tensor]) 
         model = cls(hf_config)
     if hf_config.tie_word_embeddings:  # the tied head is the embedding
         state_dict = {**state_dict, "lm_head.weight": state_dict[adapter.embedding_key]}
+    outside = adapter.outside_model(hf_config, list(state_dict), "the converted model")
+    beside = {k: state_dict[k] for k in outside}
+    state_dict = {k: v for k, v in state_dict.items() if k not in outside}
     dtypes = {t.dtype for t in state_dict.values()}
     try:
         model.load_state_dict(state_dict, strict=True, assign=True)
@@ -141,6 +144,8 @@ def save_hf_model(out_dir: str, hf_config, state_dict: dict[str, torch.Tensor]) 
     if len(dtypes) == 1:
         model.config.dtype = next(iter(dtypes))
     model.save_pretrained(out_dir, safe_serialization=True)
+    if beside:
+        write_beside(out_dir, beside)
 
 
 def read_hf_config(folder: str):
@@ -172,9 +177,8 @@ def read_hf_weights(folder: str, hf_config) -> dict[str, torch.Tensor]:
     (files.py): nothing dropped, nothing left to random initialisation."""
     where = os.path.join(folder, "config.json")
     adapter = for_hf_config(hf_config, where)
-    adapter.refuse_stored(hf_config, stored_tensors(folder), where)
     return read_checked_weights(folder, adapter.model_class(), hf_config, where, adapter.expert_files,
-                                adapter.stored_renames)
+                                adapter.stored_renames, lambda names: adapter.outside_model(hf_config, names, where))
 
 
 def qkv_bias_only(hf_config, sd: Mapping[str, torch.Tensor]) -> bool:

@@ -274,11 +274,41 @@ def matched_weights(stored: dict[str, Stored], shapes: dict[str, tuple[int, ...]
 
 def read_checked_weights(folder: str, model_cls: type, hf_config, where: str,
                          expert_files: Sequence[ExpertFiles] = (),
-                         renames: Sequence[tuple[str, str]] = ()) -> dict[str, torch.Tensor]:
+                         renames: Sequence[tuple[str, str]] = (), outside: Callable[[list[str]], set[str]] | None = None
+                         ) -> dict[str, torch.Tensor]:
     """The folder's state dict in transformers' names, every tensor checked against ``hf_config``
-    before any is loaded (module doc)."""
+    before any is loaded (module doc); ``outside``: of the stored names, those the adapter maps beyond
+    transformers' class (adapter.outside_model), taken as stored."""
     stored = stored_tensors(folder)
+    aside = {n: stored.pop(n) for n in (outside(list(stored)) if outside else ())}
     shapes, prefix = expected_shapes(model_cls, hf_config, where)
     loads = matched_weights(stored, shapes, prefix, bool(getattr(hf_config, "tie_word_embeddings", False)), where,
                             expert_files, renames)
-    return {name: load() for name, load in loads.items()}
+    return {**{name: load() for name, load in loads.items()}, **{n: t.load() for n, t in aside.items()}}
+
+
+def write_beside(folder: str, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Add tensors transformers' class has no place for (adapter.outside_model) to a save_pretrained folder:
+    one more safetensors file named in the weight index (written when save_pretrained left a single file),
+    which from-hf reads and transformers' from_pretrained loads around (as DeepSeek-V3's own checkpoints)."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    index_path = os.path.join(folder, SAFE_INDEX)
+    if os.path.isfile(index_path):
+        with open(index_path) as f:
+            index = json.load(f)
+        name = "model-beside.safetensors"
+    else:
+        first, name = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
+        os.replace(os.path.join(folder, SAFETENSORS), os.path.join(folder, first))
+        with safe_open(os.path.join(folder, first), "pt") as f:
+            index = {"metadata": {}, "weight_map": dict.fromkeys(f.keys(), first)}
+    # clones: the depths' copies of the embedding and head are one tensor, which safetensors refuses to share
+    save_file({k: v.detach().clone() for k, v in tensors.items()}, os.path.join(folder, name),
+              metadata={"format": "pt"})
+    index["weight_map"].update(dict.fromkeys(tensors, name))
+    with open(index_path, "w") as f:
+        json.dump(index, f, indent=2, sort_keys=True)

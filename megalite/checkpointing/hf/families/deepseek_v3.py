@@ -19,8 +19,15 @@ agree. transformers renormalises the top-k weights when ``norm_topk_prob``; mega
 k > 1. transformers trains neither the bias nor a load-balancing loss: imports have none
 (--moe-router-load-balancing-type none); to match its fine-tuning also pass --moe-router-bias-update-rate 0.
 
-Multi-token prediction layers (``num_nextn_predict_layers``, stored as layer indices from
-``num_hidden_layers`` on) are refused by name: megalite does not import them yet and drops nothing silently.
+Multi-token prediction (--mtp-num-layers D): DeepSeek-V3's checkpoints keep depth k as one more layer index,
+``num_hidden_layers + k`` (``num_nextn_predict_layers`` of them), which transformers' class does not build or
+run: ``enorm`` / ``hnorm`` / ``eh_proj`` (its input [embedding; hidden], megatron-core's order too), a decoder
+layer of the last layer's kind with its experts stored one by one, ``shared_head.norm`` (megalite's depth
+final_norm), and copies of the word embedding (``embed_tokens``) and output head (``shared_head.head``), which
+must equal the main model's (megalite shares them). from-hf imports the depths present in the weights (a config
+saying more or fewer is not trusted: transformers' default is 1 with none stored); to-hf writes them in a
+safetensors file of their own, named in the weight index (files.write_beside), and sets num_mtp_layers.
+Anything else past num_hidden_layers is refused by name.
 """
 
 from __future__ import annotations
@@ -29,7 +36,16 @@ import math
 import re
 from typing import Any
 
-from megalite.checkpointing.hf.common import HFConversionError, TensorRule, rope_parameters, rope_theta
+import torch
+
+from megalite.checkpointing.hf.common import (
+    HFConversionError,
+    TensorRule,
+    cat_rows,
+    halves,
+    rope_parameters,
+    rope_theta,
+)
 from megalite.checkpointing.hf.families.llama import LLAMA_KEYS, NO_WINDOW, Llama
 from megalite.checkpointing.hf.moe import PER_EXPERT_MLP, expert_rules, layer_freq
 from megalite.config.model import ModelConfig
@@ -114,6 +130,7 @@ class DeepseekV3(Llama):
     config_class_name = "DeepseekV3Config"
     hf_keys = KEYS
     latent_attention = True
+    mtp_layers = True
     expert_files = (PER_EXPERT_MLP,)
     shared_expert = "shared_experts"
 
@@ -218,7 +235,8 @@ class DeepseekV3(Llama):
                     moe_shared_expert_intermediate_size=c.n_shared_experts * c.moe_intermediate_size,
                     moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
                     moe_router_topk_scaling_factor=None if scaling == 1.0 else scaling,
-                    moe_router_load_balancing_type="none", **groups)
+                    moe_router_load_balancing_type="none", mtp_num_layers=getattr(c, MTP_FOUND, 0) or None,
+                    **groups)
 
     # ---- megalite -> HF config ----------------------------------------------------------------------------
 
@@ -238,7 +256,7 @@ class DeepseekV3(Llama):
                     num_experts_per_tok=k, norm_topk_prob=k > 1,
                     routed_scaling_factor=float(cfg.moe_router_topk_scaling_factor or 1.0),
                     n_group=cfg.moe_router_num_groups or 1, topk_group=cfg.moe_router_group_topk or 1,
-                    first_k_dense_replace=dense_first(cfg.moe_layers()), num_mtp_layers=0)
+                    first_k_dense_replace=dense_first(cfg.moe_layers()), num_mtp_layers=cfg.mtp_depths)
 
     # ---- tensors ------------------------------------------------------------------------------------------
 
@@ -261,16 +279,91 @@ class DeepseekV3(Llama):
             TensorRule(m + "mlp.router.expert_bias", (bias,), zeros_like_rows_of=m + "mlp.router.weight")
         return [*expert_rules(cfg, m, h, self.shared_expert, None), rule]
 
-    def refuse_stored(self, c, names, where: str) -> None:
-        """Multi-token prediction layers (indices from num_hidden_layers on) are refused by name (module doc)."""
-        mtp = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
-        indices = {int(x.group(1)) for n in names if (x := mtp.match(n))}
-        extra = sorted(i for i in indices if i >= c.num_hidden_layers)
-        if extra:
-            raise HFConversionError(f"{where}: the weights hold layer(s) {extra} past num_hidden_layers "
-                                    f"{c.num_hidden_layers}: DeepSeek-V3's multi-token prediction modules "
-                                    f"(num_nextn_predict_layers {getattr(c, 'num_nextn_predict_layers', None)}), "
-                                    "which from-hf does not import yet; nothing is dropped silently")
+    # ---- multi-token prediction (module doc) ------------------------------------------------------------
 
+    def embedding_rules(self, cfg: ModelConfig) -> list[TensorRule]:
+        copies = [f"model.layers.{cfg.num_layers + k}.embed_tokens.weight" for k in range(cfg.mtp_depths)]
+        if cfg.tied_embeddings:
+            copies += [f"model.layers.{cfg.num_layers + k}.shared_head.head.weight" for k in range(cfg.mtp_depths)]
+        return [copied_rule("embedding.word.weight", self.embedding_key, copies)]
+
+    def output_rules(self, cfg: ModelConfig) -> list[TensorRule]:
+        if cfg.tied_embeddings:
+            return []
+        copies = [f"model.layers.{cfg.num_layers + k}.shared_head.head.weight" for k in range(cfg.mtp_depths)]
+        return [copied_rule("output_layer.weight", "lm_head.weight", copies)]
+
+    def mtp_rules(self, cfg: ModelConfig, k: int) -> list[TensorRule]:
+        """Depth k's tensors (its copies of the embedding and head: embedding_rules / output_rules)."""
+        m, h, last = f"mtp.layers.{k}.", f"model.layers.{cfg.num_layers + k}.", cfg.num_layers - 1
+        layer = m + "layer."
+        norms = [self.norm_rule(cfg, f"{layer}{ours}.weight", f"{h}{theirs}.weight")
+                 for ours, theirs in self.layer_norms]
+        mlp = self.mlp_rules(cfg, last, layer, h)
+        if cfg.is_moe and cfg.moe_layers()[last]:  # experts one by one, as DeepSeek-V3's checkpoints store them
+            mlp = [r for r in mlp if not r.ours.startswith(layer + "mlp.experts.")] + per_expert_rules(cfg, layer, h)
+        return [self.norm_rule(cfg, m + "enorm.weight", h + "enorm.weight"),
+                self.norm_rule(cfg, m + "hnorm.weight", h + "hnorm.weight"),
+                TensorRule(m + "eh_proj.weight", (h + "eh_proj.weight",)),
+                *norms, *self.attention_rules(cfg, layer, h), *mlp,
+                self.norm_rule(cfg, m + "final_norm.weight", h + "shared_head.norm.weight")]
+
+    def name_table(self, cfg: ModelConfig) -> list[TensorRule]:
+        rules = super().name_table(cfg)
+        for k in range(cfg.mtp_depths):
+            rules += self.mtp_rules(cfg, k)
+        return rules
+
+    def outside_model(self, c, names, where: str) -> set[str]:
+        """The MTP depths' tensors (layer indices from num_hidden_layers on): on import, the depths present set
+        --mtp-num-layers and every tensor of theirs must be one the depth has (else refused by name)."""
+        layer = re.compile(r"^model\.layers\.(\d+)\.")
+        extra = {n: int(x.group(1)) for n in names if (x := layer.match(n)) and int(x.group(1)) >= c.num_hidden_layers}
+        if not extra:
+            return set()
+        indices = sorted(set(extra.values()))
+        if indices != list(range(c.num_hidden_layers, c.num_hidden_layers + len(indices))):
+            raise HFConversionError(f"{where}: layers {indices} past num_hidden_layers {c.num_hidden_layers} are not "
+                                    "consecutive multi-token prediction depths")
+        setattr(c, MTP_FOUND, len(indices))
+        wanted = {t for r in self.name_table(self.from_hf(c, where)) for t in r.theirs}
+        unknown = sorted(set(extra) - wanted)
+        if unknown:
+            raise HFConversionError(f"{where}: tensor {unknown[0]} of a multi-token prediction depth (layer index "
+                                    f"{extra[unknown[0]]}) has no place in megalite's MTP depth; nothing is dropped")
+        return set(extra)
+
+
+MTP_FOUND = "_megalite_mtp_depths"  # set on the HF config by outside_model: the depths its weights hold
+
+
+def copied_rule(ours: str, main: str, copies: list[str]) -> TensorRule:
+    """A tensor stored again by each MTP depth: written to every copy; read from the main one once every copy
+    equals it (megalite keeps one)."""
+    def join(first: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
+        for name, t in zip(copies, rest):
+            if not torch.equal(t, first):
+                raise HFConversionError(f"{name} differs from {main}: megalite's multi-token prediction shares "
+                                        "the main model's embedding and output head")
+        return first
+
+    return TensorRule(ours, (main, *copies), lambda t: (t,) * (1 + len(copies)), join)
+
+
+def per_expert_rules(cfg: ModelConfig, m: str, h: str) -> list[TensorRule]:
+    """Stacked experts <-> ``mlp.experts.{j}.gate_proj / up_proj / down_proj`` one by one."""
+    E = cfg.num_experts
+    up = tuple(f"{h}mlp.experts.{j}.{p}_proj.weight" for j in range(E) for p in ("gate", "up"))
+    down = tuple(f"{h}mlp.experts.{j}.down_proj.weight" for j in range(E))
+
+    def split_fc1(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(x for e in t for x in halves(e))
+
+    def join_fc1(*parts: torch.Tensor) -> torch.Tensor:
+        return torch.stack([cat_rows(parts[2 * j], parts[2 * j + 1]) for j in range(E)])
+
+    return [TensorRule(m + "mlp.experts.fc1_weight", up, split_fc1, join_fc1),
+            TensorRule(m + "mlp.experts.fc2_weight", down, lambda t: tuple(e.contiguous() for e in t),
+                       lambda *parts: torch.stack(parts))]
 
 ADAPTER = DeepseekV3()
