@@ -41,6 +41,7 @@ from megalite.model.gpt import GPTModel  # noqa: E402
 from megalite.parallel.groups import ProcessGroups  # noqa: E402
 from megalite.pipeline.schedule_table import ScheduleSpec, bubble_fraction, build_tables, simulate  # noqa: E402
 from megalite.pipeline.timeline import SCHEDULES, play  # noqa: E402
+from megalite.planning.memory import run_holds  # noqa: E402
 from megalite.planning.zero_bubble import deferred_w_bytes, peak_table_bytes  # noqa: E402
 from megalite.tensor_parallel.context import BuildContext  # noqa: E402
 from megalite.tensor_parallel.init import initialize_parameters  # noqa: E402
@@ -194,7 +195,8 @@ def _p2_worker(rank: int, world: int, m: int, repeats: int) -> dict:
             if step:
                 out[kind].append(dict(timeline=list(rec.timeline), step_s=took, peak_live=rec.peak_live,
                                       peak_deferred=rec.peak_deferred, deferred_bytes=rec.peak_deferred_bytes,
-                                      padded_vocab=run.chunks[0].padded_vocab))
+                                      padded_vocab=run.chunks[0].padded_vocab,
+                                      holds=run_holds(run.cfg, world, run.vocab_size)))
     return out
 
 
@@ -211,7 +213,8 @@ def p2_rows(m: int, repeats: int) -> list[dict]:
             events = {r: results[r][kind][k]["timeline"] for r in range(2)}
             span = max(e[4] for ev in events.values() for e in ev) - min(e[3] for ev in events.values() for e in ev)
             took = max(results[r][kind][k]["step_s"] for r in range(2))
-            steps.append(dict(span=span, idle=bubble(events), step_s=took, replayed=replay(events, kind, m)))
+            holds = results[0][kind][k]["holds"]
+            steps.append(dict(span=span, idle=bubble(events), step_s=took, replayed=replay(events, kind, m, holds)))
         best = min(steps, key=lambda s: s["span"])
         last = [results[r][kind][-1] for r in range(2)]
         rows.append(dict(kind=kind, m=m, span=best["span"], idle=best["idle"], step_s=best["step_s"],
@@ -220,23 +223,25 @@ def p2_rows(m: int, repeats: int) -> list[dict]:
                          idle_median=statistics.median(s["idle"] for s in steps),
                          peak_live=[x["peak_live"] for x in last], peak_deferred=[x["peak_deferred"] for x in last],
                          deferred_bytes=[x["deferred_bytes"] for x in last],
-                         formula=[expected_peak_bytes(kind, r, m, x["padded_vocab"]) for r, x in enumerate(last)]))
+                         formula=[expected_peak_bytes(kind, r, m, x["padded_vocab"], x["holds"])
+                                  for r, x in enumerate(last)], holds=last[0]["holds"]))
     return rows
 
 
-def replay(events: dict[int, list], kind: str, m: int) -> float:
+def replay(events: dict[int, list], kind: str, m: int, holds: tuple[int, ...] | None = None) -> float:
     """The table's bubble with this step's measured action durations and free, instant messages: what
-    the schedule itself leaves idle, apart from waiting on messages and the OS."""
+    the schedule itself leaves idle, apart from waiting on messages and the OS (``holds``: the run's)."""
     took = {r: {(k, c, mb): e - s for k, c, mb, s, e in ev} for r, ev in events.items()}
-    spec = ScheduleSpec(2, 2 if kind == "zbv" else 1, m, kind)
+    spec = ScheduleSpec(2, 2 if kind == "zbv" else 1, m, kind, holds)
     trace = simulate(build_tables(spec), 2, spec.vp, duration=lambda r, a: took[r][tuple(a)], stages=spec.stages)
     return bubble_fraction(trace)
 
 
-def expected_peak_bytes(kind: str, rank: int, m: int, padded_vocab: int) -> int:
+def expected_peak_bytes(kind: str, rank: int, m: int, padded_vocab: int, holds: tuple[int, ...] | None = None) -> int:
     """The formula's peak bytes of pending W's on pipeline rank ``rank`` at p = 2: the table played with each
-    W's chunk's bytes (its layers' GEMMs; the unfused output layer's where the chunk holds the loss)."""
-    spec = ScheduleSpec(2, SCHEDULES[kind][1], m, kind)
+    W's chunk's bytes (its layers' GEMMs; the unfused output layer's where the chunk holds the loss; the word
+    embedding's on the first stage), under the run's ``holds`` (planning/zero_bubble_memory.py)."""
+    spec = ScheduleSpec(2, SCHEDULES[kind][1], m, kind, holds if kind in ("zb-h1", "zbv") else None)
     return peak_table_bytes(model_cfg(), spec, rank, MODEL["seq_length"] * MICRO_BATCH, padded_vocab)
 
 
@@ -248,7 +253,8 @@ def print_p2(rows: list[dict], repeats: int) -> None:
     base = {r["m"]: r for r in rows if r["kind"] == "1f1b"}
     for r in rows:
         ratio = r["span"] / base[r["m"]]["span"]
-        print(f"| {r['m']} | {r['kind']} | {r['span']:.3f} | {ratio:.3f} | {r['idle']:.3f} | {r['replayed']:.3f} | "
+        kind = r["kind"] + (f" {list(r['holds'])}" if r["holds"] else "")  # the holds training chose
+        print(f"| {r['m']} | {kind} | {r['span']:.3f} | {ratio:.3f} | {r['idle']:.3f} | {r['replayed']:.3f} | "
               f"{r['step_s']:.3f} | {r['span_median']:.3f} | {r['idle_median']:.3f} | {r['peak_live']} | "
               f"{r['peak_deferred']} | {r['deferred_bytes']} | {r['formula']} |")
 

@@ -20,6 +20,11 @@ can run wherever the rank would otherwise wait.
   least any V allows (rank p - 1 waits that long for its first forward), against 1F1B's 6(p - 1): a sixth.
   With m < p the tables are valid but the start-up dominates (the simulator gives the figures).
 
+Those are the schedules' own holds (p micro-batches between F and W for ZB-H1, 2p chunk-micro-batches for
+ZB-V). ``ScheduleSpec.holds`` lowers a rank's (``h1_delay``; ZB-V's F rule), where the planner finds its
+bytes would pass 1F1B's highest rank (``planning/zero_bubble_memory.py``): ZB-H1's last rank beside a large
+vocabulary's logits, ZB-V's rank 0 beside both vocabulary matrices.
+
 Every table is checked by the simulator (``schedule_table.simulate``) and the round planner before use.
 """
 
