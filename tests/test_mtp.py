@@ -249,3 +249,12 @@ def test_the_mtp_term_follows_megatrons_normalisation():
     term, logged = mtp_loss(per_token, mask, torch.tensor(7.0), 0.5)
     torch.testing.assert_close(term, 0.25 * (sums[0] + sums[1]) / 7)
     torch.testing.assert_close(torch.stack(logged), torch.stack(means))
+
+
+def test_the_log_line_names_each_depths_loss_as_megatron_does():
+    from megalite.training.log import IterationLine, format_iteration_line
+
+    line = format_iteration_line(IterationLine(iteration=3, train_iters=10, consumed=24, elapsed_ms=1.0, lr=1e-3,
+                                               global_batch=8, loss=4.5, loss_scale=1.0, grad_norm=1.0, skipped=0,
+                                               nan=0, mtp=[4.75, 5.0]))
+    assert "| lm loss: 4.500000E+00 | mtp_1 loss: 4.750000E+00 | mtp_2 loss: 5.000000E+00 | loss scale: 1.0 |" in line

@@ -64,9 +64,9 @@ def format_iteration_line(line: IterationLine) -> str:
         f"learning rate: {line.lr:.6E}",
         f"global batch size: {line.global_batch:5d}",
         "lm loss: none (no unmasked token)" if line.no_tokens else f"lm loss: {line.loss:.6E}",
+        *(f"mtp_{k + 1} loss: {x:.6E}" for k, x in enumerate(line.mtp or [])),  # Megatron's place: after lm loss
         f"loss scale: {line.loss_scale:.1f}",
     ]
-    parts += [f"mtp_{k + 1} loss: {x:.6E}" for k, x in enumerate(line.mtp or [])]
     if line.moe:  # means over the MoE layers of this logging window
         parts.append(f"load balancing loss: {line.moe['load_balancing_loss']:.6E}")
         if line.moe["z_loss"]:
