@@ -186,9 +186,63 @@ def with_tensors(p: H.Prepared, folder, extra: dict[str, torch.Tensor]) -> str:
     return str(folder)
 
 
+def megalite_mtp_losses(checkpoint: str, tokens: torch.Tensor) -> torch.Tensor:
+    """The first MTP depth's per-token loss [b, s] of a megalite checkpoint (one rank, labels = next tokens)."""
+    from megalite.checkpointing import load_checkpoint
+    from megalite.checkpointing.metadata import model_config
+    from megalite.checkpointing.reader import CheckpointReader
+    from megalite.config.arguments import MegaliteConfig
+    from megalite.model.build import build_model
+    from megalite.parallel.groups import ProcessGroups
+    from megalite.tensor_parallel.random import model_parallel_seed
+
+    saved = CheckpointReader(checkpoint).config
+    mcfg, vocab = model_config(saved)
+    flat = {**{k: v for k, v in saved.items() if k in vars(mcfg)}, "vocab_size": vocab, "mock_data": True}
+    pg = ProcessGroups.single()
+    chunks = build_model(MegaliteConfig.from_flat(flat), pg, vocab, model_parallel_seed(1, 0, 0))
+    load_checkpoint(checkpoint, chunks, None, pg, saved, load_optim=False, load_rng=False)
+    chunks[0](tokens, torch.roll(tokens, -1, 1))
+    return chunks[0].mtp_per_token[0].detach()
+
+
+@torch.no_grad()
+def reference_mtp_losses(p: H.Prepared, depth: dict[str, torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
+    """The same loss as DeepSeek-V3's MTP module computes it (vLLM's DeepSeek MTP reads these checkpoints so):
+    eh_proj([enorm(embed(t_{i+1})); hnorm(h_i)]) through transformers' own decoder layer, shared_head.norm and
+    the head, against t_{i+2}."""
+    import torch.nn.functional as F
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RMSNorm
+
+    hf, c = p.hf_model, p.hf_model.config
+    d = {k.split(".", 3)[3]: v for k, v in depth.items()}  # without model.layers.{n}.
+    layer, E = DeepseekV3DecoderLayer(c, layer_idx=c.num_hidden_layers).eval(), c.n_routed_experts
+    layer.load_state_dict({k: torch.stack([torch.cat([d[f"mlp.experts.{j}.gate_proj.weight"],
+                                                      d[f"mlp.experts.{j}.up_proj.weight"]]) for j in range(E)])
+                           if k.endswith("gate_up_proj") else
+                           torch.stack([d[f"mlp.experts.{j}.down_proj.weight"] for j in range(E)])
+                           if k.endswith("experts.down_proj") else d[k] for k in layer.state_dict()})
+
+    def norm(name: str, x: torch.Tensor) -> torch.Tensor:
+        module = DeepseekV3RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        module.weight.copy_(d[name])
+        return module(x)
+
+    h = hf.model(input_ids=tokens).last_hidden_state
+    e = hf.model.embed_tokens(torch.roll(tokens, -1, 1))
+    x = F.linear(torch.cat([norm("enorm.weight", e), norm("hnorm.weight", h)], -1), d["eh_proj.weight"])
+    pos = torch.arange(tokens.shape[1])[None]
+    out = layer(x, attention_mask=None, position_ids=pos, position_embeddings=hf.model.rotary_emb(x, pos))
+    logits = hf.lm_head(norm("shared_head.norm.weight", out[0] if isinstance(out, tuple) else out))
+    labels = torch.roll(tokens, -2, 1)
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view_as(labels)
+
+
 def test_multi_token_prediction_depth_imports_and_exports(dsv3, tmp_path):
-    """A checkpoint's MTP depth becomes --mtp-num-layers 1 (the main model's logits unchanged) and to-hf writes
-    every one of its tensors back as stored, in a file transformers loads around."""
+    """A checkpoint's MTP depth becomes --mtp-num-layers 1: the main model's logits unchanged, the depth's loss
+    that of DeepSeek-V3's MTP module built from transformers' decoder layer (the last two positions aside, where
+    the shifted tokens run out); to-hf writes every one of its tensors back as stored, in a file transformers
+    loads around."""
     from safetensors import safe_open
 
     depth = mtp_depth(dsv3)
@@ -200,6 +254,8 @@ def test_multi_token_prediction_depth_imports_and_exports(dsv3, tmp_path):
     with torch.no_grad():
         want = dsv3.hf_model(input_ids=tokens).logits
     H.assert_close_logits(H.megalite_logits(imported, tokens), want, "from-hf with an MTP depth")
+    ours, ref = megalite_mtp_losses(imported, tokens)[:, :-2], reference_mtp_losses(dsv3, depth, tokens)[:, :-2]
+    assert (ours - ref).abs().max() <= H.TOL, (ours - ref).abs().max()
     out = str(tmp_path / "out")
     assert H.convert(["to-hf", "--load", imported, "--save", out]) == 0
     index = json.load(open(os.path.join(out, "model.safetensors.index.json")))["weight_map"]
