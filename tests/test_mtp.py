@@ -30,10 +30,11 @@ from tests.tp_utils import LLAMA_GQA, layout_flat
 DEPTHS, FACTOR, SEQ, VOCAB = 2, 0.3, 16, 64
 
 
-def _mcore(rank: int, world: int) -> dict:
+def _mcore(rank: int, world: int, save: str) -> dict:
     """megatron-core's GPT (local spec, Llama-like, untied) with MTP: one forward and backward of the masked
-    mean loss; MTPLossAutoScaler adds factor / depths x each depth's masked mean to the gradient."""
-    from tests.mcore_cpu import _config, cpu_shim
+    mean loss; MTPLossAutoScaler adds factor / depths x each depth's masked mean to the gradient. The model is
+    saved by megatron-core in ``save`` (torch_dist) with Megatron-LM's args."""
+    from tests.mcore_cpu import _config, cpu_shim, save_megatron
 
     cpu_shim()
     from megatron.core import parallel_state as ps
@@ -66,6 +67,8 @@ def _mcore(rank: int, world: int) -> dict:
     out = {"state": {n: p.detach().clone() for n, p in model.named_parameters()},
            "grads": {n: p.grad.clone() for n, p in model.named_parameters()}, "loss": loss.detach(),
            "mtp": MTPLossLoggingHelper.tracker["values"].clone(), "tokens": tokens, "labels": labels, "mask": mask}
+    args.mtp_num_layers, args.mtp_loss_scaling_factor = DEPTHS, FACTOR
+    save_megatron(model, args, save, iteration=3)
     ps.destroy_model_parallel()
     return out
 
@@ -90,9 +93,17 @@ MODEL = dict(num_layers=2, hidden_size=32, ffn_hidden_size=48, num_attention_hea
 
 
 @pytest.fixture(scope="module")
-def mcore() -> dict:
+def mcore(tmp_path_factory) -> dict:
     pytest.importorskip("megatron.core")
-    return run_ranks(_mcore, 1, timeout=120)[0]
+    save = str(tmp_path_factory.mktemp("mcore_mtp"))
+    return {**run_ranks(_mcore, 1, save, timeout=120)[0], "saved": save}
+
+
+def _loss_and_grads(model: GPTModel, mcore: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    mb = {"tokens": mcore["tokens"], "labels": mcore["labels"], "loss_mask": mcore["mask"]}
+    loss = lm_forward_step(model, mb, None)
+    loss.backward()
+    return loss.detach(), model.mtp_losses.sums.float() / model.mtp_losses.microbatches
 
 
 def test_megatron_core_mtp_gives_megalites_losses_and_gradients(mcore):
@@ -103,14 +114,32 @@ def test_megatron_core_mtp_gives_megalites_losses_and_gradients(mcore):
     with torch.no_grad():
         for n, t in mcore["state"].items():
             ours[_ours(n)].copy_(t)
-    mb = {"tokens": mcore["tokens"], "labels": mcore["labels"], "loss_mask": mcore["mask"]}
-    loss = lm_forward_step(model, mb, None)
-    loss.backward()
-    torch.testing.assert_close(loss.detach(), mcore["loss"], rtol=0, atol=1e-5)
-    logged = model.mtp_losses.sums.float() / model.mtp_losses.microbatches
+    loss, logged = _loss_and_grads(model, mcore)
+    torch.testing.assert_close(loss, mcore["loss"], rtol=0, atol=1e-5)
     torch.testing.assert_close(logged, mcore["mtp"], rtol=0, atol=1e-5)
     for n, g in mcore["grads"].items():
         torch.testing.assert_close(ours[_ours(n)].grad, g, rtol=0, atol=1e-5, msg=n)
+
+
+def test_from_megatron_imports_megatron_cores_mtp_checkpoint(mcore, tmp_path):
+    """A torch_dist checkpoint megatron-core saved of its MTP model: from-megatron reads --mtp-num-layers and the
+    factor from its args and the depths' tensors (mtp.layers.K.*), and the imported model gives megatron-core's
+    main and MTP losses."""
+    from megalite.checkpointing.load import load_checkpoint
+    from megalite.checkpointing.metadata import model_config
+    from megalite.checkpointing.reader import CheckpointReader
+    from tools.convert_checkpoint import main as convert
+
+    out = str(tmp_path / "imported")
+    assert convert(["from-megatron", "--load", mcore["saved"], "--save", out]) == 0
+    config = CheckpointReader(out).config
+    assert (config["mtp_num_layers"], config["mtp_loss_scaling_factor"]) == (DEPTHS, FACTOR)
+    cfg, vocab = model_config(config)
+    model = GPTModel(cfg, BuildContext(ProcessGroups.single(), RNGTracker()), vocab)
+    load_checkpoint(out, [model], None, ProcessGroups.single(), config, load_optim=False, load_rng=False)
+    loss, logged = _loss_and_grads(model, mcore)
+    torch.testing.assert_close(loss, mcore["loss"], rtol=0, atol=1e-5)
+    torch.testing.assert_close(logged, mcore["mtp"], rtol=0, atol=1e-5)
 
 
 # ---- layouts, checkpoint ---------------------------------------------------------------------------------------

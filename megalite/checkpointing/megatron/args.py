@@ -26,7 +26,8 @@ COPIED = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
           "moe_router_pre_softmax", "moe_router_topk_scaling_factor", "moe_aux_loss_coeff",
           "moe_router_group_topk",
           "moe_router_enable_expert_bias", "moe_router_load_balancing_type", "moe_z_loss_coeff", "softmax_scale",
-          "rotary_seq_len_interpolation_factor")
+          "rotary_seq_len_interpolation_factor",
+          "mtp_num_layers", "mtp_loss_scaling_factor")
 REQUIRED = ("num_layers", "hidden_size", "num_attention_heads")
 # What megatron-core's --use-rope-scaling fixes (its arguments name only the factor): Llama 3's frequency
 # factors and original context, as megalite's --rope-scaling-* flags
@@ -39,7 +40,6 @@ REFUSED: dict[str, tuple[Any, str]] = {
     "rotary_interleaved": (False, "interleaved RoPE (megalite rotates halves)"),
     "squared_relu": (False, "a squared-ReLU MLP"),
     "openai_gelu": (False, "the tanh GELU (megalite computes exact GELU)"),
-    "mtp_num_layers": (None, "multi-token prediction layers"),
     "moe_shared_expert_gate": (False, "a gated shared expert (Megatron's gate differs from megalite's)"),
     "heterogeneous_layers_config_path": (None, "heterogeneous layers"),
     "moe_router_topk_limited_devices": (None, "device-limited routing, the deprecated form of "

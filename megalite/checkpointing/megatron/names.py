@@ -64,6 +64,9 @@ OPTIMIZER_FIELDS = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "fp32_para
 # with their index unless told not to (Megatron-LM's training loop does, but not for dp_reshardable)
 CHAINED = re.compile(r"^chained_\d+\.(?=optimizer\.)")
 LAYER_KEY = re.compile(r"^decoder\.layers\.(?:(\d+)\.)?(.+)$")
+# multi-token prediction (--mtp-num-layers): megatron-core's mtp.layers.{k}.* -> megalite's (model/mtp.py)
+MTP_KEY = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
+MTP_OWN = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "final_layernorm": "final_norm"}
 
 
 def split_optimizer_keys(keys: Iterable[str]) -> tuple[list[str], dict[str, dict[str, str]], list[str]]:
@@ -131,23 +134,35 @@ def to_megalite(keys: Iterable[str], get: Callable[[str], torch.Tensor], where: 
         if key in TOP:
             _put(out, TOP[key], get(key), key, where)
             continue
-        if not LAYER_KEY.match(key):
+        if (m := MTP_KEY.match(key)) is not None:
+            items = [(f"mtp.layers.{m[1]}", m[2], get(key))]
+        elif LAYER_KEY.match(key):
+            items = [(f"layers.{i}", suffix, t) for i, suffix, t in _per_layer(key, get)]
+        else:
             raise CheckpointError(f"{where}: {key} is not a parameter megalite knows")
-        for i, suffix, t in _per_layer(key, get):
+        for prefix, suffix, t in items:
+            head, _, rest = suffix.partition(".")
+            if prefix.startswith("mtp.") and head in MTP_OWN:
+                _put(out, f"{prefix}.{MTP_OWN[head]}.{rest}", t, key, where)
+                continue
+            if prefix.startswith("mtp."):
+                if head != "transformer_layer":
+                    raise CheckpointError(f"{where}: {key} ({suffix}) is not a parameter megalite knows")
+                prefix, suffix = f"{prefix}.layer", rest
             if suffix in LAYER:
-                _put(out, f"layers.{i}.{LAYER[suffix]}", t, key, where)
+                _put(out, f"{prefix}.{LAYER[suffix]}", t, key, where)
             elif (e := _expert(suffix)) is not None:
                 fc, j = e
                 if j is None:
-                    _put(out, f"layers.{i}.mlp.experts.{fc}_weight", t, key, where)
+                    _put(out, f"{prefix}.mlp.experts.{fc}_weight", t, key, where)
                 else:
-                    experts.setdefault((i, fc), {})[j] = t
+                    experts.setdefault((prefix, fc), {})[j] = t
             else:
                 raise CheckpointError(f"{where}: {key} ({suffix}) is not a parameter megalite knows")
-    for (i, fc), per in experts.items():
+    for (prefix, fc), per in experts.items():
         if sorted(per) != list(range(len(per))):
-            raise CheckpointError(f"{where}: layer {i} has {fc} weights of experts {sorted(per)}, not 0..{len(per)-1}")
-        out[f"layers.{i}.mlp.experts.{fc}_weight"] = torch.stack([per[j] for j in range(len(per))])
+            raise CheckpointError(f"{where}: {prefix} has {fc} weights of experts {sorted(per)}, not 0..{len(per)-1}")
+        out[f"{prefix}.mlp.experts.{fc}_weight"] = torch.stack([per[j] for j in range(len(per))])
     return out
 
 

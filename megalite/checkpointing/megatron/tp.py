@@ -13,7 +13,7 @@ import torch
 from megalite.checkpointing.errors import CheckpointError
 
 COLUMN = re.compile(r"(word_embeddings\.weight|output_layer\.weight|linear_qkv\.(weight|bias)|linear_fc1\.(weight|bias)"
-                    r"|linear_fc1\.weight\d+)$")
+                    r"|linear_fc1\.weight\d+|eh_proj\.weight)$")  # eh_proj: MTP's projection, column-parallel
 ROW = re.compile(r"(linear_proj\.weight|linear_fc2\.weight|linear_fc2\.weight\d+)$")
 
 
