@@ -133,3 +133,22 @@ def test_a_checkpoint_at_its_own_iteration_reads(full, tmp_path, fmt):
     path = _megalite(tmp_path, full) if fmt == "megalite" else _megatron(tmp_path, full, fmt)
     got = FullCheckpoint(path) if fmt == "megalite" else read_megatron(path)
     assert got.iteration == 3
+
+
+def test_the_layers_norms_are_shape_fields():
+    """A checkpoint saved with q/k norms or reordered norms (--qk-layernorm, its scope, --sublayer-norms) does
+    not load into flags without them (their weights would be left unread, and MLA's latent norms too); one
+    saved before the fields meant neither."""
+    from megalite.checkpointing.load import shape_diffs
+    from megalite.checkpointing.metadata import config_dict
+    from megalite.config.model import ModelConfig
+
+    base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, normalization="RMSNorm")
+    plain = config_dict(ModelConfig(**base), 64)
+    for extra, flag in ((dict(qk_layernorm=True), "--qk-layernorm"),
+                        (dict(qk_layernorm=True, qk_layernorm_scope="projection"), "--qk-layernorm-scope"),
+                        (dict(sublayer_norms="pre-post"), "--sublayer-norms")):
+        saved = config_dict(ModelConfig(**base, **extra), 64)
+        assert any(d.startswith(flag + ":") for d in shape_diffs(saved, plain)), extra
+    older = {k: v for k, v in plain.items() if k not in ("qk_layernorm", "qk_layernorm_scope", "sublayer_norms")}
+    assert shape_diffs(older, plain) == []

@@ -50,6 +50,10 @@ SHAPE_FIELDS += list(YARN_DEFAULTS)  # YaRN's options (config/yarn.py): older ch
 LATER_FIELDS.update(YARN_DEFAULTS)
 SHAPE_FIELDS += list(MLA_DEFAULTS)  # multi-latent attention's (config/mla.py): older checkpoints meant its defaults
 LATER_FIELDS.update(MLA_DEFAULTS)
+# the norms a layer has (older checkpoints had neither q/k norms nor reordered norms)
+NORM_DEFAULTS = {"qk_layernorm": False, "qk_layernorm_scope": "head", "sublayer_norms": "pre"}
+SHAPE_FIELDS += list(NORM_DEFAULTS)
+LATER_FIELDS.update(NORM_DEFAULTS)
 SHAPE_FIELDS.append("mtp_num_layers")  # multi-token prediction's depths (config/mtp.py; its factor is no shape)
 LATER_FIELDS["mtp_num_layers"] = MTP_DEFAULTS["mtp_num_layers"]  # older checkpoints had none
 
