@@ -29,7 +29,18 @@ from megalite.planning.zero_bubble import zero_bubble_unit_idle
 @lru_cache(maxsize=4096)
 def played(spec: ScheduleSpec, rank: int, chunks: tuple[ChunkBytes, ...]) -> tuple[float, float]:
     """``peak_live_bytes`` of rank ``rank``'s table of ``spec`` (cached: the planner asks per layout)."""
-    return peak_live_bytes(build_tables(spec)[rank], chunks)
+    return peak_live_bytes(_tables(spec)[rank], chunks)
+
+
+@lru_cache(maxsize=512)
+def _tables(spec: ScheduleSpec) -> tuple[tuple, ...]:
+    return tuple(tuple(t) for t in build_tables(spec))
+
+
+def search_micro_batches(p: int, m: int) -> int:
+    """Micro-batches the hold search plays: a rank's peak is reached within the first 4p (the tables' steady
+    phase repeats from there; ZB-V's own tables by 2p), so longer steps are searched short."""
+    return min(m, 4 * p)
 
 
 def one_f_one_b(sh: RunShape) -> RunShape | None:
@@ -51,29 +62,40 @@ def choose_holds(name: str, p: int, m: int, chunks: tuple[tuple[ChunkBytes, ...]
                  ) -> tuple[int, ...] | None:
     """Rank by rank (each rank's table may depend on the others' holds: ZB-V's), keeping the ranks fitted
     before it within their room: the largest hold whose played bytes fit ``room`` with a bubble (F = B = W, in
-    chunk steps) below 1F1B's 3(p - 1) stage steps, else the smallest hold with the own holds' bubble. None:
-    every rank keeps the schedule's own."""
+    chunk steps) below 1F1B's 3(p - 1) stage steps; else, going down from its own, the smallest hold before
+    the bubble first grows. None: every rank keeps the schedule's own. Played on ``search_micro_batches``."""
+    m = search_micro_batches(p, m)
     spec = spec_for(name, p, m)
     own, budget = p * spec.vp, 3 * (p - 1) * spec.vp
     holds, fitted = [own] * p, []
     free_idle = zero_bubble_unit_idle(name, p, m, None)
+
+    def tables_at(r: int, h: int) -> tuple[tuple[int, ...], tuple | None]:
+        trial = tuple(holds[:r] + [h] + holds[r + 1:])
+        try:
+            return trial, _tables(dataclasses.replace(spec, holds=None if max(trial) == min(trial) == own else trial))
+        except (ValueError, RuntimeError):  # no valid table at this hold (nor below it)
+            return trial, None
+
+    def within(tables: tuple, ranks: list[int]) -> bool:
+        return all(peak_live_bytes(tables[q], chunks[q])[0] <= room[q] for q in ranks)
+
     for r in range(p):
-        free, chosen = own, None
+        chosen = None
         for h in range(own, 0, -1):
-            trial = tuple(holds[:r] + [h] + holds[r + 1:])
-            try:
-                tables = build_tables(dataclasses.replace(spec, holds=trial))
-            except (ValueError, RuntimeError):  # no valid table at this hold, nor below it
+            trial, tables = tables_at(r, h)
+            if tables is None:
                 break
-            if not all(peak_live_bytes(tables[q], chunks[q])[0] <= room[q] for q in fitted):
-                continue
-            idle = zero_bubble_unit_idle(name, p, m, trial)
-            if peak_live_bytes(tables[r], chunks[r])[0] <= room[r] and idle < budget:
-                chosen = h
+            if within(tables, fitted) and within(tables, [r]):
+                chosen = h if h == own or zero_bubble_unit_idle(name, p, m, trial) < budget else None
                 break
-            if idle <= free_idle:
-                free = h
-        holds[r] = chosen if chosen is not None else free
         if chosen is not None:
+            holds[r] = chosen
             fitted.append(r)
+            continue
+        for h in range(own - 1, 0, -1):  # no hold fits: the ones that cost no bubble
+            trial, tables = tables_at(r, h)
+            if tables is None or not within(tables, fitted) or zero_bubble_unit_idle(name, p, m, trial) > free_idle:
+                break
+            holds[r] = h
     return None if all(h == own for h in holds) else tuple(holds)
