@@ -192,15 +192,23 @@ def test_moe_flops_count_the_active_parameters():
     assert flops_per_token(dense, 1000, 32) == 4 * 2 * (qkv + proj + attn + dense_mlp) + 2 * 64 * 1000
 
 
+def cfg_flags(run) -> list[str]:
+    return [*run.flags, "--seq-length", "4096", "--max-position-embeddings", "4096", "--micro-batch-size", "1"]
+
+
 @pytest.mark.parametrize("run", PUBLISHED_MOE, ids=[r.name for r in PUBLISHED_MOE])
 def test_published_moe_parameter_counts(run):
     """The planner's total and active parameters of released MoE models, to the published precision (0.1 B;
     DeepSeek-V3's whole billions: the planner's 671.03 B and 37.55 B)."""
-    cfg = parse_args([*run.flags, "--seq-length", "4096", "--max-position-embeddings", "4096",
-                      "--micro-batch-size", "1"])
+    cfg = parse_args(cfg_flags(run))
     plan = estimate(cfg, cluster_from_values({}), vocab_of(cfg))
     assert run.agrees(plan.total_params, run.total_b), plan.total_params
     assert run.agrees(plan.active_params, run.active_b), plan.active_params
+    if run.name == "DeepSeek-V3":  # its multi-token prediction module is published apart: counted apart
+        with_mtp = estimate(parse_args([*cfg_flags(run), "--mtp-num-layers", "1"]), cluster_from_values({}),
+                            vocab_of(cfg))
+        assert (with_mtp.total_params, with_mtp.active_params) == (plan.total_params, plan.active_params)
+        assert round(with_mtp.mtp_params / 1e9, 2) == 11.61 and plan.mtp_params == 0
 
 
 MIXTRAL = [*PUBLISHED_MOE[0].flags, "--seq-length", "4096", "--max-position-embeddings", "4096", "--bf16",

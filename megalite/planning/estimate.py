@@ -6,11 +6,12 @@ import dataclasses
 from dataclasses import dataclass
 
 from megalite.config.arguments import MegaliteConfig
+from megalite.planning import mtp
 from megalite.planning.accuracy import accuracy_lines
 from megalite.planning.hardware import ClusterConfig
 from megalite.planning.headroom import overhead_terms
 from megalite.planning.layout import Layout
-from megalite.planning.memory import MemoryReport, active_params, peak_memory, total_params
+from megalite.planning.memory import MemoryReport, active_params, layer_params, norm_params, peak_memory, total_params
 from megalite.planning.model_shape import EXPERT_FAMILY
 from megalite.planning.shape import RunShape
 from megalite.planning.timing import TimeReport, crosses_nodes, step_time
@@ -53,6 +54,12 @@ class Plan:
         """Parameters one token goes through (MoE: k of the routed experts); all of them when dense."""
         return active_params(self.shape)
 
+    @property
+    def mtp_params(self) -> int:
+        """--mtp-num-layers' depths, counted apart from the model (as DeepSeek-V3 publishes its MTP module)."""
+        one = dataclasses.replace(self.shape, tp=1, pp=1, v=1, ep=1, etp=1)
+        return mtp.all_params(one, layer_params, norm_params)
+
 
 def estimate(cfg: MegaliteConfig, cluster: ClusterConfig, vocab: int) -> Plan:
     """The plan of ``cfg``'s layout on ``cluster`` (cfg must be valid for the cluster's world size)."""
@@ -77,6 +84,11 @@ def _moe_model(plan: Plan) -> str:
             f"{m.moe_router_topk}, {n_moe} MoE layers)")
 
 
+def _mtp(plan: Plan) -> str:
+    depths = plan.shape.cfg.model.mtp_num_layers
+    return f" + {plan.mtp_params / 1e9:.2f} B in {depths} MTP depth{'s' if depths > 1 else ''}" if depths else ""
+
+
 def _experts(sh: RunShape, cl: ClusterConfig) -> str:
     if EXPERT_FAMILY not in sh.families:
         return ""
@@ -99,7 +111,8 @@ def format_report(plan: Plan) -> str:
     spec = cl.spec()
     gpu_mem = cl.memory_bytes() / GB
     lines = [
-        f"model: {plan.total_params / 1e9:.2f} B parameters{_moe_model(plan)}, {sh.cfg.model.num_layers} layers, "
+        f"model: {plan.total_params / 1e9:.2f} B parameters{_moe_model(plan)}{_mtp(plan)}, "
+        f"{sh.cfg.model.num_layers} layers, "
         f"h={sh.h}, "
         f"s={sh.s}, vocab {sh.vocab} (padded {sh.padded_vocab}), {sh.dtype}",
         f"cluster: {cl.num_nodes} node(s) x {cl.gpus_per_node} {spec.name} = {cl.world_size} GPUs, "
