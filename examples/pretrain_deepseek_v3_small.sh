@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A scaled-down DeepSeek-V3 (multi-latent attention, YaRN, the first layer dense, routed experts in groups
-# with a shared expert, sigmoid router with expert bias) in Megatron-LM's flags, on one node of NPROC GPUs:
-# TP 2 with SP x EP 4 over DP 4.
+# with a shared expert, sigmoid router with expert bias, one multi-token prediction depth) in Megatron-LM's
+# flags, on one node of NPROC GPUs: TP 2 with SP x EP 4 over DP 4.
 #
 #   bash examples/pretrain_deepseek_v3_small.sh                    # 8 GPUs, mock data
 #   DRY_RUN=1 bash examples/pretrain_deepseek_v3_small.sh          # print the command only
@@ -31,6 +31,7 @@ MOE=(--num-experts 16 --moe-layer-freq "([0]*1+[1]*7)" --moe-ffn-hidden-size 512
      --moe-router-bias-update-rate 1e-3 --moe-router-topk-scaling-factor 2.5
      --moe-router-load-balancing-type seq_aux_loss --moe-aux-loss-coeff 1e-4
      --moe-token-dispatcher-type alltoall --moe-grouped-gemm)
+MTP=(--mtp-num-layers 1 --mtp-loss-scaling-factor 0.1)
 PARALLEL=(--tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 4
           --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather)
 TRAINING=(--micro-batch-size 1 --global-batch-size 64 --train-iters 20000 --lr 3e-4 --min-lr 3e-5
@@ -42,5 +43,5 @@ OUTPUT=(--log-interval 10 --eval-interval 1000 --eval-iters 10 --save "$CKPT" --
         --save-interval 1000 --print-layout)
 
 ${DRY_RUN:+echo} $TORCHRUN --standalone --nproc-per-node "$NPROC" pretrain_gpt.py \
-  "${MODEL[@]}" "${MLA[@]}" "${MOE[@]}" "${PARALLEL[@]}" "${TRAINING[@]}" "${DATA[@]}" "${OUTPUT[@]}" \
+  "${MODEL[@]}" "${MLA[@]}" "${MOE[@]}" "${MTP[@]}" "${PARALLEL[@]}" "${TRAINING[@]}" "${DATA[@]}" "${OUTPUT[@]}" \
   $PRECISION "$@"

@@ -23,7 +23,7 @@ LONG_FIRST = ("test_soak.py", "test_hf_family_gemma2.py", "test_hf_family_gemma3
               "test_hf_family_olmo2.py", "test_hf_family_qwen3_moe.py", "test_hf_family_qwen2.py",
               "test_megatron_export_families.py", "test_megatron_window.py", "test_megatron_qk_layernorm.py",
               "test_hf_family_qwen3.py", "test_checkpoint_writers.py", "test_zero_bubble_training.py",
-              "test_attn_softcap.py", "test_moe_group_routing.py", "test_rope_yarn.py", "test_mla.py")
+              "test_attn_softcap.py", "test_moe_group_routing.py", "test_rope_yarn.py", "test_mla.py", "test_mtp.py")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
