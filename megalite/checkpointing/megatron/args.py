@@ -27,7 +27,9 @@ COPIED = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
           "moe_router_group_topk",
           "moe_router_enable_expert_bias", "moe_router_load_balancing_type", "moe_z_loss_coeff", "softmax_scale",
           "rotary_seq_len_interpolation_factor",
-          "mtp_num_layers", "mtp_loss_scaling_factor")
+          "mtp_num_layers", "mtp_loss_scaling_factor",
+          "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
+          "rope_type")
 REQUIRED = ("num_layers", "hidden_size", "num_attention_heads")
 # What megatron-core's --use-rope-scaling fixes (its arguments name only the factor): Llama 3's frequency
 # factors and original context, as megalite's --rope-scaling-* flags
@@ -36,7 +38,6 @@ MCORE_ROPE_SCALING = {"rope_scaling_low_freq_factor": 1.0, "rope_scaling_high_fr
 
 # arg -> (the value megalite can honour, what it would change)
 REFUSED: dict[str, tuple[Any, str]] = {
-    "multi_latent_attention": (False, "multi-latent attention"),
     "rotary_interleaved": (False, "interleaved RoPE (megalite rotates halves)"),
     "squared_relu": (False, "a squared-ReLU MLP"),
     "openai_gelu": (False, "the tanh GELU (megalite computes exact GELU)"),
@@ -104,7 +105,10 @@ def config_from_args(args: Any, vocab_size: int, where: str) -> dict[str, Any]:
         fields["moe_router_num_groups"] = getattr(args, "moe_router_num_groups", None)
     if getattr(args, "moe_layer_freq", None) is not None and fields.get("num_experts"):
         fields["moe_layer_freq"] = _layer_freq(args.moe_layer_freq)
-    if fields["position_embedding_type"] == "yarn":  # Megatron-LM's defaults where its args hold None
+    rope_type = fields.get("rope_type")
+    yarn = rope_type == "yarn" or (rope_type is None and fields.get("multi_latent_attention"))
+    if fields["position_embedding_type"] == "yarn" or (fields["position_embedding_type"] == "rope" and yarn):
+        # Megatron-LM's defaults where its args hold None (--rope-type yarn, MLA's default, is YaRN too)
         fields.update({k: d if getattr(args, k, None) is None else getattr(args, k) for k, d in YARN_DEFAULTS.items()})
     if getattr(args, "use_rope_scaling", False):
         fields.update(use_rope_scaling=True, rope_scaling_factor=float(getattr(args, "rope_scaling_factor", 8.0)),

@@ -25,7 +25,7 @@ import torch
 
 from megalite.checkpointing.errors import CheckpointError
 from megalite.checkpointing.megatron.args import MCORE_ROPE_SCALING
-from megalite.checkpointing.megatron.names import LAYER, TOP
+from megalite.checkpointing.megatron.names import LAYER, MLA_LAYER, TOP
 from megalite.checkpointing.metadata import model_config
 from megalite.checkpointing.stored import all_specs
 from megalite.config.domain import MAX_SIZE
@@ -48,6 +48,14 @@ EXPORT_TOP = {"embedding.word.weight": "embedding.word_embeddings.weight",
               "output_layer.weight": "output_layer.weight"}
 assert all(TOP[v] == k for k, v in EXPORT_TOP.items())
 ATTENTION_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj")
+# multi-latent attention as the local spec's MLA layer saves it: no key map, so the layer norms unfused
+# (input_layernorm, pre_mlp_layernorm) and the latent norms as self_attention.q_layernorm / kv_layernorm
+MLA_EXPORT_LAYER = {**{v: k for k, v in LAYER.items() if v not in FUSED_NORMS}, **EXPERTS,
+                    **{v: k for k, v in MLA_LAYER.items() if ".linear_" not in k or "layer_norm" not in k},
+                    "input_norm.weight": "input_layernorm.weight", "input_norm.bias": "input_layernorm.bias",
+                    "pre_mlp_norm.weight": "pre_mlp_layernorm.weight", "pre_mlp_norm.bias": "pre_mlp_layernorm.bias"}
+MLA_LINEARS = tuple(f"self_attention.linear_{n}" for n in ("q_proj", "q_down_proj", "q_up_proj", "kv_down_proj",
+                                                           "kv_up_proj", "proj"))
 CHECKPOINT_VERSION = 3.0
 
 # Megatron-LM argument names copied from megalite's config unchanged
@@ -62,6 +70,8 @@ MOE_ARG_FIELDS = ("num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_
                   "moe_router_enable_expert_bias", "moe_router_bias_update_rate", "moe_expert_capacity_factor",
                   "moe_token_drop_policy", "moe_pad_expert_input_to_capacity", "moe_token_dispatcher_type",
                   "moe_router_num_groups", "moe_router_group_topk")
+MLA_ARG_FIELDS = ("multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+                  "v_head_dim")
 
 
 def megatron_args(config: dict[str, Any], padded_vocab: int) -> Namespace:
@@ -91,6 +101,9 @@ def megatron_args(config: dict[str, Any], padded_vocab: int) -> Namespace:
         fields.update({k: getattr(cfg, k) for k in YARN_DEFAULTS})
     if cfg.use_rope_scaling:  # megatron-core fixes the other factors (MCORE_ROPE_SCALING, checked on export)
         fields.update(use_rope_scaling=True, rope_scaling_factor=cfg.rope_scaling_factor)
+    if cfg.multi_latent_attention:  # megatron-core's q_lora_rank None: no query compression
+        fields.update({k: getattr(cfg, k) for k in MLA_ARG_FIELDS}, q_lora_rank=cfg.q_lora_rank or None,
+                      rope_type="yarn" if cfg.position_embedding_type == "yarn" else "rope")
     if cfg.num_experts:
         fields.update({k: config[k] for k in MOE_ARG_FIELDS if config.get(k) is not None})
         moe = [int(m) for m in cfg.moe_layers()]  # a list makes megatron-core key the layers one by one
@@ -102,7 +115,7 @@ def _refuse_unexported(config: dict[str, Any]) -> None:
     """What a Megatron-LM model would compute differently: a gated shared expert (Megatron's gate differs
     from megalite's, as the import refuses it too); q/k norms over the whole projection and norms after the
     sublayers (megatron-core's layer has neither: its --qk-layernorm is per head, its norms pre-sublayer);
-    attention-logit soft-capping (megatron-core has no such option); multi-latent attention (not written yet)."""
+    attention-logit soft-capping (megatron-core has no such option)."""
     if config.get("qk_layernorm") and config.get("qk_layernorm_scope", "head") != "head":
         raise CheckpointError(f"to-megatron: --qk-layernorm-scope {config['qk_layernorm_scope']} is not exported "
                               "(megatron-core's --qk-layernorm normalizes each head; it has no norm over the whole "
@@ -110,9 +123,6 @@ def _refuse_unexported(config: dict[str, Any]) -> None:
     if config.get("sublayer_norms", "pre") != "pre":
         raise CheckpointError(f"to-megatron: --sublayer-norms {config['sublayer_norms']} is not exported "
                               "(megatron-core's transformer layer normalizes each sublayer's input only)")
-    if config.get("multi_latent_attention"):
-        raise CheckpointError("to-megatron: --multi-latent-attention is not exported yet (megatron-core's MLA "
-                              "takes its own layer spec and tensor names)")
     if config.get("mtp_num_layers"):
         raise CheckpointError("to-megatron: --mtp-num-layers is not exported yet (megatron-core's MTP block takes "
                               "its own tensor names, mtp.layers.K.*)")
@@ -160,6 +170,7 @@ def megatron_layers(config: dict[str, Any], get: Callable[[str], torch.Tensor], 
     _refuse_unexported(config)
     top: dict[str, torch.Tensor] = {}
     layers: list[dict[str, torch.Tensor]] = [{} for _ in range(cfg.num_layers)]
+    names = MLA_EXPORT_LAYER if cfg.multi_latent_attention else EXPORT_LAYER
     for key in all_specs(config, 1):
         t = get(key)
         t = t.to(dtype) if dtype is not None else t
@@ -169,19 +180,20 @@ def megatron_layers(config: dict[str, Any], get: Callable[[str], torch.Tensor], 
             top[EXPORT_TOP[key]] = t.contiguous()
             continue
         _, i, suffix = key.split(".", 2)
-        if suffix not in EXPORT_LAYER:
+        if suffix not in names:
             raise CheckpointError(f"to-megatron: {key} has no megatron-core counterpart")
-        layers[int(i)][EXPORT_LAYER[suffix]] = t.contiguous()
+        layers[int(i)][names[suffix]] = t.contiguous()
     return top, layers
 
 
 def layer_linears(layer: dict[str, torch.Tensor]) -> list[str]:
     """The linear modules of one layer (megatron-core's local-spec names), each of which saves an
-    ``_extra_state``: attention's two, the dense MLP's or the shared expert's fc1/fc2 (routed experts
-    apart: one pair per expert)."""
+    ``_extra_state``: attention's two (MLA's projections), the dense MLP's or the shared expert's fc1/fc2
+    (routed experts apart: one pair per expert)."""
     mlp = [m for m in ("mlp.linear_fc1", "mlp.linear_fc2", "mlp.shared_experts.linear_fc1",
                        "mlp.shared_experts.linear_fc2") if f"{m}.weight" in layer]
-    return [*ATTENTION_LINEARS, *mlp]
+    attention = [m for m in MLA_LINEARS if f"{m}.weight" in layer] or list(ATTENTION_LINEARS)
+    return [*attention, *mlp]
 
 
 def export_vocab(config: dict[str, Any], padded_vocab: int | None, tp: int) -> int:

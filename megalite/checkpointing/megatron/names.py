@@ -67,6 +67,16 @@ LAYER_KEY = re.compile(r"^decoder\.layers\.(?:(\d+)\.)?(.+)$")
 # multi-token prediction (--mtp-num-layers): megatron-core's mtp.layers.{k}.* -> megalite's (model/mtp.py)
 MTP_KEY = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
 MTP_OWN = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "final_layernorm": "final_norm"}
+# multi-latent attention (--multi-latent-attention): megalite's names are megatron-core's without ``linear_``;
+# the latent norms are the local spec's q_layernorm / kv_layernorm, or Transformer Engine's fused into the
+# up-projections (``linear_q_up_proj.layer_norm_weight``); the local spec keys its layer norms unfused
+MLA_LAYER = {f"self_attention.linear_{n}.weight": f"attention.{n}.weight"
+             for n in ("q_proj", "q_down_proj", "q_up_proj", "kv_down_proj", "kv_up_proj")}
+MLA_LAYER.update({f"self_attention.{n}_layernorm.{w}": f"attention.{n}_layernorm.{w}"
+                  for n in ("q", "kv") for w in ("weight", "bias")})
+MLA_LAYER.update({f"self_attention.linear_{n}_up_proj.layer_norm_{w}": f"attention.{n}_layernorm.{w}"
+                  for n in ("q", "kv") for w in ("weight", "bias")})
+MLA_KEY = re.compile(r"\.self_attention\.linear_kv_down_proj\.weight$")
 
 
 def split_optimizer_keys(keys: Iterable[str]) -> tuple[list[str], dict[str, dict[str, str]], list[str]]:
@@ -128,6 +138,8 @@ def to_megalite(keys: Iterable[str], get: Callable[[str], torch.Tensor], where: 
     to nothing is named."""
     out: dict[str, torch.Tensor] = {}
     experts: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
+    keys = list(keys)
+    names = {**LAYER, **MLA_LAYER} if any(MLA_KEY.search(k) for k in keys) else LAYER  # MLA's q_layernorm
     for key in keys:
         if SKIPPED.search(key):
             continue
@@ -149,8 +161,8 @@ def to_megalite(keys: Iterable[str], get: Callable[[str], torch.Tensor], where: 
                 if head != "transformer_layer":
                     raise CheckpointError(f"{where}: {key} ({suffix}) is not a parameter megalite knows")
                 prefix, suffix = f"{prefix}.layer", rest
-            if suffix in LAYER:
-                _put(out, f"{prefix}.{LAYER[suffix]}", t, key, where)
+            if suffix in names:
+                _put(out, f"{prefix}.{names[suffix]}", t, key, where)
             elif (e := _expert(suffix)) is not None:
                 fc, j = e
                 if j is None:

@@ -13,7 +13,9 @@ import torch
 from megalite.checkpointing.errors import CheckpointError
 
 COLUMN = re.compile(r"(word_embeddings\.weight|output_layer\.weight|linear_qkv\.(weight|bias)|linear_fc1\.(weight|bias)"
-                    r"|linear_fc1\.weight\d+|eh_proj\.weight)$")  # eh_proj: MTP's projection, column-parallel
+                    r"|linear_fc1\.weight\d+|eh_proj\.weight"  # eh_proj: MTP's projection, column-parallel
+                    r"|linear_q_proj\.weight|linear_q_up_proj\.weight|linear_kv_up_proj\.weight"  # MLA: by heads
+                    r"|linear_q_down_proj\.weight|linear_kv_down_proj\.weight)$")  # the local spec's, on dim 0
 ROW = re.compile(r"(linear_proj\.weight|linear_fc2\.weight|linear_fc2\.weight\d+)$")
 
 

@@ -1,0 +1,134 @@
+"""Promise: multi-latent attention crosses to and from megatron-core. A megalite MLA checkpoint (query
+compression, --qk-layernorm's latent norms, YaRN with both mscales, random weights, saved at TP2) is exported
+with ``to-megatron`` at TP2 (torch_dist, and the legacy format cut for TP2); megatron-core's GPTModel with its
+local MLA layer spec at TP2, built from the args the export saved, loads each and computes megalite's logits
+(fp32, 1e-5); ``from-megatron`` of the export gives the same logits back."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from megalite.checkpointing.megatron.args import config_from_args
+from megalite.checkpointing.megatron.names import _full_shapes
+from megalite.checkpointing.megatron.safe_pickle import load_torch_file
+from megalite.checkpointing.writer import write_checkpoint
+from megalite.parallel.groups import ProcessGroups
+from megalite.parallel.layout import RankLayout
+from tests.harness import run_ranks
+from tests.test_megatron_export import assert_imports_back
+from tests.test_megatron_import import TOKENS, _megalite_logits, megatron_args
+from tools.convert_checkpoint import main as convert
+
+pytest.importorskip("megatron.core")
+
+VOCAB = 95
+ARGS = megatron_args(ffn_hidden_size=48, position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
+                     add_bias_linear=False, untie_embeddings_and_output_weights=True, qk_layernorm=True,
+                     multi_latent_attention=True, q_lora_rank=24, kv_lora_rank=16, qk_head_dim=8,
+                     qk_pos_emb_head_dim=4, v_head_dim=6, rope_type="yarn", rotary_scaling_factor=4.0,
+                     yarn_original_max_position_embeddings=4, mscale=0.5, mscale_all_dim=1.0)
+PG = ProcessGroups.unconnected(RankLayout(1, 1, 1), 0)
+
+
+class _CoreAttention(torch.nn.Module):
+    """Causal softmax(q.k scale) v over MLA's q/k and v widths: megatron-core 0.16's local
+    DotProductAttention takes no separate k/v channels (its MLA runs Transformer Engine's), so the local spec
+    gets this in its place; every other module is megatron-core's own."""
+
+    def __init__(self, config, softmax_scale=None, **kwargs):  # the base Attention builds one first, unscaled
+        super().__init__()
+        self.scale = softmax_scale
+
+    def forward(self, q, k, v, attention_mask, packed_seq_params=None, attn_mask_type=None):
+        s, b, n, _ = q.shape  # [s, b, heads, d]
+        scores = torch.einsum("sbnd,tbnd->bnst", q, k) * self.scale
+        future = torch.ones(s, s, dtype=torch.bool).triu(1)
+        probs = scores.masked_fill(future, float("-inf")).softmax(-1)
+        return torch.einsum("bnst,tbnd->sbnd", probs, v).reshape(s, b, -1)
+
+
+def _mcore_mla(args):
+    """megatron-core's GPTModel with its local MLA spec at TP2 for the export's ``args`` (YaRN's arguments
+    under megatron-core's config names)."""
+    import torch.nn.functional as F
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    cfg = MLATransformerConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads, normalization=args.normalization,
+        layernorm_epsilon=args.norm_epsilon, gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+        hidden_dropout=0.0, attention_dropout=0.0, qk_layernorm=args.qk_layernorm, use_cpu_initialization=True,
+        params_dtype=torch.float32, tensor_model_parallel_size=2, pipeline_dtype=torch.float32,
+        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
+        gradient_accumulation_fusion=False, q_lora_rank=args.q_lora_rank, kv_lora_rank=args.kv_lora_rank,
+        qk_head_dim=args.qk_head_dim, qk_pos_emb_head_dim=args.qk_pos_emb_head_dim, v_head_dim=args.v_head_dim,
+        rope_type=args.rope_type, rotary_base=args.rotary_base, rotary_scaling_factor=args.rotary_scaling_factor,
+        original_max_position_embeddings=args.yarn_original_max_position_embeddings,
+        beta_fast=args.yarn_beta_fast, beta_slow=args.yarn_beta_slow, mscale=args.mscale,
+        mscale_all_dim=args.mscale_all_dim)
+    spec = get_gpt_layer_local_spec(multi_latent_attention=True, qk_layernorm=args.qk_layernorm,
+                                    normalization=args.normalization)
+    spec.submodules.self_attention.submodules.core_attention = _CoreAttention
+    return GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
+                    max_sequence_length=args.max_position_embeddings, parallel_output=False,
+                    share_embeddings_and_output_weights=False, position_embedding_type="rope").eval()
+
+
+def _in_megatron(rank: int, world: int, root: str) -> dict:
+    from tests.mcore_cpu import cpu_shim, logits
+
+    cpu_shim()
+    from megatron.core import dist_checkpointing
+    from megatron.core.transformer import multi_latent_attention
+
+    multi_latent_attention.HAVE_TE = False  # its fp8 check asks isinstance of Transformer Engine's absent class
+    from megatron.core import parallel_state as ps
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=2)
+    out = {}
+    it_dir = os.path.join(root, "mcore", "iter_0000005")
+    args = load_torch_file(os.path.join(it_dir, "common.pt"))["args"]
+    assert args.multi_latent_attention and args.rope_type == "yarn" and args.q_lora_rank == 24
+    model = _mcore_mla(args)
+    model.load_state_dict(dist_checkpointing.load({"model": model.sharded_state_dict()}, it_dir)["model"])
+    out["mcore"] = logits(model, TOKENS, args.hidden_size)
+    saved = load_torch_file(os.path.join(root, "legacy", "iter_0000005", f"mp_rank_{rank:02d}", "model_optim_rng.pt"))
+    model = _mcore_mla(saved["args"])
+    model.load_state_dict(saved["model"], strict=True)
+    out["legacy"] = logits(model, TOKENS, args.hidden_size)
+    ps.destroy_model_parallel()
+    return out if rank == 0 else {}
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory) -> tuple[str, dict]:
+    root = str(tmp_path_factory.mktemp("mla"))
+    config = config_from_args(ARGS, VOCAB, "mla")
+    assert config["multi_latent_attention"] and config["position_embedding_type"] == "yarn"
+    g = torch.Generator().manual_seed(7)
+    params = {k: 0.1 * torch.randn(shape, generator=g) + (1.0 if "norm.weight" in k else 0.0)
+              for k, shape in _full_shapes(config).items()}
+    assert "layers.1.attention.q_layernorm.weight" in params and "layers.1.attention.kv_layernorm.weight" in params
+    write_checkpoint(os.path.join(root, "megalite"), config, params.__getitem__, tp=2, pp=1, iteration=5)
+    for out, extra in (("mcore", []), ("legacy", ["--format", "torch"])):
+        assert convert(["to-megatron", "--load", os.path.join(root, "megalite"), "--save", os.path.join(root, out),
+                        "--tensor-model-parallel-size", "2", *extra]) == 0
+    return root, run_ranks(_in_megatron, 2, root, timeout=120)[0]
+
+
+@pytest.mark.parametrize("fmt", ["mcore", "legacy"])
+def test_megatron_core_loads_the_mla_export_and_gives_megalite_logits(exported, fmt):
+    root, got = exported
+    want = _megalite_logits(os.path.join(root, "megalite"), PG)
+    torch.testing.assert_close(got[fmt][..., :VOCAB], want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["mcore", "legacy"])
+def test_from_megatron_reads_mla_back(exported, fmt, tmp_path):
+    root, _ = exported
+    assert_imports_back(os.path.join(root, fmt), os.path.join(root, "megalite"), str(tmp_path / "back"))
