@@ -220,8 +220,8 @@ def test_unknown_keys_wrong_shapes_and_unsupported_args_are_named(saved, tmp_pat
     _refused(load, tmp_path, "unexpected ['layers.0.attention.q_norm.weight']")
     write(lambda s: s["model"].update({"decoder.layers.0.mlp.linear_fc2.weight": torch.ones(32, 3)}))
     _refused(load, tmp_path, "layers.0.mlp.fc2.weight has shape (32, 6)", "needs (32, 128)")
-    write(lambda s: s.update(args=argparse.Namespace(**{**vars(s["args"]), "multi_latent_attention": True})))
-    _refused(load, tmp_path, "multi_latent_attention=True", "not implemented")
+    write(lambda s: s.update(args=argparse.Namespace(**{**vars(s["args"]), "rotary_interleaved": True})))
+    _refused(load, tmp_path, "rotary_interleaved=True", "not implemented")
 
 
 
