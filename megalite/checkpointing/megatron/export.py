@@ -192,7 +192,8 @@ def layer_linears(layer: dict[str, torch.Tensor]) -> list[str]:
     (routed experts apart: one pair per expert)."""
     mlp = [m for m in ("mlp.linear_fc1", "mlp.linear_fc2", "mlp.shared_experts.linear_fc1",
                        "mlp.shared_experts.linear_fc2") if f"{m}.weight" in layer]
-    attention = [m for m in MLA_LINEARS if f"{m}.weight" in layer] or list(ATTENTION_LINEARS)
+    mla = "self_attention.linear_kv_down_proj.weight" in layer
+    attention = [m for m in MLA_LINEARS if f"{m}.weight" in layer] if mla else list(ATTENTION_LINEARS)
     return [*attention, *mlp]
 
 
