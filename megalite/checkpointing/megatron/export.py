@@ -70,6 +70,7 @@ MOE_ARG_FIELDS = ("num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_
                   "moe_router_enable_expert_bias", "moe_router_bias_update_rate", "moe_expert_capacity_factor",
                   "moe_token_drop_policy", "moe_pad_expert_input_to_capacity", "moe_token_dispatcher_type",
                   "moe_router_num_groups", "moe_router_group_topk")
+MTP_EXPORT_OWN = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "final_norm": "final_layernorm"}
 MLA_ARG_FIELDS = ("multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
                   "v_head_dim")
 
@@ -104,6 +105,8 @@ def megatron_args(config: dict[str, Any], padded_vocab: int) -> Namespace:
     if cfg.multi_latent_attention:  # megatron-core's q_lora_rank None: no query compression
         fields.update({k: getattr(cfg, k) for k in MLA_ARG_FIELDS}, q_lora_rank=cfg.q_lora_rank or None,
                       rope_type="yarn" if cfg.position_embedding_type == "yarn" else "rope")
+    if cfg.mtp_num_layers:
+        fields.update(mtp_num_layers=cfg.mtp_num_layers, mtp_loss_scaling_factor=cfg.mtp_loss_scaling_factor)
     if cfg.num_experts:
         fields.update({k: config[k] for k in MOE_ARG_FIELDS if config.get(k) is not None})
         moe = [int(m) for m in cfg.moe_layers()]  # a list makes megatron-core key the layers one by one
@@ -123,9 +126,9 @@ def _refuse_unexported(config: dict[str, Any]) -> None:
     if config.get("sublayer_norms", "pre") != "pre":
         raise CheckpointError(f"to-megatron: --sublayer-norms {config['sublayer_norms']} is not exported "
                               "(megatron-core's transformer layer normalizes each sublayer's input only)")
-    if config.get("mtp_num_layers"):
-        raise CheckpointError("to-megatron: --mtp-num-layers is not exported yet (megatron-core's MTP block takes "
-                              "its own tensor names, mtp.layers.K.*)")
+    if config.get("mtp_num_layers") and config.get("num_experts") and model_config(config)[0].moe_layers()[-1]:
+        raise CheckpointError("to-megatron: --mtp-num-layers with an MoE last layer is not exported yet (its "
+                              "depths' experts are not written)")
     if config.get("attn_logit_softcapping") is not None:
         raise CheckpointError(f"to-megatron: --attn-logit-softcapping {config['attn_logit_softcapping']:g} is not "
                               "exported (megatron-core's attention has no logit soft-capping)")
@@ -179,11 +182,37 @@ def megatron_layers(config: dict[str, Any], get: Callable[[str], torch.Tensor], 
                 t = torch.cat([t, t.new_zeros(padded_vocab - t.shape[0], *t.shape[1:])])
             top[EXPORT_TOP[key]] = t.contiguous()
             continue
+        if key.startswith("mtp."):
+            top[_mtp_name(key, names)] = t.contiguous()
+            continue
         _, i, suffix = key.split(".", 2)
         if suffix not in names:
             raise CheckpointError(f"to-megatron: {key} has no megatron-core counterpart")
         layers[int(i)][names[suffix]] = t.contiguous()
     return top, layers
+
+
+def _mtp_name(key: str, names: dict[str, str]) -> str:
+    """megatron-core's key of a multi-token prediction tensor (the reverse of what from-megatron reads):
+    ``mtp.layers.K.{enorm,hnorm,eh_proj,final_layernorm}.*`` and the depth's layer as ``transformer_layer``."""
+    _, _, k, head, rest = key.split(".", 4)
+    if head in MTP_EXPORT_OWN:
+        return f"mtp.layers.{k}.{MTP_EXPORT_OWN[head]}.{rest}"
+    if head == "layer" and rest in names:
+        return f"mtp.layers.{k}.transformer_layer.{names[rest]}"
+    raise CheckpointError(f"to-megatron: {key} has no megatron-core counterpart")
+
+
+def mtp_linears(top: dict[str, torch.Tensor]) -> list[str]:
+    """The multi-token prediction depths' linear modules (eh_proj and the layer's), each of which saves an
+    ``_extra_state`` (megatron-core keys each depth on its own, not stacked)."""
+    layers: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in top.items():
+        if key.startswith("mtp.layers.") and ".transformer_layer." in key:
+            prefix, _, suffix = key.partition(".transformer_layer.")
+            layers.setdefault(prefix, {})[suffix] = t
+    return [m for prefix in sorted(layers) for m in
+            [f"{prefix}.eh_proj", *(f"{prefix}.transformer_layer.{x}" for x in layer_linears(layers[prefix]))]]
 
 
 def layer_linears(layer: dict[str, torch.Tensor]) -> list[str]:

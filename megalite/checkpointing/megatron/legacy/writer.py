@@ -38,6 +38,7 @@ from megalite.checkpointing.megatron.export import (
     layer_linears,
     megatron_args,
     megatron_layers,
+    mtp_linears,
 )
 from megalite.checkpointing.megatron.legacy.reader import FILE
 from megalite.checkpointing.megatron.tp import tp_shard
@@ -93,8 +94,13 @@ def stage_state(top: dict[str, torch.Tensor], layers: list[dict[str, torch.Tenso
                 out[key] = t
             if tied and stage == pp - 1 and key == "embedding.word_embeddings.weight" and pp > 1:
                 out["output_layer.weight"] = t
+        elif stage == pp - 1 and key.startswith("mtp."):  # a depth's layer: its norms unfused, as above
+            prefix, mid, suffix = key.partition(".transformer_layer.")
+            out[f"{prefix}{mid}{LOCAL_NORMS.get(suffix, suffix)}" if mid else key] = t
         elif stage == pp - 1:
             out[key] = t
+    if stage == pp - 1:
+        out.update({f"{m}._extra_state": None for m in mtp_linears(top)})
     return out
 
 

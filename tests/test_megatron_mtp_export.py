@@ -1,0 +1,129 @@
+"""Promise: multi-token prediction depths go out with ``to-megatron``. A megalite checkpoint with two MTP depths
+(Llama-style, random weights, saved at TP2) is exported at TP2 (torch_dist, and the legacy format cut for
+TP2); megatron-core's GPTModel with its MTP block at TP2, built from the args the export saved, loads each and
+gives megalite's main loss and per-depth MTP losses (fp32, 1e-5); ``from-megatron`` of the export gives the
+same losses back."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+
+from megalite.checkpointing.load import load_checkpoint
+from megalite.checkpointing.megatron.args import config_from_args
+from megalite.checkpointing.megatron.names import _full_shapes
+from megalite.checkpointing.megatron.safe_pickle import load_torch_file
+from megalite.checkpointing.metadata import model_config
+from megalite.checkpointing.reader import CheckpointReader
+from megalite.checkpointing.writer import write_checkpoint
+from megalite.model.forward_step import lm_forward_step
+from megalite.model.gpt import GPTModel
+from megalite.parallel.groups import ProcessGroups
+from megalite.tensor_parallel.context import BuildContext
+from megalite.tensor_parallel.random import RNGTracker
+from tests.harness import run_ranks
+from tests.test_megatron_import import megatron_args
+from tools.convert_checkpoint import main as convert
+
+pytest.importorskip("megatron.core")
+
+VOCAB, SEQ = 64, 16  # exported unpadded: padded rows would join megatron-core's softmax
+ARGS = megatron_args(ffn_hidden_size=48, position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
+                     add_bias_linear=False, untie_embeddings_and_output_weights=True, mtp_num_layers=2,
+                     mtp_loss_scaling_factor=0.3, seq_length=SEQ, max_position_embeddings=SEQ)
+TEXT = torch.randint(0, VOCAB, (2, SEQ + 1), generator=torch.Generator().manual_seed(5))
+MASK = torch.ones(2, SEQ)
+MASK[0, 5], MASK[1, 12:] = 0, 0
+
+
+def _in_megatron(rank: int, world: int, root: str) -> dict:
+    """megatron-core at TP2 with its MTP block loads each export; (main masked-mean loss, per-depth MTP losses)."""
+    from tests.mcore_cpu import _config, cpu_shim
+
+    cpu_shim()
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel as McoreGPT
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=2)
+    out = {}
+    for fmt in ("mcore", "legacy"):
+        it_dir = os.path.join(root, fmt, "iter_0000005")
+        if fmt == "mcore":
+            args = load_torch_file(os.path.join(it_dir, "common.pt"))["args"]
+        else:
+            saved = load_torch_file(os.path.join(it_dir, f"mp_rank_{rank:02d}", "model_optim_rng.pt"))
+            args = saved["args"]
+        assert (args.mtp_num_layers, args.mtp_loss_scaling_factor) == (2, 0.3)
+        cfg = dataclasses.replace(_config(args, 2, 1), mtp_num_layers=args.mtp_num_layers,
+                                  mtp_loss_scaling_factor=args.mtp_loss_scaling_factor)
+        spec = get_gpt_layer_local_spec(normalization=args.normalization)
+        model = McoreGPT(config=cfg, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
+                         max_sequence_length=SEQ, share_embeddings_and_output_weights=False,
+                         mtp_block_spec=get_gpt_mtp_block_spec(cfg, spec, use_transformer_engine=False),
+                         position_embedding_type="rope")
+        if fmt == "mcore":
+            model.load_state_dict(dist_checkpointing.load({"model": model.sharded_state_dict()}, it_dir)["model"])
+        else:
+            model.load_state_dict(saved["model"], strict=True)
+        MTPLossLoggingHelper.tracker.pop("values", None)  # one forward's losses per format
+        tokens, labels = TEXT[:, :-1], TEXT[:, 1:]
+        causal = torch.triu(torch.ones(SEQ, SEQ), diagonal=1).bool()[None, None]
+        per_token = model(tokens, torch.arange(SEQ).expand(2, SEQ), causal, labels=labels, loss_mask=MASK)
+        out[fmt] = ((per_token * MASK).sum() / MASK.sum()).detach(), MTPLossLoggingHelper.tracker["values"].clone()
+    ps.destroy_model_parallel()
+    return out if rank == 0 else {}
+
+
+def _megalite_losses(load: str) -> tuple[torch.Tensor, torch.Tensor]:
+    config = CheckpointReader(load).config
+    cfg, vocab = model_config(config)
+    model = GPTModel(cfg, BuildContext(ProcessGroups.single(), RNGTracker()), vocab)
+    load_checkpoint(load, [model], None, ProcessGroups.single(), config, load_optim=False, load_rng=False)
+    loss = lm_forward_step(model, {"tokens": TEXT[:, :-1], "labels": TEXT[:, 1:], "loss_mask": MASK}, None)
+    return loss.detach(), model.mtp_losses.sums.float() / model.mtp_losses.microbatches
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory) -> tuple[str, dict]:
+    root = str(tmp_path_factory.mktemp("mtp_export"))
+    config = config_from_args(ARGS, VOCAB, "mtp")
+    g = torch.Generator().manual_seed(7)
+    params = {k: 0.1 * torch.randn(shape, generator=g) + (1.0 if "norm.weight" in k else 0.0)
+              for k, shape in _full_shapes(config).items()}
+    assert "mtp.layers.1.eh_proj.weight" in params
+    write_checkpoint(os.path.join(root, "megalite"), config, params.__getitem__, tp=2, pp=1, iteration=5)
+    for out, extra in (("mcore", []), ("legacy", ["--format", "torch"])):
+        assert convert(["to-megatron", "--load", os.path.join(root, "megalite"), "--save", os.path.join(root, out),
+                        "--tensor-model-parallel-size", "2", "--padded-vocab-size", str(VOCAB), *extra]) == 0
+    return root, run_ranks(_in_megatron, 2, root, timeout=120)[0]
+
+
+@pytest.mark.parametrize("fmt", ["mcore", "legacy"])
+def test_megatron_core_gives_megalites_main_and_mtp_losses(exported, fmt):
+    root, got = exported
+    loss, mtp = _megalite_losses(os.path.join(root, "megalite"))
+    assert mtp.shape == (2,) and (mtp > 0).all()
+    torch.testing.assert_close(got[fmt][0], loss, rtol=0, atol=1e-5)
+    torch.testing.assert_close(got[fmt][1], mtp, rtol=0, atol=1e-5)
+
+
+def test_from_megatron_reads_the_exported_depths_back(exported, tmp_path):
+    root, _ = exported
+    assert convert(["from-megatron", "--load", os.path.join(root, "mcore"), "--save", str(tmp_path / "back")]) == 0
+    for got, want in zip(_megalite_losses(str(tmp_path / "back")), _megalite_losses(os.path.join(root, "megalite"))):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_depths_with_experts_are_refused_by_name(tmp_path, capsys):
+    config = config_from_args(megatron_args(**{**vars(ARGS), "num_experts": 2, "moe_ffn_hidden_size": 16,
+                                               "moe_router_topk": 1}), VOCAB, "moe")
+    params = {k: torch.ones(shape) for k, shape in _full_shapes(config).items()}
+    write_checkpoint(str(tmp_path / "m"), config, params.__getitem__, tp=1, pp=1, iteration=1)
+    assert convert(["to-megatron", "--load", str(tmp_path / "m"), "--save", str(tmp_path / "o")]) == 2
+    assert "--mtp-num-layers with an MoE last layer is not exported yet" in capsys.readouterr().err
