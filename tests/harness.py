@@ -26,7 +26,9 @@ def _context():
     global _CTX
     if _CTX is None:
         _CTX = mp.get_context("forkserver")
-        _CTX.set_forkserver_preload(["torch", "torch.distributed", "megalite.model"])
+        # torch._dynamo: torch.optim's first optimizer imports it (about 2 s of CPU per rank otherwise)
+        _CTX.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "torch.optim", "megalite.model",
+                                     "megalite.training.loop", "megalite.checkpointing", "safetensors.torch"])
     return _CTX
 
 

@@ -279,7 +279,7 @@ def test_a2a_runs_the_attention_backend(monkeypatch):
 
 def test_the_model_hands_its_attention_backend_to_context_parallel(monkeypatch):
     from megalite.config.model import ModelConfig
-    from megalite.model import transformer
+    from megalite.model import attention_core, transformer
     from megalite.tensor_parallel.context import BuildContext
     from megalite.tensor_parallel.random import RNGTracker
 
@@ -289,7 +289,7 @@ def test_the_model_hands_its_attention_backend_to_context_parallel(monkeypatch):
         seen.append((comm_type, kw["backend"]))
         return torch.zeros_like(q)
 
-    monkeypatch.setattr(transformer, "context_parallel_attention", recorded)
+    monkeypatch.setattr(attention_core, "context_parallel_attention", recorded)  # the layers' one core call
     pg = ProcessGroups.unconnected(RankLayout(2, cp=2), 0)  # no collective runs: TP 1, the CP core recorded
     for backend in BACKENDS:
         cfg = ModelConfig(num_layers=1, hidden_size=16, num_attention_heads=4, seq_length=16,
