@@ -122,6 +122,23 @@ def test_the_export_imports_back_with_the_same_logits(exported, name, fmt, tmp_p
     assert_imports_back(os.path.join(root, name + fmt), os.path.join(root, name), str(tmp_path / "back"))
 
 
+def export_random(root: str, config: dict, tp: int, pp: int, formats: tuple[str, ...] = ("mcore", "legacy"),
+                  check: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+    """A megalite checkpoint of ``config`` with random weights (norm weights near 1) written at tp x pp into
+    root/megalite, and ``to-megatron`` of it at TP2 into root/<format> (torch_dist "mcore", "legacy"); the
+    parameters it holds (each of ``check`` among them)."""
+    g = torch.Generator().manual_seed(7)
+    params = {k: 0.1 * torch.randn(shape, generator=g) + (1.0 if "norm.weight" in k else 0.0)
+              for k, shape in _full_shapes(config).items()}
+    assert all(k in params for k in check), [k for k in check if k not in params]
+    write_checkpoint(os.path.join(root, "megalite"), config, params.__getitem__, tp=tp, pp=pp, iteration=5)
+    for out in formats:
+        extra = ["--format", "torch"] if out == "legacy" else []
+        assert convert(["to-megatron", "--load", os.path.join(root, "megalite"), "--save", os.path.join(root, out),
+                        "--tensor-model-parallel-size", "2", *extra]) == 0
+    return params
+
+
 def assert_imports_back(megatron_dir: str, megalite_dir: str, back: str) -> None:
     """``from-megatron`` of an export gives the exported checkpoint's logits exactly (at TP1)."""
     assert convert(["from-megatron", "--load", megatron_dir, "--save", back]) == 0

@@ -12,15 +12,12 @@ import pytest
 import torch
 
 from megalite.checkpointing.megatron.args import config_from_args
-from megalite.checkpointing.megatron.names import _full_shapes
 from megalite.checkpointing.megatron.safe_pickle import load_torch_file
-from megalite.checkpointing.writer import write_checkpoint
 from megalite.parallel.groups import ProcessGroups
 from megalite.parallel.layout import RankLayout
 from tests.harness import run_ranks
-from tests.test_megatron_export import assert_imports_back
+from tests.test_megatron_export import assert_imports_back, export_random
 from tests.test_megatron_import import TOKENS, _megalite_logits, megatron_args
-from tools.convert_checkpoint import main as convert
 
 pytest.importorskip("megatron.core")
 
@@ -110,14 +107,8 @@ def exported(tmp_path_factory) -> tuple[str, dict]:
     root = str(tmp_path_factory.mktemp("mla"))
     config = config_from_args(ARGS, VOCAB, "mla")
     assert config["multi_latent_attention"] and config["position_embedding_type"] == "yarn"
-    g = torch.Generator().manual_seed(7)
-    params = {k: 0.1 * torch.randn(shape, generator=g) + (1.0 if "norm.weight" in k else 0.0)
-              for k, shape in _full_shapes(config).items()}
-    assert "layers.1.attention.q_layernorm.weight" in params and "layers.1.attention.kv_layernorm.weight" in params
-    write_checkpoint(os.path.join(root, "megalite"), config, params.__getitem__, tp=2, pp=1, iteration=5)
-    for out, extra in (("mcore", []), ("legacy", ["--format", "torch"])):
-        assert convert(["to-megatron", "--load", os.path.join(root, "megalite"), "--save", os.path.join(root, out),
-                        "--tensor-model-parallel-size", "2", *extra]) == 0
+    export_random(root, config, tp=2, pp=1, check=("layers.1.attention.q_layernorm.weight",
+                                                   "layers.1.attention.kv_layernorm.weight"))
     return root, run_ranks(_in_megatron, 2, root, timeout=120)[0]
 
 

@@ -20,6 +20,7 @@ from megalite.checkpointing.writer import write_checkpoint
 from megalite.parallel.groups import ProcessGroups
 from megalite.parallel.layout import RankLayout
 from tests.harness import run_ranks
+from tests.test_megatron_export import export_random
 from tests.test_megatron_import import CASES, TOKENS, _megalite_logits, megatron_args
 from tools.convert_checkpoint import main as convert
 
@@ -65,14 +66,8 @@ def exported(tmp_path_factory) -> tuple[str, dict]:
     root = str(tmp_path_factory.mktemp("qk"))
     config = config_from_args(ARGS, VOCAB, "qk")
     assert config["qk_layernorm"] is True
-    g = torch.Generator().manual_seed(7)
-    params = {k: 0.1 * torch.randn(shape, generator=g) + (1.0 if "norm.weight" in k else 0.0)
-              for k, shape in _full_shapes(config).items()}
-    assert "layers.1.attention.q_norm.weight" in params and "layers.1.attention.k_norm.weight" in params
-    write_checkpoint(os.path.join(root, "megalite"), config, params.__getitem__, tp=2, pp=2, iteration=5)
-    for out, extra in (("mcore", []), ("legacy", ["--format", "torch"])):
-        assert convert(["to-megatron", "--load", os.path.join(root, "megalite"), "--save", os.path.join(root, out),
-                        "--tensor-model-parallel-size", "2", *extra]) == 0
+    export_random(root, config, tp=2, pp=2, check=("layers.1.attention.q_norm.weight",
+                                                   "layers.1.attention.k_norm.weight"))
     return root, run_ranks(_in_megatron, 2, root, timeout=120)[0]
 
 

@@ -14,12 +14,11 @@ import pytest
 import torch
 
 from megalite.checkpointing.megatron.args import config_from_args
-from megalite.checkpointing.megatron.names import _full_shapes
 from megalite.checkpointing.megatron.safe_pickle import load_torch_file
-from megalite.checkpointing.writer import write_checkpoint
 from megalite.parallel.groups import ProcessGroups
 from megalite.parallel.layout import RankLayout
 from tests.harness import run_ranks
+from tests.test_megatron_export import export_random
 from tests.test_megatron_import import CASES, TOKENS, _megalite_logits, megatron_args
 from tools.convert_checkpoint import main as convert
 
@@ -62,12 +61,7 @@ def exported(tmp_path_factory) -> tuple[str, dict]:
     root = str(tmp_path_factory.mktemp("window"))
     config = config_from_args(ARGS, VOCAB, "window")
     assert config["window_size"] == [3, 0] and config["window_attn_skip_freq"] == "2"
-    g = torch.Generator().manual_seed(7)
-    params = {k: 0.1 * torch.randn(shape, generator=g) + (1.0 if "norm.weight" in k else 0.0)
-              for k, shape in _full_shapes(config).items()}
-    write_checkpoint(os.path.join(root, "megalite"), config, params.__getitem__, tp=2, pp=2, iteration=5)
-    assert convert(["to-megatron", "--load", os.path.join(root, "megalite"), "--save", os.path.join(root, "mcore"),
-                    "--tensor-model-parallel-size", "2"]) == 0
+    export_random(root, config, tp=2, pp=2, formats=("mcore",))
     return root, run_ranks(_in_megatron, 2, root, timeout=120)[0]
 
 
