@@ -2,8 +2,9 @@
 depths, built and run on CPU by megatron-core itself, and megalite's model holding its weights give the same main
 and per-depth MTP losses and the same gradients of main + factor / depths x the MTP losses (masked labels
 included); PP2 (the last stage's MTP looks tokens up in its tied copy of the embedding) and TP2 + SP give the
-serial loss, grad-norm and "mtp_1 loss" curves under NCCL's point-to-point rules; MTP changes the curve; a
-checkpoint saved at PP2 resumes in one process on the serial curve; the flag rules."""
+serial loss, grad-norm and "mtp_1 loss" curves under NCCL's point-to-point rules, and so do CP2 with p2p, a2a and
+allgather (the shifts of the whole sequence across the zigzag chunks), packed documents per token included; MTP
+changes the curve; a checkpoint saved at PP2 resumes in one process on the serial curve; the flag rules."""
 
 from __future__ import annotations
 
@@ -156,7 +157,19 @@ def _mtp_curve(res, pg) -> list:
     return res.mtp_losses
 
 
-LAYOUTS = {"pp2": flat(pp=2), "tp2_sp": flat(tp=2, sequence_parallel=True)}
+PACKED = {"reset_position_ids": True, "reset_attention_mask": True, "eod_mask_loss": True,
+          "calculate_per_token_loss": True}
+LAYOUTS = {"pp2": flat(pp=2), "tp2_sp": flat(tp=2, sequence_parallel=True),
+           # the zigzag chunks' shifted tokens, labels and loss mask are the whole sequence's (model/mtp.py: Shifts)
+           "cp2_p2p": flat(context_parallel_size=2), "cp2_a2a": flat(context_parallel_size=2, cp_comm_type="a2a"),
+           "cp2_allgather": flat(context_parallel_size=2, cp_comm_type="allgather"),
+           # packed documents (the shifts cross document ends as serially; the masked EODs shift too), per token
+           "cp2_packed_per_token": flat(context_parallel_size=2, **PACKED)}
+
+
+def serial_of(layout: str) -> dict:
+    """The layout's serial run."""
+    return flat(**PACKED) if layout == "cp2_packed_per_token" else flat()
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +184,7 @@ def launched(tmp_path_factory) -> tuple[list, str]:
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layouts_give_the_serial_curve_and_mtp_loss(launched, layout):
     curves, _ = launched
-    ref = serial_curve(flat(), _mtp_curve)
+    ref = serial_curve(serial_of(layout), _mtp_curve)
     assert_matches_serial(curves, layout, ref, ITERS)
     last = curves[-1][layout].extra  # the logging rank's "mtp_1 loss" lines (--log-interval 5: the last iteration)
     assert [i for i, _ in last] == [ITERS] and [i for i, _ in ref.extra] == [ITERS]
@@ -195,7 +208,6 @@ def test_a_pp2_checkpoint_resumes_in_one_process_on_the_serial_curve(launched):
 @pytest.mark.parametrize("change, named", [
     ({"mtp_loss_scaling_factor": 0.2}, "--mtp-loss-scaling-factor needs --mtp-num-layers"),
     ({"mtp_num_layers": 1, "position_embedding_type": "learned_absolute"}, "--mtp-num-layers needs"),
-    ({"mtp_num_layers": 1, "context_parallel_size": 2}, "--mtp-num-layers is not supported with --context-parallel"),
     ({"mtp_num_layers": 0}, "--mtp-num-layers")])
 def test_the_flag_rules(change, named):
     base = {k: v for k, v in flat().items() if k != "mtp_num_layers"}

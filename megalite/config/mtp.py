@@ -53,13 +53,3 @@ def mtp_errors(m: Any) -> list[str]:
         return [f"--mtp-num-layers needs --position-embedding-type rope or yarn (got {m.position_embedding_type}): "
                 "the MTP embedding on the last pipeline stage copies the word table only"]
     return []
-
-
-def mtp_layout_errors(cfg: Any) -> list[str]:
-    """MTP's layout rules: not with context parallelism, whose zigzag chunks would need the next chunk's first
-    tokens for the shifted labels and embeddings (Megatron-LM rolls them with CP communication; not done here)."""
-    m, p = cfg.model, cfg.parallel
-    if m.mtp_num_layers and p.context_parallel_size > 1:
-        return ["--mtp-num-layers is not supported with --context-parallel-size > 1 (the tokens shifted k ahead "
-                "cross the zigzag chunks)"]
-    return []

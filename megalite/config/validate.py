@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from megalite.config.data_values import data_string_errors
 from megalite.config.flags import domain_errors
 from megalite.config.mla import mla_errors
-from megalite.config.mtp import mtp_errors, mtp_layout_errors
+from megalite.config.mtp import mtp_errors
 from megalite.config.validate_cp import context_parallel_errors, cp_comm_errors
 from megalite.config.validate_moe import expert_layout_errors, moe_errors
 from megalite.config.validate_pipeline import checked_split
@@ -406,7 +406,7 @@ def validate(cfg: "MegaliteConfig", world_size: int, local_world_size: int | Non
     ``local_world_size`` (default: all) share a node; then fill in the derived defaults."""
     _raise_if(domain_check(cfg))
     _raise_if([*model_errors(cfg.model), *parallel_errors(cfg, world_size, local_world_size or world_size),
-               *mtp_layout_errors(cfg), *training_errors(cfg, world_size), *optimizer_errors(cfg.optimizer),
+               *training_errors(cfg, world_size), *optimizer_errors(cfg.optimizer),
                *schedule_errors(cfg.training, cfg.optimizer),
                *precision_errors(cfg.precision, cfg.ddp), *sharding_errors(cfg.ddp, cfg.parallel),
                *kernel_errors(cfg.model, cfg.precision),

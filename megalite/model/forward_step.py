@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from megalite.model.gpt import GPTModel
-from megalite.model.mtp import AddToGradient, mtp_loss
+from megalite.model.mtp import AddToGradient, Shifts, mtp_loss
 
 
 def lm_forward_step(chunk: nn.Module, mb: dict[str, torch.Tensor], hidden: torch.Tensor | None) -> torch.Tensor:
@@ -25,15 +25,22 @@ def lm_forward_step(chunk: nn.Module, mb: dict[str, torch.Tensor], hidden: torch
              "documents": mb.get("documents")}
     if not chunk.post_process:
         return chunk(tokens, hidden=hidden, **where)
-    per_token = chunk(tokens, labels=mb["labels"], hidden=hidden, mtp_tokens=mb["tokens"], **where)
+    shifts = None
+    if chunk.mtp is not None and torch.is_grad_enabled() and "sequence_index" in mb and chunk.pg.cp_size > 1:
+        # context parallelism: the MTP shifts run along the whole sequences (one CP all-gather of the ids)
+        shifts = Shifts(mb["tokens"], mb["labels"], mb["loss_mask"], chunk.pg, mb["sequence_index"])
+    per_token = chunk(tokens, labels=mb["labels"], hidden=hidden, mtp_tokens=mb["tokens"], mtp_shifts=shifts,
+                      **where)
     mask = mb["loss_mask"]
     count = mb["num_tokens"] if "num_tokens" in mb else mask.sum()
     loss = (per_token.float() * mask).sum() / (count + (count == 0))
     if chunk.mtp_per_token is None:
         return loss
-    # --mtp-num-layers: the depths' losses join the gradient, not the value (model/mtp.py); "num_tokens" without
-    # context parallelism (which MTP refuses) is --calculate-per-token-loss's denominator
-    term, logged = mtp_loss(chunk.mtp_per_token, mask, mb.get("num_tokens"), chunk.cfg.mtp_loss_scaling_factor)
+    # --mtp-num-layers: the depths' losses join the gradient, not the value (model/mtp.py); with
+    # --calculate-per-token-loss every depth divides by "num_tokens", else by its own shifted mask's count (of the
+    # whole sequences with context parallelism: this rank's share)
+    per_token_count = mb.get("num_tokens") if mb.get("per_token_loss", shifts is None) else None
+    term, logged = mtp_loss(chunk.mtp_per_token, mask, per_token_count, chunk.cfg.mtp_loss_scaling_factor, shifts)
     chunk.mtp_per_token = None
     if chunk.training:
         chunk.mtp_losses.add(logged)

@@ -14,7 +14,7 @@ from torch import nn
 
 from megalite.attention import Documents
 from megalite.config.model import ModelConfig
-from megalite.model.mtp import MTPBlock, MTPLosses, shift_left
+from megalite.model.mtp import MTPBlock, MTPLosses, Shifts
 from megalite.model.norm import Norm
 from megalite.model.rope import KindAngles, rope_frequencies, rope_scaling
 from megalite.model.transformer import TransformerLayer
@@ -171,7 +171,7 @@ class GPTModel(nn.Module):
     def forward(self, tokens: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 hidden: torch.Tensor | None = None, kv_cache=None, sequence_index: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, documents: Documents | None = None,
-                mtp_tokens: torch.Tensor | None = None) -> torch.Tensor:
+                mtp_tokens: torch.Tensor | None = None, mtp_shifts: Shifts | None = None) -> torch.Tensor:
         """First stage: tokens [b, s]; other stages: ``hidden`` [s, b, h] from the previous stage.
 
         Returns the per-token loss [b, s] when ``labels`` is given on the last stage, the full logits
@@ -183,7 +183,8 @@ class GPTModel(nn.Module):
         rotary embeddings see, else the sequence index; ``documents`` (--reset-attention-mask): attention
         stays inside each packed document. ``mtp_tokens`` [b, s] (--mtp-num-layers, a stage without the
         embedding): the input tokens, whose shifts the MTP depths embed; their token losses are left in
-        ``mtp_per_token`` for the forward step."""
+        ``mtp_per_token`` for the forward step. ``mtp_shifts`` (context parallelism): the tokens and labels
+        shifted along the whole sequences (model/mtp.py), in place of this rank's own shifted."""
         offset = 0 if kv_cache is None else kv_cache.offset
         positions = position_ids if position_ids is not None else sequence_index
         x = self.embedding(tokens, offset, positions) if self.pre_process else hidden
@@ -214,8 +215,9 @@ class GPTModel(nn.Module):
         if self.mtp is not None and torch.is_grad_enabled():
             table = (self.embedding.word.weight if self.pre_process else self.output_layer.weight
                      if self.mtp_embedding is None else self.mtp_embedding.weight)
-            hiddens = self.mtp(normed, tokens if tokens is not None else mtp_tokens, table, angles, documents)
-            self.mtp_per_token = [self._token_loss(h, shift_left(labels, k + 1)) for k, h in enumerate(hiddens)]
+            shifts = mtp_shifts or Shifts(tokens if tokens is not None else mtp_tokens, labels, None)
+            hiddens = self.mtp(normed, shifts, table, angles, documents)
+            self.mtp_per_token = [self._token_loss(h, shifts.labels(k + 1)) for k, h in enumerate(hiddens)]
         return self._token_loss(normed, labels)
 
     def _token_loss(self, normed: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

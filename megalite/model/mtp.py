@@ -7,7 +7,9 @@ them), and computes  h_k = final_norm(layer(eh_proj([enorm(e); hnorm(h)])))  wit
 main model's last layer's kind (dense or MoE, MLA or not). The shared output head turns h_k into logits whose
 labels are the main labels shifted k ahead, masked by the loss mask shifted alike (zeros past the end). Packed
 documents are not treated apart: as Megatron-LM's non-packed path, the shift runs across document ends, which
-the loss mask (--eod-mask-loss) and the attention's document bounds already cover.
+the loss mask (--eod-mask-loss) and the attention's document bounds already cover. With context parallelism the
+shifts are those of the whole sequence (``Shifts``: the CP ranks' token ids, labels and loss mask gathered, as
+Megatron-LM rolls them across the CP ranks' chunks), and each depth's loss is this rank's share of its mean.
 
 Parameter names (every layout): ``mtp.{k-1}.enorm.weight``, ``.hnorm.weight``, ``.eh_proj.weight`` [h, 2h]
 (the input is [embedding; hidden], Megatron's order), ``.layer.*`` (a transformer layer's names), and
@@ -22,6 +24,7 @@ import torch
 from torch import nn
 
 from megalite.config.model import ModelConfig
+from megalite.context_parallel.zigzag import natural_order
 from megalite.model.norm import Norm
 from megalite.model.transformer import TransformerLayer
 from megalite.tensor_parallel.context import BuildContext
@@ -39,6 +42,46 @@ def shift_left(t: torch.Tensor, k: int = 1) -> torch.Tensor:
     out = torch.zeros_like(t)
     out[:, :-k] = t[:, k:]
     return out
+
+
+class Shifts:
+    """A micro-batch's token ids, labels and loss mask shifted k ahead along the whole sequences. Under context
+    parallelism a rank holds only its zigzag chunks, whose shifted tokens sit in other chunks: the CP ranks'
+    parts (small; exact in fp64) are gathered once, put in sequence order, shifted there and cut back to this
+    rank's positions (``sequence_index``)."""
+
+    def __init__(self, tokens: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor | None, pg=None,
+                 sequence_index: torch.Tensor | None = None) -> None:
+        self.mask_dtype = None if loss_mask is None else loss_mask.dtype
+        parts = [tokens, labels] + ([] if loss_mask is None else [loss_mask])
+        full = torch.stack([t.to(torch.float64) for t in parts])  # [2 or 3, b, s]
+        self.index = None
+        if pg is not None and pg.cp_size > 1:
+            from megalite.parallel.groups import Group
+
+            s_local = tokens.shape[1]
+            full = pg.all_gather(full, Group.CP, dim=-1)  # the ranks' parts in rank order
+            full = full.index_select(-1, natural_order(s_local, pg.cp_size, full.device))
+            self.index = sequence_index.to(full.device)
+        self.full = full
+
+    def _take(self, row: int, k: int) -> torch.Tensor:
+        t = shift_left(self.full[row], k)
+        return t if self.index is None else t.index_select(-1, self.index)
+
+    def tokens(self, k: int) -> torch.Tensor:
+        return self._take(0, k).long()
+
+    def labels(self, k: int) -> torch.Tensor:
+        return self._take(1, k).long()
+
+    def mask(self, k: int) -> torch.Tensor:
+        """This rank's part of the loss mask shifted k ahead."""
+        return self._take(2, k).to(self.mask_dtype)
+
+    def count(self, k: int) -> torch.Tensor:
+        """The loss mask shifted k ahead, summed over the whole sequences (every CP rank's part)."""
+        return shift_left(self.full[2], k).sum().float()
 
 
 def vocab_lookup(ids: torch.Tensor, weight: torch.Tensor, cfg: ModelConfig, ctx: BuildContext) -> torch.Tensor:
@@ -99,14 +142,14 @@ class MTPBlock(nn.Module):
         cfg = self.cfg
         return self.training and cfg.recompute_granularity == "full" and cfg.recompute_method in (None, "uniform")
 
-    def forward(self, normed: torch.Tensor, tokens: torch.Tensor, weight: torch.Tensor, angles,
+    def forward(self, normed: torch.Tensor, shifts: Shifts, weight: torch.Tensor, angles,
                 documents) -> list[torch.Tensor]:
-        """``normed``: the main model's final-normed output [s(/tp), b, h]; ``tokens`` [b, s]; ``weight``: this
-        rank's word-embedding rows."""
+        """``normed``: the main model's final-normed output [s(/tp), b, h]; ``shifts``: the micro-batch's shifted
+        token ids; ``weight``: this rank's word-embedding rows."""
         out, h = [], normed
         p = self.cfg.hidden_dropout if self.training else 0.0
         for k, layer in enumerate(self.layers):
-            e = hidden_dropout(vocab_lookup(shift_left(tokens, k + 1), weight, self.cfg, self.ctx), p,
+            e = hidden_dropout(vocab_lookup(shifts.tokens(k + 1), weight, self.cfg, self.ctx), p,
                                self.ctx.tracker, self.ctx.sequence_parallel)
             if self.recomputed:  # as megatron-core's 'uniform' recomputation of each MTP layer
                 h = recompute(lambda x, y, a, d, one=layer: one(x, y, a, d), self.ctx.tracker, h, e, angles,
@@ -130,17 +173,19 @@ class MTPLosses:
 
 
 def mtp_loss(per_token: list[torch.Tensor], labels_mask: torch.Tensor, count: torch.Tensor | None,
-             factor: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
+             factor: float, shifts: Shifts | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The MTP term added to the gradient, and each depth's loss for the log. ``per_token``: depth k's token
     losses [b, s] against the labels shifted k ahead; ``labels_mask``: the loss mask [b, s]; ``count``: the
     main loss's denominator with --calculate-per-token-loss (then every depth divides by it, as Megatron-LM
-    leaves the sums to the global token count), else None: each depth's mean over its shifted mask."""
+    leaves the sums to the global token count), else None: each depth's mean over its shifted mask. ``shifts``
+    (context parallelism): the whole sequences' shifted masks, whose counts divide this rank's sums (its share
+    of each mean; the CP ranks' shares sum to it)."""
     depths = len(per_token)
     term, logged = None, []
     for k, loss in enumerate(per_token):
-        mask = shift_left(labels_mask, k + 1)
+        mask = shift_left(labels_mask, k + 1) if shifts is None else shifts.mask(k + 1)
         total = (loss.float() * mask).sum()
-        n = mask.sum()
+        n = mask.sum() if shifts is None else shifts.count(k + 1)
         mean = total / (n + (n == 0))
         logged.append(mean)  # Megatron-LM logs the mean over the shifted mask in either case
         part = (mean if count is None else total / (count + (count == 0))) * (factor / depths)
@@ -166,7 +211,8 @@ class AddToGradient(torch.autograd.Function):
 def window_mtp_losses(chunks: list[nn.Module], pg, depths: int) -> list[float]:
     """Each depth's loss over the logging window (then cleared): the mean over the window's micro-batches of
     every data-parallel replica (Megatron-LM's "mtp_k loss"). Every rank calls it (one world all-reduce); the
-    last stage's first tensor-parallel rank of each replica contributes."""
+    last stage's first tensor-parallel rank of each CP rank of each replica contributes (the CP ranks' shares
+    of the means sum to them; the first CP rank counts the micro-batches)."""
     from megalite import device
     from megalite.parallel.groups import Group
 
@@ -174,9 +220,9 @@ def window_mtp_losses(chunks: list[nn.Module], pg, depths: int) -> list[float]:
     for c in chunks:
         losses = getattr(c, "mtp_losses", None)
         if losses is not None:
-            if pg.tp_rank == 0 and pg.cp_rank == 0:
+            if pg.tp_rank == 0:
                 table[:depths] += losses.sums.to(table.device)
-                table[depths] += losses.microbatches
+                table[depths] += losses.microbatches if pg.cp_rank == 0 else 0
             c.mtp_losses = MTPLosses(depths)
     pg.all_reduce(table, Group.WORLD)
     n = float(table[depths])

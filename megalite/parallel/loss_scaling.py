@@ -53,12 +53,13 @@ class LossScaling:
         """The micro-batches with ``num_tokens``, what the forward step divides each one's loss sum by: per
         micro-batch its own count (the whole sequences' with CP, already there; else the loss mask's), per
         token T / (m x DP), the global batch's mean count per micro-batch, so that the mean of the micro-batch
-        losses over m and DP x CP is the sum of all token losses over T."""
+        losses over m and DP x CP is the sum of all token losses over T; ``per_token_loss`` marks the latter
+        (with CP ``num_tokens`` is there either way)."""
         if self.global_tokens is None:
             return list(microbatches)
         dp = self.grad_size // self.cp
         n = (self.global_tokens / (self.microbatches * dp)).float().reshape(())
-        return [{**mb, "num_tokens": n} for mb in microbatches]
+        return [{**mb, "num_tokens": n, "per_token_loss": True} for mb in microbatches]  # (MTP reads the flag)
 
     def microbatch_loss(self, share: torch.Tensor) -> torch.Tensor:
         """A micro-batch's loss from this rank's share of its sequences' mean: c x share, so that the
