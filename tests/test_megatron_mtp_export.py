@@ -2,7 +2,8 @@
 (Llama-style, random weights, saved at TP2) is exported at TP2 (torch_dist, and the legacy format cut for
 TP2); megatron-core's GPTModel with its MTP block at TP2, built from the args the export saved, loads each and
 gives megalite's main loss and per-depth MTP losses (fp32, 1e-5); ``from-megatron`` of the export gives the
-same losses back."""
+same losses back. A depth whose layer is MoE (DeepSeek-V3's kind: dense first layer, MoE last, a shared expert,
+sigmoid router with an expert bias) goes out with its experts and gives the same losses too."""
 
 from __future__ import annotations
 
@@ -120,10 +121,71 @@ def test_from_megatron_reads_the_exported_depths_back(exported, tmp_path):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-def test_depths_with_experts_are_refused_by_name(tmp_path, capsys):
-    config = config_from_args(megatron_args(**{**vars(ARGS), "num_experts": 2, "moe_ffn_hidden_size": 16,
-                                               "moe_router_topk": 1}), VOCAB, "moe")
-    params = {k: torch.ones(shape) for k, shape in _full_shapes(config).items()}
-    write_checkpoint(str(tmp_path / "m"), config, params.__getitem__, tp=1, pp=1, iteration=1)
-    assert convert(["to-megatron", "--load", str(tmp_path / "m"), "--save", str(tmp_path / "o")]) == 2
-    assert "--mtp-num-layers with an MoE last layer is not exported yet" in capsys.readouterr().err
+# DeepSeek-V3's kind: a dense first layer, an MoE last layer (so an MoE depth) with a shared expert, sigmoid
+# scores and an expert bias
+MOE_ARGS = megatron_args(**{**vars(ARGS), "mtp_num_layers": 1, "num_experts": 4, "moe_ffn_hidden_size": 16,
+                            "moe_router_topk": 2, "moe_layer_freq": [0, 1], "moe_shared_expert_intermediate_size": 24,
+                            "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
+                            "moe_aux_loss_coeff": 0.0, "moe_router_load_balancing_type": "none"})
+
+
+def _moe_in_megatron(rank: int, world: int, root: str) -> dict:
+    """megatron-core at TP2 (its per-layer block spec, the MTP depth's layer the last layer's MoE) loads the
+    torch_dist and the legacy export; (main masked-mean loss, the depth's MTP loss) per format."""
+    from tests.mcore_cpu import _config, cpu_shim
+
+    cpu_shim()
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel as McoreGPT
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=2)
+    out = {}
+    for fmt in ("mcore", "legacy"):
+        it_dir = os.path.join(root, fmt, "iter_0000005")
+        path = os.path.join(it_dir, f"mp_rank_{rank:02d}", "model_optim_rng.pt")
+        saved = load_torch_file(os.path.join(it_dir, "common.pt") if fmt == "mcore" else path)
+        args = saved["args"]
+        assert (args.mtp_num_layers, args.moe_layer_freq) == (1, [0, 1])
+        cfg = dataclasses.replace(_config(args, 2, 1), mtp_num_layers=1,
+                                  mtp_loss_scaling_factor=args.mtp_loss_scaling_factor)
+        spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization=args.normalization)
+        model = McoreGPT(config=cfg, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
+                         max_sequence_length=SEQ, share_embeddings_and_output_weights=False,
+                         mtp_block_spec=get_gpt_mtp_block_spec(cfg, spec, use_transformer_engine=False),
+                         position_embedding_type="rope")
+        if fmt == "mcore":
+            model.load_state_dict(dist_checkpointing.load({"model": model.sharded_state_dict()}, it_dir)["model"])
+        else:
+            model.load_state_dict(saved["model"], strict=True)
+        for m in model.modules():  # the model trains (MTP losses are logged only then); the MoE layers' own
+            if isinstance(m, MoELayer):  # training refuses TP without SP, which torch's norms lack here
+                m.eval()
+        MTPLossLoggingHelper.tracker.pop("values", None)
+        tokens, labels = TEXT[:, :-1], TEXT[:, 1:]
+        causal = torch.triu(torch.ones(SEQ, SEQ), diagonal=1).bool()[None, None]
+        per_token = model(tokens, torch.arange(SEQ).expand(2, SEQ), causal, labels=labels, loss_mask=MASK)
+        out[fmt] = ((per_token * MASK).sum() / MASK.sum()).detach(), MTPLossLoggingHelper.tracker["values"].clone()
+    ps.destroy_model_parallel()
+    return out if rank == 0 else {}
+
+
+def test_an_moe_depth_goes_out_with_its_experts_and_gives_the_same_losses(tmp_path):
+    config = config_from_args(MOE_ARGS, VOCAB, "moe_mtp")
+    g = torch.Generator().manual_seed(9)
+    params = {k: 0.1 * torch.randn(shape, generator=g) + (1.0 if "norm.weight" in k else 0.0)
+              for k, shape in _full_shapes(config).items()}
+    assert "mtp.layers.0.layer.mlp.experts.fc1_weight" in params
+    write_checkpoint(str(tmp_path / "megalite"), config, params.__getitem__, tp=2, pp=1, iteration=5)
+    for out, extra in (("mcore", []), ("legacy", ["--format", "torch"])):
+        assert convert(["to-megatron", "--load", str(tmp_path / "megalite"), "--save", str(tmp_path / out),
+                        "--tensor-model-parallel-size", "2", "--padded-vocab-size", str(VOCAB), *extra]) == 0
+    got = run_ranks(_moe_in_megatron, 2, str(tmp_path), timeout=120)[0]
+    loss, mtp = _megalite_losses(str(tmp_path / "megalite"))
+    assert mtp.shape == (1,) and (mtp > 0).all()
+    for fmt in ("mcore", "legacy"):
+        torch.testing.assert_close(got[fmt][0], loss, rtol=0, atol=1e-5)
+        torch.testing.assert_close(got[fmt][1], mtp, rtol=0, atol=1e-5)

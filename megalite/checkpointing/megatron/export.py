@@ -126,9 +126,6 @@ def _refuse_unexported(config: dict[str, Any]) -> None:
     if config.get("sublayer_norms", "pre") != "pre":
         raise CheckpointError(f"to-megatron: --sublayer-norms {config['sublayer_norms']} is not exported "
                               "(megatron-core's transformer layer normalizes each sublayer's input only)")
-    if config.get("mtp_num_layers") and config.get("num_experts") and model_config(config)[0].moe_layers()[-1]:
-        raise CheckpointError("to-megatron: --mtp-num-layers with an MoE last layer is not exported yet (its "
-                              "depths' experts are not written)")
     if config.get("attn_logit_softcapping") is not None:
         raise CheckpointError(f"to-megatron: --attn-logit-softcapping {config['attn_logit_softcapping']:g} is not "
                               "exported (megatron-core's attention has no logit soft-capping)")
@@ -213,6 +210,15 @@ def mtp_linears(top: dict[str, torch.Tensor]) -> list[str]:
             layers.setdefault(prefix, {})[suffix] = t
     return [m for prefix in sorted(layers) for m in
             [f"{prefix}.eh_proj", *(f"{prefix}.transformer_layer.{x}" for x in layer_linears(layers[prefix]))]]
+
+
+def mtp_experts(top: dict[str, torch.Tensor]) -> dict[str, int]:
+    """The routed experts of each multi-token prediction depth whose layer is MoE, by the depth's layer
+    prefix (``mtp.layers.K.transformer_layer``): its experts are stacked [E, ...] under SequentialMLP's
+    sharded key, as a main-model layer's, and each expert's fc1/fc2 saves its own ``_extra_state``."""
+    fc1 = EXPERTS["mlp.experts.fc1_weight"]
+    return {key.removesuffix(f".{fc1}"): t.shape[0] for key, t in top.items()
+            if key.startswith("mtp.layers.") and key.endswith(f".transformer_layer.{fc1}")}
 
 
 def layer_linears(layer: dict[str, torch.Tensor]) -> list[str]:

@@ -38,6 +38,7 @@ from megalite.checkpointing.megatron.export import (
     layer_linears,
     megatron_args,
     megatron_layers,
+    mtp_experts,
     mtp_linears,
 )
 from megalite.checkpointing.megatron.legacy.reader import FILE
@@ -96,11 +97,19 @@ def stage_state(top: dict[str, torch.Tensor], layers: list[dict[str, torch.Tenso
                 out["output_layer.weight"] = t
         elif stage == pp - 1 and key.startswith("mtp."):  # a depth's layer: its norms unfused, as above
             prefix, mid, suffix = key.partition(".transformer_layer.")
-            out[f"{prefix}{mid}{LOCAL_NORMS.get(suffix, suffix)}" if mid else key] = t
+            if mid and suffix in EXPERT_SUFFIXES:  # an MoE depth's experts: as a main-model layer's
+                local = t.shape[0] // ep
+                out.update({f"{prefix}{mid}mlp.experts.local_experts.{j}.{EXPERT_SUFFIXES[suffix]}":
+                            t[ep_rank * local + j] for j in range(local)})
+            else:
+                out[f"{prefix}{mid}{LOCAL_NORMS.get(suffix, suffix)}" if mid else key] = t
         elif stage == pp - 1:
             out[key] = t
     if stage == pp - 1:
         out.update({f"{m}._extra_state": None for m in mtp_linears(top)})
+        out.update({f"{prefix}.mlp.experts.local_experts.{j}.{fc}._extra_state": None
+                    for prefix, experts in mtp_experts(top).items() for j in range(experts // ep)
+                    for fc in ("linear_fc1", "linear_fc2")})
     return out
 
 

@@ -35,6 +35,7 @@ from megalite.checkpointing.megatron.export import (
     layer_linears,
     megatron_args,
     megatron_layers,
+    mtp_experts,
     mtp_linears,
 )
 from megalite.checkpointing.paths import TRACKER, iter_dirname
@@ -94,7 +95,10 @@ def save_torch_dist(folder: str, config: dict[str, Any], get: Callable[[str], to
     padded = export_vocab(config, padded_vocab, tp_hint)
     top, layers = megatron_layers(config, get, padded, dtype)
     state: dict[str, Any] = {**megatron_tensors(top, layers), **_extra_states(layers),
-                             **{f"{m}._extra_state/shard_0_1": [None] for m in mtp_linears(top)}}
+                             **{f"{m}._extra_state/shard_0_1": [None] for m in mtp_linears(top)},
+                             **{f"{prefix}.mlp.experts.experts.{fc}._extra_state/{_shard([(j, experts)])}": [None]
+                                for prefix, experts in mtp_experts(top).items()
+                                for fc in ("linear_fc1", "linear_fc2") for j in range(experts)}}
     it_dir = os.path.join(folder, iter_dirname(iteration))
     os.makedirs(it_dir, exist_ok=True)
     compat.save_distributed_checkpoint(state, it_dir)
