@@ -40,30 +40,37 @@ MASK = torch.ones(2, SEQ)
 MASK[0, 5], MASK[1, 12:] = 0, 0
 
 
-def _in_megatron(rank: int, world: int, root: str) -> dict:
-    """megatron-core at TP2 with its MTP block loads each export; (main masked-mean loss, per-depth MTP losses)."""
+def _mcore_losses(rank: int, root: str, moe: bool) -> dict:
+    """megatron-core at TP2 with its MTP block loads the torch_dist ("mcore") and the legacy export; (main
+    masked-mean loss, per-depth MTP losses) per format, and the args each export saved. ``moe``: its per-layer
+    block spec (the depth's layer is the last layer's MoE), whose MoE layers run in eval (the model trains, as
+    MTP losses are logged only then, but an MoE layer's training refuses TP without SP, which torch's norms
+    lack here)."""
     from tests.mcore_cpu import _config, cpu_shim
 
     cpu_shim()
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel as McoreGPT
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
+        get_gpt_layer_local_spec,
+        get_gpt_mtp_block_spec,
+    )
+    from megatron.core.transformer.moe.moe_layer import MoELayer
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
     ps.initialize_model_parallel(tensor_model_parallel_size=2)
     out = {}
     for fmt in ("mcore", "legacy"):
         it_dir = os.path.join(root, fmt, "iter_0000005")
-        if fmt == "mcore":
-            args = load_torch_file(os.path.join(it_dir, "common.pt"))["args"]
-        else:
-            saved = load_torch_file(os.path.join(it_dir, f"mp_rank_{rank:02d}", "model_optim_rng.pt"))
-            args = saved["args"]
-        assert (args.mtp_num_layers, args.mtp_loss_scaling_factor) == (2, 0.3)
+        path = os.path.join(it_dir, f"mp_rank_{rank:02d}", "model_optim_rng.pt")
+        saved = load_torch_file(os.path.join(it_dir, "common.pt") if fmt == "mcore" else path)
+        args = saved["args"]
         cfg = dataclasses.replace(_config(args, 2, 1), mtp_num_layers=args.mtp_num_layers,
                                   mtp_loss_scaling_factor=args.mtp_loss_scaling_factor)
-        spec = get_gpt_layer_local_spec(normalization=args.normalization)
+        spec = (get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization=args.normalization)
+                if moe else get_gpt_layer_local_spec(normalization=args.normalization))
         model = McoreGPT(config=cfg, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
                          max_sequence_length=SEQ, share_embeddings_and_output_weights=False,
                          mtp_block_spec=get_gpt_mtp_block_spec(cfg, spec, use_transformer_engine=False),
@@ -72,13 +79,25 @@ def _in_megatron(rank: int, world: int, root: str) -> dict:
             model.load_state_dict(dist_checkpointing.load({"model": model.sharded_state_dict()}, it_dir)["model"])
         else:
             model.load_state_dict(saved["model"], strict=True)
+        for m in model.modules():
+            if isinstance(m, MoELayer):
+                m.eval()
         MTPLossLoggingHelper.tracker.pop("values", None)  # one forward's losses per format
         tokens, labels = TEXT[:, :-1], TEXT[:, 1:]
         causal = torch.triu(torch.ones(SEQ, SEQ), diagonal=1).bool()[None, None]
         per_token = model(tokens, torch.arange(SEQ).expand(2, SEQ), causal, labels=labels, loss_mask=MASK)
         out[fmt] = ((per_token * MASK).sum() / MASK.sum()).detach(), MTPLossLoggingHelper.tracker["values"].clone()
+        out[fmt + "_args"] = (args.mtp_num_layers, args.mtp_loss_scaling_factor, getattr(args, "moe_layer_freq", None))
     ps.destroy_model_parallel()
     return out if rank == 0 else {}
+
+
+def _in_megatron(rank: int, world: int, root: str) -> dict:
+    return _mcore_losses(rank, root, moe=False)
+
+
+def _moe_in_megatron(rank: int, world: int, root: str) -> dict:
+    return _mcore_losses(rank, root, moe=True)
 
 
 def _megalite_losses(load: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,7 +121,9 @@ def exported(tmp_path_factory) -> tuple[str, dict]:
     for out, extra in (("mcore", []), ("legacy", ["--format", "torch"])):
         assert convert(["to-megatron", "--load", os.path.join(root, "megalite"), "--save", os.path.join(root, out),
                         "--tensor-model-parallel-size", "2", "--padded-vocab-size", str(VOCAB), *extra]) == 0
-    return root, run_ranks(_in_megatron, 2, root, timeout=120)[0]
+    got = run_ranks(_in_megatron, 2, root, timeout=120)[0]
+    assert [got[f + "_args"][:2] for f in ("mcore", "legacy")] == [(2, 0.3)] * 2  # the depths and factor go out
+    return root, got
 
 
 @pytest.mark.parametrize("fmt", ["mcore", "legacy"])
@@ -129,50 +150,6 @@ MOE_ARGS = megatron_args(**{**vars(ARGS), "mtp_num_layers": 1, "num_experts": 4,
                             "moe_aux_loss_coeff": 0.0, "moe_router_load_balancing_type": "none"})
 
 
-def _moe_in_megatron(rank: int, world: int, root: str) -> dict:
-    """megatron-core at TP2 (its per-layer block spec, the MTP depth's layer the last layer's MoE) loads the
-    torch_dist and the legacy export; (main masked-mean loss, the depth's MTP loss) per format."""
-    from tests.mcore_cpu import _config, cpu_shim
-
-    cpu_shim()
-    from megatron.core import dist_checkpointing
-    from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt import GPTModel as McoreGPT
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
-    from megatron.core.transformer.moe.moe_layer import MoELayer
-    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
-
-    ps.initialize_model_parallel(tensor_model_parallel_size=2)
-    out = {}
-    for fmt in ("mcore", "legacy"):
-        it_dir = os.path.join(root, fmt, "iter_0000005")
-        path = os.path.join(it_dir, f"mp_rank_{rank:02d}", "model_optim_rng.pt")
-        saved = load_torch_file(os.path.join(it_dir, "common.pt") if fmt == "mcore" else path)
-        args = saved["args"]
-        assert (args.mtp_num_layers, args.moe_layer_freq) == (1, [0, 1])
-        cfg = dataclasses.replace(_config(args, 2, 1), mtp_num_layers=1,
-                                  mtp_loss_scaling_factor=args.mtp_loss_scaling_factor)
-        spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization=args.normalization)
-        model = McoreGPT(config=cfg, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
-                         max_sequence_length=SEQ, share_embeddings_and_output_weights=False,
-                         mtp_block_spec=get_gpt_mtp_block_spec(cfg, spec, use_transformer_engine=False),
-                         position_embedding_type="rope")
-        if fmt == "mcore":
-            model.load_state_dict(dist_checkpointing.load({"model": model.sharded_state_dict()}, it_dir)["model"])
-        else:
-            model.load_state_dict(saved["model"], strict=True)
-        for m in model.modules():  # the model trains (MTP losses are logged only then); the MoE layers' own
-            if isinstance(m, MoELayer):  # training refuses TP without SP, which torch's norms lack here
-                m.eval()
-        MTPLossLoggingHelper.tracker.pop("values", None)
-        tokens, labels = TEXT[:, :-1], TEXT[:, 1:]
-        causal = torch.triu(torch.ones(SEQ, SEQ), diagonal=1).bool()[None, None]
-        per_token = model(tokens, torch.arange(SEQ).expand(2, SEQ), causal, labels=labels, loss_mask=MASK)
-        out[fmt] = ((per_token * MASK).sum() / MASK.sum()).detach(), MTPLossLoggingHelper.tracker["values"].clone()
-    ps.destroy_model_parallel()
-    return out if rank == 0 else {}
-
-
 def test_an_moe_depth_goes_out_with_its_experts_and_gives_the_same_losses(tmp_path):
     config = config_from_args(MOE_ARGS, VOCAB, "moe_mtp")
     g = torch.Generator().manual_seed(9)
@@ -184,6 +161,7 @@ def test_an_moe_depth_goes_out_with_its_experts_and_gives_the_same_losses(tmp_pa
         assert convert(["to-megatron", "--load", str(tmp_path / "megalite"), "--save", str(tmp_path / out),
                         "--tensor-model-parallel-size", "2", "--padded-vocab-size", str(VOCAB), *extra]) == 0
     got = run_ranks(_moe_in_megatron, 2, str(tmp_path), timeout=120)[0]
+    assert [got[f + "_args"][0] for f in ("mcore", "legacy")] == [1, 1] and got["mcore_args"][2] == [0, 1]
     loss, mtp = _megalite_losses(str(tmp_path / "megalite"))
     assert mtp.shape == (1,) and (mtp > 0).all()
     for fmt in ("mcore", "legacy"):
