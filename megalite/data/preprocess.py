@@ -12,11 +12,13 @@ empty text gives an empty document.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import signal
 import sys
 import tempfile
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -217,6 +219,23 @@ def _ordered_results(chunks: Iterator[Chunk], pool, workers: int) -> Iterator[En
         yield pending.popleft().get()
 
 
+@contextlib.contextmanager
+def _ended(pool) -> Iterator[None]:
+    """The workers end with the run. On a failure or Ctrl-C they are killed at once and the pool's own shutdown
+    gets a few seconds on a background thread: ``Pool.terminate`` can wait forever for a queue lock a worker
+    held, and an interrupted run must always exit (one line, no output left)."""
+    try:
+        yield
+    except BaseException:
+        for p in multiprocessing.active_children():
+            p.kill()
+        stopper = threading.Thread(target=pool.terminate, daemon=True)
+        stopper.start()
+        stopper.join(timeout=5)
+        raise
+    pool.terminate()  # every result is in: as ``with pool`` ended it
+
+
 def _mp_context():
     methods = multiprocessing.get_all_start_methods()
     return multiprocessing.get_context("fork" if "fork" in methods else None)
@@ -292,7 +311,7 @@ def _run(opts, sources, writers, log) -> PreprocessResult:
             del os.environ["TOKENIZERS_PARALLELISM"]
         else:
             os.environ["TOKENIZERS_PARALLELISM"] = previous
-    with pool:
+    with _ended(pool):
         for enc in _ordered_results(iter_chunks(sources, opts.json_keys), pool, opts.workers):
             if enc.bad and not opts.skip_bad_lines:
                 src, row, reason = enc.bad[0]
