@@ -220,14 +220,15 @@ def _ordered_results(chunks: Iterator[Chunk], pool, workers: int) -> Iterator[En
 
 
 @contextlib.contextmanager
-def _ended(pool) -> Iterator[None]:
+def _ended(pool, others: set) -> Iterator[None]:
     """The workers end with the run. On a failure or Ctrl-C they are killed at once and the pool's own shutdown
     gets a few seconds on a background thread: ``Pool.terminate`` can wait forever for a queue lock a worker
-    held, and an interrupted run must always exit (one line, no output left)."""
+    held, and an interrupted run must always exit (one line, no output left). ``others``: the caller's children
+    from before the pool, left alone."""
     try:
         yield
     except BaseException:
-        for p in multiprocessing.active_children():
+        for p in set(multiprocessing.active_children()) - others:
             p.kill()
         stopper = threading.Thread(target=pool.terminate, daemon=True)
         stopper.start()
@@ -303,6 +304,7 @@ def _run(opts, sources, writers, log) -> PreprocessResult:
     # (they inherit it), then restored so the caller's own tokenizer keeps its threads.
     previous = os.environ.get("TOKENIZERS_PARALLELISM")
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    others = set(multiprocessing.active_children())
     try:
         pool = ctx.Pool(opts.workers, initializer=_init_pool_worker,
                         initargs=(opts.tokenizer, opts.json_keys, opts.append_eod))
@@ -311,7 +313,7 @@ def _run(opts, sources, writers, log) -> PreprocessResult:
             del os.environ["TOKENIZERS_PARALLELISM"]
         else:
             os.environ["TOKENIZERS_PARALLELISM"] = previous
-    with _ended(pool):
+    with _ended(pool, others):
         for enc in _ordered_results(iter_chunks(sources, opts.json_keys), pool, opts.workers):
             if enc.bad and not opts.skip_bad_lines:
                 src, row, reason = enc.bad[0]
