@@ -3,8 +3,9 @@ depths, built and run on CPU by megatron-core itself, and megalite's model holdi
 and per-depth MTP losses and the same gradients of main + factor / depths x the MTP losses (masked labels
 included); PP2 (the last stage's MTP looks tokens up in its tied copy of the embedding) and TP2 + SP give the
 serial loss, grad-norm and "mtp_1 loss" curves under NCCL's point-to-point rules, and so do CP2 with p2p, a2a and
-allgather (the shifts of the whole sequence across the zigzag chunks), packed documents per token included; MTP
-changes the curve; a checkpoint saved at PP2 resumes in one process on the serial curve; the flag rules."""
+allgather (the shifts of the whole sequence across the zigzag chunks), packed documents per token included, and
+on 4 ranks CP4 a2a+p2p (2 x 2), CP2 x PP2 and CP2 x TP2 + SP; MTP changes the curve; a checkpoint saved at
+PP2 resumes in one process on the serial curve; the flag rules."""
 
 from __future__ import annotations
 
@@ -180,15 +181,36 @@ def launched(tmp_path_factory) -> tuple[list, str]:
         return layout_curves(2, runs, extract={k: _mtp_curve for k in LAYOUTS}), save
 
 
+# on 4 ranks: hierarchical CP (a2a within pairs, p2p between them, as Megatron-LM's a2a+p2p), and CP2 with PP2 and
+# with TP2 + SP (the shifts gathered over the CP group only, the losses logged by the last stage's first TP rank)
+LAYOUTS4 = {"cp4_a2a_p2p": flat(context_parallel_size=4, cp_comm_type="a2a+p2p",
+                                hierarchical_context_parallel_sizes=[2, 2]),
+            "cp2_pp2": flat(pp=2, context_parallel_size=2),
+            "cp2_tp2_sp": flat(tp=2, sequence_parallel=True, context_parallel_size=2)}
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_layouts_give_the_serial_curve_and_mtp_loss(launched, layout):
-    curves, _ = launched
-    ref = serial_curve(serial_of(layout), _mtp_curve)
+
+@pytest.fixture(scope="module")
+def launched4() -> list:
+    with p2p_mode("nccl_semantics"):
+        return layout_curves(4, LAYOUTS4, extract={k: _mtp_curve for k in LAYOUTS4})
+
+
+def _assert_layout(curves: list, layout: str) -> None:
+    ref = serial_curve(serial_of(layout), _mtp_curve)  # one serial run per session, shared by every layout
     assert_matches_serial(curves, layout, ref, ITERS)
     last = curves[-1][layout].extra  # the logging rank's "mtp_1 loss" lines (--log-interval 5: the last iteration)
     assert [i for i, _ in last] == [ITERS] and [i for i, _ in ref.extra] == [ITERS]
     assert_rel_close(last[0][1], ref.extra[0][1], 1e-5, f"{layout}: mtp_1 loss vs serial")
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layouts_give_the_serial_curve_and_mtp_loss(launched, layout):
+    _assert_layout(launched[0], layout)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS4))
+def test_four_rank_layouts_give_the_serial_curve_and_mtp_loss(launched4, layout):
+    _assert_layout(launched4, layout)
 
 
 def test_mtp_changes_the_curve():
