@@ -2,11 +2,14 @@
 compression, --qk-layernorm's latent norms, YaRN with both mscales, random weights, saved at TP2) is exported
 with ``to-megatron`` at TP2 (torch_dist, and the legacy format cut for TP2); megatron-core's GPTModel with its
 local MLA layer spec at TP2, built from the args the export saved, loads each and computes megalite's logits
-(fp32, 1e-5); ``from-megatron`` of the export gives the same logits back."""
+(fp32, 1e-5); ``from-megatron`` of the export gives the same logits back, and so does a legacy TP2 checkpoint
+of Transformer Engine's MLA spec (megatron-core's local-spec state renamed as that spec names it: fused latent and
+MLP norms, down-projections whole on each TP rank, ``_extra_state`` tensors)."""
 
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -76,6 +79,52 @@ def _mcore_mla(args):
                     share_embeddings_and_output_weights=False, position_embedding_type="rope").eval()
 
 
+# the local MLA spec's names -> Transformer Engine's MLA spec's (gpt_layer_specs.py,
+# get_gpt_layer_with_transformer_engine_spec(multi_latent_attention=True, qk_layernorm=True)): the latent norms
+# fused into the up-projections (TELayerNormColumnParallelLinear), the dense MLP's norm into fc1; the input norm
+# stays a module of its own (TENorm)
+TE_NAMES = {".self_attention.q_layernorm.": ".self_attention.linear_q_up_proj.layer_norm_",
+            ".self_attention.kv_layernorm.": ".self_attention.linear_kv_up_proj.layer_norm_",
+            ".pre_mlp_layernorm.": ".mlp.linear_fc1.layer_norm_"}
+DOWN = re.compile(r"\.linear_(q|kv)_down_proj\.weight$")
+
+
+def _te_state(model) -> dict:
+    """The legacy state dict Transformer Engine's MLA spec saves for this rank of ``model`` (megatron-core's local
+    spec, TP2): its names (TE_NAMES); the down-projections whole on every TP rank (TELinear, parallel_mode
+    "duplicated", where the local spec's ColumnParallelLinear holds a row shard); each TE module's ``_extra_state``
+    a uint8 tensor of pickled fp8 metadata (Transformer Engine 1.x and later), the core attention's included."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    out = {}
+    for k, v in model.state_dict().items():
+        for old, new in TE_NAMES.items():
+            k = k.replace(old, new)
+        if DOWN.search(k):
+            parts = [torch.empty_like(v) for _ in range(ps.get_tensor_model_parallel_world_size())]
+            dist.all_gather(parts, v.contiguous(), group=ps.get_tensor_model_parallel_group())
+            v = torch.cat(parts)
+        if k.endswith("_extra_state"):
+            v = torch.frombuffer(bytearray(b"fp8 metadata of " + k.encode()), dtype=torch.uint8)
+        out[k] = v
+        if k.endswith(".linear_proj.weight"):  # TEDotProductAttention keeps fp8 metadata too
+            out[k.replace(".linear_proj.weight", ".core_attention._extra_state")] = torch.empty(0, dtype=torch.uint8)
+    return out
+
+
+def _save_te_legacy(model, saved: dict, folder: str, rank: int) -> None:
+    """``_te_state`` saved as Megatron-LM's legacy format (its args saying --transformer-impl transformer_engine)."""
+    import argparse
+
+    path = os.path.join(folder, "iter_0000005", f"mp_rank_{rank:02d}", "model_optim_rng.pt")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    args = argparse.Namespace(**{**vars(saved["args"]), "transformer_impl": "transformer_engine"})
+    torch.save({**saved, "args": args, "model": _te_state(model)}, path)
+    with open(os.path.join(folder, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("5")
+
+
 def _in_megatron(rank: int, world: int, root: str) -> dict:
     from tests.mcore_cpu import cpu_shim, logits
 
@@ -98,6 +147,7 @@ def _in_megatron(rank: int, world: int, root: str) -> dict:
     model = _mcore_mla(saved["args"])
     model.load_state_dict(saved["model"], strict=True)
     out["legacy"] = logits(model, TOKENS, args.hidden_size)
+    _save_te_legacy(model, saved, os.path.join(root, "te_legacy"), rank)
     ps.destroy_model_parallel()
     return out if rank == 0 else {}
 
@@ -123,3 +173,15 @@ def test_megatron_core_loads_the_mla_export_and_gives_megalite_logits(exported, 
 def test_from_megatron_reads_mla_back(exported, fmt, tmp_path):
     root, _ = exported
     assert_imports_back(os.path.join(root, fmt), os.path.join(root, "megalite"), str(tmp_path / "back"))
+
+
+def test_from_megatron_reads_transformer_engines_mla_legacy_checkpoint(exported, tmp_path):
+    """A legacy TP2 checkpoint of Transformer Engine's MLA spec (its fused latent and MLP norms, its
+    down-projections whole on each TP rank, its ``_extra_state``) imports with the local spec's logits."""
+    root, _ = exported
+    saved = load_torch_file(os.path.join(root, "te_legacy", "iter_0000005", "mp_rank_01", "model_optim_rng.pt"))
+    keys = saved["model"]
+    assert "decoder.layers.1.self_attention.linear_kv_up_proj.layer_norm_weight" in keys
+    assert keys["decoder.layers.0.self_attention.linear_q_down_proj.weight"].shape == (ARGS.q_lora_rank, 32)
+    assert not any("q_layernorm" in k or "pre_mlp_layernorm" in k for k in keys)
+    assert_imports_back(os.path.join(root, "te_legacy"), os.path.join(root, "megalite"), str(tmp_path / "back"))

@@ -17,6 +17,19 @@ COLUMN = re.compile(r"(word_embeddings\.weight|output_layer\.weight|linear_qkv\.
                     r"|linear_q_proj\.weight|linear_q_up_proj\.weight|linear_kv_up_proj\.weight"  # MLA: by heads
                     r"|linear_q_down_proj\.weight|linear_kv_down_proj\.weight)$")  # the local spec's, on dim 0
 ROW = re.compile(r"(linear_proj\.weight|linear_fc2\.weight|linear_fc2\.weight\d+)$")
+# MLA's down-projections: the local spec's ColumnParallelLinear cuts their rows over TP, Transformer Engine's
+# spec keeps them whole on every TP rank (TELinear, parallel_mode "duplicated"); a shard's rows tell which
+DOWN_PROJ = re.compile(r"(linear_q_down_proj|linear_kv_down_proj)\.weight$")
+
+
+def whole_rows(args: object) -> dict[str, int]:
+    """The full rows of MLA's down-projections under ``args`` (Megatron-LM's saved arguments), by module name:
+    a legacy TP shard holding all of them is Transformer Engine's replicated copy, not a row shard."""
+    if not getattr(args, "multi_latent_attention", False):
+        return {}
+    rows = {"linear_kv_down_proj": (getattr(args, "kv_lora_rank", None), getattr(args, "qk_pos_emb_head_dim", None)),
+            "linear_q_down_proj": (getattr(args, "q_lora_rank", None), 0)}
+    return {k: int(a) + int(b) for k, (a, b) in rows.items() if isinstance(a, int) and isinstance(b, int) and a}
 
 
 def tp_dim(key: str) -> int:
@@ -24,13 +37,18 @@ def tp_dim(key: str) -> int:
     return 1 if ROW.search(key) else 0 if COLUMN.search(key) else -1
 
 
-def join_tp(key: str, parts: list[torch.Tensor], swiglu: bool, where: str) -> torch.Tensor:
+def join_tp(key: str, parts: list[torch.Tensor], swiglu: bool, where: str,
+            whole: dict[str, int] | None = None) -> torch.Tensor:
     """The full tensor from its TP shards (rank order): column-parallel ones joined on dim 0 (SwiGLU's fc1
     shards each [gate_r; up_r], joined as [gates; ups]), row-parallel ones on dim 1; a replicated tensor
-    must be equal on every rank."""
+    must be equal on every rank. ``whole``: MLA's down-projections' full rows (``whole_rows``), where shards
+    holding them all are Transformer Engine's replicated copies."""
     if len(parts) == 1:
         return parts[0]
     dim = tp_dim(key)
+    down = DOWN_PROJ.search(key)
+    if down and whole and all(p.dim() == 2 and p.shape[0] == whole.get(down[1]) for p in parts):
+        dim = -1
     if dim == 0 and swiglu and "linear_fc1" in key:
         halves = [p.chunk(2, dim=0) for p in parts]
         return torch.cat([_cat(key, [h[0] for h in halves], 0, where), _cat(key, [h[1] for h in halves], 0, where)])

@@ -34,7 +34,7 @@ from megalite.checkpointing.megatron.legacy.distrib_optim import distrib_file, d
 from megalite.checkpointing.megatron.legacy.optim import BUFFERS, legacy_moments
 from megalite.checkpointing.megatron.names import OPTIMIZER_STATE
 from megalite.checkpointing.megatron.safe_pickle import load_torch_file
-from megalite.checkpointing.megatron.tp import join_tp
+from megalite.checkpointing.megatron.tp import join_tp, whole_rows
 
 FILE = "model_optim_rng.pt"
 RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
@@ -111,6 +111,7 @@ class LegacyCheckpoint:
         self.common = {k: v for k, v in first.items() if k in ("args", "iteration", "checkpoint_version")}
         self.rng = {(t, p): s.get("rng_state") for (t, p, e), s in states.items() if e == 0}  # per (TP, PP) rank
         self.swiglu = bool(getattr(first.get("args"), "swiglu", False))
+        self.whole = whole_rows(first.get("args"))  # MLA's down-projections: whole on each rank under TE's spec
         chunks = {k: _chunks(s, files[k]) for k, s in states.items()}
         self._shards = self._globalise(chunks, files)
         self._optim: dict[str, dict[str, list]] = {}
@@ -187,7 +188,7 @@ class LegacyCheckpoint:
     def tensor(self, key: str) -> torch.Tensor:
         m = OPTIMIZER_STATE.match(key)
         parts = self._optim[m[1]][m[2]] if m else self._shards[key]
-        return join_tp(m[2] if m else key, parts, self.swiglu, self.folder)
+        return join_tp(m[2] if m else key, parts, self.swiglu, self.folder, self.whole)
 
 
 def _named(path: str, got: Any) -> Any:
