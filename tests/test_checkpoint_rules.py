@@ -152,3 +152,36 @@ def test_the_layers_norms_are_shape_fields():
         assert any(d.startswith(flag + ":") for d in shape_diffs(saved, plain)), extra
     older = {k: v for k, v in plain.items() if k not in ("qk_layernorm", "qk_layernorm_scope", "sublayer_norms")}
     assert shape_diffs(older, plain) == []
+
+
+def test_a_stored_tensor_no_parameter_reads_is_refused_by_name(tmp_path):
+    """A checkpoint whose files hold a tensor the flags' model has no parameter for (here q/k norms, saved
+    with --qk-layernorm, in a metadata.json that no longer records the field, as a checkpoint from before a
+    shape field existed) is refused naming the tensor, not loaded with those weights dropped."""
+    import json
+
+    from megalite.checkpointing.load import CheckpointMismatch, load_checkpoint
+
+    def tiny(**extra) -> tuple[GPTModel, dict]:
+        cfg = ModelConfig(**FLAGS, normalization="RMSNorm", **extra)
+        tracker = RNGTracker()
+        tracker.add("model-parallel-rng", 7)
+        return GPTModel(cfg, BuildContext(ProcessGroups.unconnected(RankLayout(1, 1, 1), 0), tracker), VOCAB), \
+            config_dict(cfg, VOCAB)
+
+    normed, config = tiny(qk_layernorm=True)
+    tensors = {k: p.detach() for _, k, p in named_params([normed])}
+    path = str(tmp_path / "ck")
+    write_checkpoint(path, config, tensors.__getitem__, tp=1, pp=1, iteration=3)
+    meta_path = os.path.join(path, iter_dirname(3), "metadata.json")
+    with open(meta_path) as f:
+        meta = json.load(f)
+    for k in ("qk_layernorm", "qk_layernorm_scope", "sublayer_norms"):
+        meta["config"].pop(k)
+    with open(meta_path, "w") as f:
+        json.dump(meta, f)
+    plain, plain_config = tiny()
+    pg = ProcessGroups.unconnected(RankLayout(1, 1, 1), 0)
+    with pytest.raises(CheckpointMismatch, match=r"tensor\(s\) no parameter of the flags' model reads "
+                                                 r"\(layers\.0\.attention\.k_norm\.weight, "):
+        load_checkpoint(path, [plain], None, pg, plain_config, load_optim=False, load_rng=False)

@@ -18,7 +18,7 @@ from torch import nn
 from megalite.checkpointing.metadata import OPTIM_FIELDS, chunk_layer_numbers
 from megalite.checkpointing.paths import rng_filename
 from megalite.checkpointing.reader import CheckpointError, CheckpointReader
-from megalite.checkpointing.stored import named_params
+from megalite.checkpointing.stored import named_params, stage_params
 from megalite.config.mla import MLA_DEFAULTS
 from megalite.config.mtp import MTP_DEFAULTS
 from megalite.config.yarn import YARN_DEFAULTS
@@ -83,6 +83,19 @@ def check_config(saved: dict[str, Any], current: dict[str, Any], where: str) -> 
         raise CheckpointMismatch(f"{where}: the checkpoint's model differs from the flags:\n  " + "\n  ".join(diffs))
 
 
+def check_all_read(stored: list[str], model_config: dict[str, Any], where: str) -> None:
+    """Every tensor the checkpoint stores is some parameter of the flags' model. The shape fields catch the
+    known ways two models differ; a tensor nothing reads (files edited or mixed from two models, a field a
+    future version adds) would otherwise be dropped without a word, as ``from-hf`` never allows."""
+    wanted = {p.key for stage in stage_params(model_config, 1) for p in stage}
+    unread = sorted(set(stored) - wanted)
+    if unread:
+        more = f" and {len(unread) - 5} more" if len(unread) > 5 else ""
+        raise CheckpointMismatch(f"{where}: the checkpoint holds {len(unread)} tensor(s) no parameter of the flags' "
+                                 f"model reads ({', '.join(unread[:5])}{more}): its model is not the one the flags "
+                                 "describe")
+
+
 @torch.no_grad()
 def load_checkpoint(load_dir: str, chunks: list[nn.Module], optimizer: Any, pg: ProcessGroups,
                     model_config: dict[str, Any], *, load_optim: bool = True, load_rng: bool = True
@@ -91,6 +104,7 @@ def load_checkpoint(load_dir: str, chunks: list[nn.Module], optimizer: Any, pg: 
     when the layout is unchanged and ``load_rng``, this rank's RNG states."""
     reader = CheckpointReader(load_dir)
     check_config(reader.config, model_config, f"--load {load_dir}")
+    check_all_read(reader.keys(), model_config, f"--load {load_dir}")
     lay = reader.meta["layout"]
     same = (lay["tp"], lay["pp"], lay["dp"], lay.get("cp", 1), lay["vp"], lay["world_size"], reader.ep,
             reader.etp) == (pg.tp_size, pg.pp_size, pg.dp_size, pg.cp_size, len(chunks), pg.layout.world_size,
