@@ -133,7 +133,6 @@ def test_planner_counts_transformers_parameters(dsv3):
 
 @pytest.mark.parametrize("over, message", [
     ({"attention_bias": True}, "attention_bias True"),
-    ({"rope_interleave": False}, "rope_interleave false"),
     ({"rms_norm_eps": 1e-5}, "rms_norm_eps 1e-05"),
     ({"norm_topk_prob": False}, "norm_topk_prob False"),
     ({"n_group": 2, "topk_group": 1, "num_experts_per_tok": 1, "norm_topk_prob": False},

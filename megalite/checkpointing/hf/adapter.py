@@ -14,7 +14,8 @@ of an HF config's ``model_type`` (import) or for the first adapter that ``matche
 - **tensors**: ``name_table`` (one ``TensorRule`` per megalite tensor, both directions) built from the
   embedding, per-layer and final rules, each a method a family overrides;
 - **files**: per-expert tensors some files store one by one (``expert_files``) and stored names to rename
-  (``stored_renames``), consumed by files.py before any tensor is loaded.
+  (``stored_renames``), consumed by files.py before any tensor is loaded, and ``stored_weights``, which puts
+  the read tensors in the layout the name table reads (DeepSeek-V3's rotate-half RoPE rows reordered).
 
 A family that refines another subclasses it and overrides only what differs: the Llama-style adapter
 (families/llama.py) exposes hooks for RoPE scaling dicts, per-layer attention kinds (sliding windows),
@@ -124,6 +125,11 @@ class HFAdapter:
         """Whether the weights say more than the config: e.g. a Llama with attention_bias whose o_proj biases
         are all zero is megalite's --add-qkv-bias. Passed back to model_fields on the second reading."""
         return False
+
+    def stored_weights(self, hf_config, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The read state dict in the form name_table reads: a family whose config names another stored layout
+        of the same function (DeepSeek-V3's rope_interleave false) rearranges it here, exactly."""
+        return sd
 
     # ---- tensors ---------------------------------------------------------------------------------------
 

@@ -174,11 +174,13 @@ def read_hf_config(folder: str):
 def read_hf_weights(folder: str, hf_config) -> dict[str, torch.Tensor]:
     """State dict of a local folder (safetensors, or .bin read with weights_only) in transformers' names,
     every stored tensor matched with the config's model and its shape checked before any is loaded
-    (files.py): nothing dropped, nothing left to random initialisation."""
+    (files.py): nothing dropped, nothing left to random initialisation; then in the layout the name table
+    reads (adapter.stored_weights)."""
     where = os.path.join(folder, "config.json")
     adapter = for_hf_config(hf_config, where)
-    return read_checked_weights(folder, adapter.model_class(), hf_config, where, adapter.expert_files,
-                                adapter.stored_renames, lambda names: adapter.outside_model(hf_config, names, where))
+    sd = read_checked_weights(folder, adapter.model_class(), hf_config, where, adapter.expert_files,
+                              adapter.stored_renames, lambda names: adapter.outside_model(hf_config, names, where))
+    return adapter.stored_weights(hf_config, sd)
 
 
 def qkv_bias_only(hf_config, sd: Mapping[str, torch.Tensor]) -> bool:

@@ -6,9 +6,12 @@ Attention (--multi-latent-attention, model/mla.py): ``q_a_proj`` / ``q_a_layerno
 ``q_proj`` when ``q_lora_rank`` is null) are q_down_proj / q_layernorm / q_up_proj, ``kv_a_proj_with_mqa`` /
 ``kv_a_layernorm`` / ``kv_b_proj`` are kv_down_proj / kv_layernorm / kv_up_proj, ``o_proj`` is proj; their rows
 lie alike (per head [nope; rope], the latent then the RoPE key, per head [k; v]); the latent norms are megalite's
-with --qk-layernorm (megatron-core's rule). transformers' rope_interleave
-rotation is megalite's (pairs of neighbouring channels); its latent norms hold a fixed epsilon of 1e-6 where
-megalite's norms take --norm-epsilon, so only rms_norm_eps 1e-6 converts.
+with --qk-layernorm (megatron-core's rule). transformers' rope_interleave true rotation is megalite's (channels
+(2i, 2i+1) pair up); with rope_interleave false it rotates halves (channel i pairs with i + d/2, rotate_half),
+which from-hf maps exactly by reordering the RoPE rows of q_b_proj / q_proj (per head) and kv_a_proj_with_mqa
+(``halves_to_pairs``): the rotated q_pe and k_pe are then the very vectors transformers forms. to-hf writes the
+form megalite holds, rope_interleave true. The latent norms hold a fixed epsilon of 1e-6 where megalite's norms
+take --norm-epsilon, so only rms_norm_eps 1e-6 converts.
 
 MoE: ``first_k_dense_replace`` dense layers (``intermediate_size``) then MoE layers (--moe-layer-freq as a 0/1
 list); ``n_shared_experts`` x ``moe_intermediate_size`` is the shared expert's size; the router's
@@ -168,8 +171,6 @@ class DeepseekV3(Llama):
         rules = [
             (c.attention_bias, f"attention_bias {c.attention_bias!r}: megalite's multi-latent attention has no "
              "biases on q_a_proj / kv_a_proj_with_mqa"),
-            (c.rope_interleave is False, "rope_interleave false (rotate-half RoPE on the latent key) is not "
-             "supported: megalite's MLA rotates neighbouring channel pairs (rope_interleave true)"),
             (c.rms_norm_eps != LATENT_NORM_EPS, f"rms_norm_eps {c.rms_norm_eps!r}: transformers' q_a_layernorm / "
              f"kv_a_layernorm keep eps {LATENT_NORM_EPS:g} while megalite's norms share one --norm-epsilon"),
             ((c.num_key_value_heads or c.num_attention_heads) != c.num_attention_heads,
@@ -279,6 +280,20 @@ class DeepseekV3(Llama):
             TensorRule(m + "mlp.router.expert_bias", (bias,), zeros_like_rows_of=m + "mlp.router.weight")
         return [*expert_rules(cfg, m, h, self.shared_expert, None), rule]
 
+    def stored_weights(self, hf_config, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """rope_interleave false: every layer's (MTP depths' too) RoPE rows reordered to the pairs megalite's MLA
+        rotates (module doc); rope_interleave true is already its layout."""
+        if getattr(hf_config, "rope_interleave", True):
+            return sd
+        nope, rope = hf_config.qk_nope_head_dim, hf_config.qk_rope_head_dim
+        widths = {"q_b_proj": nope + rope, "q_proj": nope + rope, "kv_a_proj_with_mqa": hf_config.kv_lora_rank + rope}
+        out = dict(sd)
+        for name, t in sd.items():
+            x = ROPE_ROWS.match(name)
+            if x:
+                out[name] = halves_to_pairs(t, widths[x.group(1)], rope)
+        return out
+
     # ---- multi-token prediction (module doc) ------------------------------------------------------------
 
     def embedding_rules(self, cfg: ModelConfig) -> list[TensorRule]:
@@ -332,6 +347,21 @@ class DeepseekV3(Llama):
             raise HFConversionError(f"{where}: tensor {unknown[0]} of a multi-token prediction depth (layer index "
                                     f"{extra[unknown[0]]}) has no place in megalite's MTP depth; nothing is dropped")
         return set(extra)
+
+
+ROPE_ROWS = re.compile(r"^model\.layers\.\d+\.self_attn\.(q_b_proj|q_proj|kv_a_proj_with_mqa)\.weight$")
+
+
+def halves_to_pairs(w: torch.Tensor, width: int, rope: int) -> torch.Tensor:
+    """w's rows in blocks of ``width`` (one per head, or kv_a_proj_with_mqa's one) ending in ``rope`` RoPE rows
+    laid out for rotate_half (channel i pairs with i + rope/2) -> those rows interleaved as (i, i + rope/2),
+    the pairs (2i, 2i+1) megalite rotates with the same frequency i. The rotation of each pair is the same
+    2x2 one, and megalite's output keeps the halves layout (model/mla.py, mla_rope), so q_pe and k_pe come
+    out equal to transformers' rope_interleave false ones, not merely with equal dot products."""
+    order = torch.arange(rope).view(2, rope // 2).t().reshape(-1)  # [0, h, 1, h+1, ...]
+    blocks = w.reshape(-1, width, *w.shape[1:]).clone()
+    blocks[:, width - rope:] = blocks[:, width - rope:][:, order]
+    return blocks.reshape(w.shape)
 
 
 MTP_FOUND = "_megalite_mtp_depths"  # set on the HF config by outside_model: the depths its weights hold
