@@ -15,6 +15,7 @@ from megalite.planning.memory import MemoryReport, active_params, layer_params, 
 from megalite.planning.model_shape import EXPERT_FAMILY
 from megalite.planning.shape import RunShape
 from megalite.planning.timing import TimeReport, crosses_nodes, step_time
+from megalite.planning.vocab_balance import layout_hint
 
 GB = 1e9
 
@@ -145,5 +146,7 @@ def format_report(plan: Plan) -> str:
               + (f"; with recomputation: {tm.tflops_per_gpu(True):.1f}" if sh.recompute == "full" else "")]
     if not plan.fits:
         lines.append("  (does not fit: tools/plan.py --search ranks the layouts that do)")
+    hint = layout_hint(sh)  # ZB-V with rank 0 past the zero-bubble memory bound: the layout that fixes it
+    lines += [f"  note: {hint}"] if hint else []
     lines += [f"  {line}" for line in accuracy_lines()]
     return "\n".join(lines)

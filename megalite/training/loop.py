@@ -21,6 +21,7 @@ from megalite.moe.balance import window_metrics
 from megalite.optimizer.lr_schedule import LRSchedule, schedule_from_config
 from megalite.optimizer.optimizer import MegaliteOptimizer
 from megalite.parallel.groups import ProcessGroups
+from megalite.planning.vocab_balance import run_layout_hint
 from megalite.tensor_parallel.random import RNGTracker, model_parallel_seed
 from megalite.training.batches import RunData, build_run_data
 from megalite.training.exit_conditions import ExitConditions
@@ -165,6 +166,9 @@ def start_run(cfg: MegaliteConfig, pg: ProcessGroups, data: RunData | None, say:
         warning = compat.grouped_mm_warning(device.device_type(), cfg.precision.params_dtype)
         if warning:
             say(f" WARNING: {warning}")
+    hint = run_layout_hint(cfg, pg.layout.world_size, vocab)
+    if hint:
+        say(f" NOTE: {hint}")
     buffers = build_buffers(chunks, cfg, pg)
     optimizer = MegaliteOptimizer(buffers, cfg, pg)
     for c in chunks:
