@@ -3,7 +3,9 @@
 TP2); megatron-core's GPTModel with its MTP block at TP2, built from the args the export saved, loads each and
 gives megalite's main loss and per-depth MTP losses (fp32, 1e-5); ``from-megatron`` of the export gives the
 same losses back. A depth whose layer is MoE (DeepSeek-V3's kind: dense first layer, MoE last, a shared expert,
-sigmoid router with an expert bias) goes out with its experts and gives the same losses too."""
+sigmoid router with an expert bias) goes out with its experts and gives the same losses too; and megatron-core's own
+TP2 checkpoint of such a model (two MoE depths, torch_dist and legacy) imports with ``from-megatron`` with its main
+and per-depth MTP losses."""
 
 from __future__ import annotations
 
@@ -167,3 +169,80 @@ def test_an_moe_depth_goes_out_with_its_experts_and_gives_the_same_losses(tmp_pa
     for fmt in ("mcore", "legacy"):
         torch.testing.assert_close(got[fmt][0], loss, rtol=0, atol=1e-5)
         torch.testing.assert_close(got[fmt][1], mtp, rtol=0, atol=1e-5)
+
+
+# ---- from-megatron of megatron-core's own MoE-depth model ----------------------------------------------------
+
+# saved by megatron-core at TP2: two depths, each MoE as the last layer (DeepSeek-V3's kind)
+CORE_MOE_ARGS = megatron_args(**{**vars(MOE_ARGS), "mtp_num_layers": 2, "padded_vocab_size": VOCAB,
+                                 "pipeline_model_parallel_size": 1})
+
+
+def _core_moe_saves(rank: int, world: int, root: str) -> dict:
+    """megatron-core's GPT at TP2 with an MoE depth (dense-then-MoE per-layer spec, its MTP block from it), every
+    parameter and expert bias perturbed (replicated ones alike on both TP ranks, shards per rank), saved in
+    torch_dist and the legacy format by megatron-core / as Megatron-LM writes them; its masked-mean main loss and
+    per-depth MTP losses on TEXT (the MoE layers in eval, as in _mcore_losses)."""
+    from tests.mcore_cpu import _config, _global_seed, cpu_shim, save_megatron, save_megatron_legacy
+
+    cpu_shim()
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel as McoreGPT
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=2)
+    args = CORE_MOE_ARGS
+    cfg = dataclasses.replace(_config(args, 2, 1), mtp_num_layers=args.mtp_num_layers,
+                              mtp_loss_scaling_factor=args.mtp_loss_scaling_factor)
+    spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization=args.normalization)
+    model = McoreGPT(config=cfg, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ,
+                     share_embeddings_and_output_weights=False, position_embedding_type="rope",
+                     mtp_block_spec=get_gpt_mtp_block_spec(cfg, spec, use_transformer_engine=False))
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            sharded = getattr(p, "tensor_model_parallel", False)
+            g = torch.Generator().manual_seed(_global_seed(name, 0, False) + (tp_rank + 1 if sharded else 0))
+            p.add_(0.1 * torch.randn(p.shape, generator=g))
+        for name, b in model.named_buffers():  # the expert bias (a buffer) moves each layer's top-k choice
+            if name.endswith("expert_bias"):
+                g = torch.Generator().manual_seed(_global_seed(name, 0, False))
+                b.copy_(0.3 * torch.randn(b.shape, generator=g))
+    assert any(isinstance(m, MoELayer) for m in model.mtp.modules())
+    for m in model.modules():
+        if isinstance(m, MoELayer):
+            m.eval()
+    tokens, labels = TEXT[:, :-1], TEXT[:, 1:]
+    causal = torch.triu(torch.ones(SEQ, SEQ), diagonal=1).bool()[None, None]
+    per_token = model(tokens, torch.arange(SEQ).expand(2, SEQ), causal, labels=labels, loss_mask=MASK)
+    out = {"loss": ((per_token * MASK).sum() / MASK.sum()).detach(),
+           "mtp": MTPLossLoggingHelper.tracker["values"].clone()}
+    save_megatron(model, args, os.path.join(root, "mcore"), iteration=4)
+    save_megatron_legacy(model, args, os.path.join(root, "legacy"), iteration=4)
+    ps.destroy_model_parallel()
+    return out if rank == 0 else {}
+
+
+@pytest.fixture(scope="module")
+def core_moe(tmp_path_factory) -> tuple[str, dict]:
+    root = str(tmp_path_factory.mktemp("core_moe_mtp"))
+    return root, run_ranks(_core_moe_saves, 2, root, timeout=120)[0]
+
+
+@pytest.mark.parametrize("fmt", ["mcore", "legacy"])
+def test_from_megatron_imports_megatron_cores_moe_depths_with_its_losses(core_moe, fmt, tmp_path):
+    """from-megatron of megatron-core's own checkpoint whose MTP depths are MoE layers (router, expert bias,
+    experts, shared expert under mtp.layers.K.transformer_layer.mlp.*): megalite's main and per-depth MTP losses
+    are megatron-core's (fp32, 1e-5)."""
+    root, want = core_moe
+    out = str(tmp_path / "imported")
+    assert convert(["from-megatron", "--load", os.path.join(root, fmt), "--save", out]) == 0
+    config = CheckpointReader(out).config
+    assert (config["mtp_num_layers"], config["num_experts"], config["moe_layer_freq"]) == (2, 4, "[0,1]")
+    assert "mtp.layers.1.layer.mlp.experts.fc1_weight" in dict(_full_shapes(config))
+    loss, mtp = _megalite_losses(out)
+    assert mtp.shape == (2,) and (mtp > 0).all()
+    torch.testing.assert_close(loss, want["loss"], rtol=0, atol=1e-5)
+    torch.testing.assert_close(mtp, want["mtp"], rtol=0, atol=1e-5)
