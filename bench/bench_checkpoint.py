@@ -35,8 +35,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch.distributed as dist  # noqa: E402
 
-from megalite.checkpointing import load_checkpoint, save_checkpoint  # noqa: E402
+from megalite.checkpointing import destination, load_checkpoint, save_checkpoint  # noqa: E402
 from megalite.checkpointing.metadata import config_dict  # noqa: E402
+from megalite.checkpointing.paths import iter_dirname  # noqa: E402
 from megalite.config import validate  # noqa: E402
 from megalite.config.arguments import MegaliteConfig  # noqa: E402
 from megalite.model.build import build_model  # noqa: E402
@@ -104,8 +105,8 @@ def _save_load(rank: int, pg, chunks, optimizer, tracker, config: dict, ckpt: st
                tag: str = "") -> None:
     """Median-able save, cold load and warm load times into out[save+tag], out[load_cold+tag], ..."""
     for _ in range(repeats):
-        if rank == 0:
-            shutil.rmtree(ckpt, ignore_errors=True)
+        if rank == 0:  # only what the last save wrote: the folder and its lock stay (main holds them)
+            shutil.rmtree(os.path.join(ckpt, iter_dirname(1)), ignore_errors=True)
         dist.barrier()
         t0 = time.perf_counter()
         save_checkpoint(ckpt, 1, chunks, optimizer, pg, config, {"iteration": 1}, rng_states(tracker))
@@ -187,7 +188,10 @@ def main() -> None:
          "world": args.world, "repeats": args.repeats}
     root = tempfile.mkdtemp(prefix="megalite-bench-ckpt-", dir=args.dir)
     try:
-        ranks = run_ranks(_ranks, args.world, a, root, timeout=1800)
+        # the rule of every checkpoint writer (checkpointing/destination.py): the folder's lock, held while
+        # the ranks save into it (in place: each save replaces only its own iteration folder)
+        with destination.claim(os.path.join(root, "ckpt"), (), print, flag="--dir", in_place=True):
+            ranks = run_ranks(_ranks, args.world, a, root, timeout=1800)
         conv = convert_times(root, args.repeats)
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -185,3 +185,14 @@ def test_a_stored_tensor_no_parameter_reads_is_refused_by_name(tmp_path):
     with pytest.raises(CheckpointMismatch, match=r"tensor\(s\) no parameter of the flags' model reads "
                                                  r"\(layers\.0\.attention\.k_norm\.weight, "):
         load_checkpoint(path, [plain], None, pg, plain_config, load_optim=False, load_rng=False)
+
+
+def test_a_file_saved_without_a_checksum_is_not_listed_and_reads(full, tmp_path, monkeypatch):
+    """A save whose checksums were not taken (bench/bench_checkpoint.py's run without the CRC) lists none, so
+    the strict metadata reader (which refuses a listed checksum that is not a string) reads it."""
+    from megalite.checkpointing import metadata
+
+    monkeypatch.setattr(metadata, "file_checksum", lambda path: None)
+    path = _megalite(tmp_path, full)
+    reader = CheckpointReader(path)
+    assert reader.checksums == {} and reader.iteration == 3

@@ -89,10 +89,11 @@ def write_metadata(staged: str, *, iteration: int, layout: dict[str, Any], confi
                    state: dict[str, Any], device: str, extra: dict[str, Any] | None = None,
                    checksums: dict[str, str] | None = None) -> None:
     """metadata.json of the checkpoint being written in ``staged``; ``checksums`` maps each tensor
-    file's path relative to the iteration directory to its ``file_checksum``."""
+    file's path relative to the iteration directory to its ``file_checksum`` (a file whose checksum was not
+    taken, None, is not listed: the reader checks only what is listed)."""
     meta = {"format_version": FORMAT_VERSION, "megalite_version": __version__, "iteration": iteration,
             "layout": layout, "config": config, "state": state, "device": device, **(extra or {}),
-            "checksums": dict(sorted((checksums or {}).items()))}
+            "checksums": dict(sorted((k, v) for k, v in (checksums or {}).items() if v is not None))}
     path = os.path.join(staged, "metadata.json")
     with open(path, "w") as f:
         json.dump(meta, f, indent=1, default=str)
