@@ -273,3 +273,34 @@ def test_dry_run_plans_the_moe_flags():
     assert proc.returncode == 0, proc.stderr
     assert "experts: EP 2 (NVLink) x expert-TP 1 x expert-DP 2 (NVLink)" in proc.stdout, proc.stdout
     assert "MoE dispatch buffers" in proc.stdout and "expert optimizer state" in proc.stdout, proc.stdout
+
+
+def test_deepseek_v3_counts_are_transformers_own():
+    """The planner's DeepSeek-V3 counts equal those of transformers' own DeepseekV3ForCausalLM at the released
+    configuration, parameter for parameter (its 3 dense and 58 MoE layers counted from one of each, built on
+    the meta device; the router's expert bias is a buffer there): 671,026,404,352 weights and 58 x 256 biases
+    in all, and active per token the same less the 248 routed experts a token does not reach in each MoE
+    layer (and the bias, which the router adds only to choose experts). So 37.55 B is the
+    model's count, and the published "37B" is that count cut to whole billions (1.5 % below it)."""
+    import torch
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    hf = DeepseekV3Config(vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+                          num_hidden_layers=4, first_k_dense_replace=3, num_attention_heads=128,
+                          num_key_value_heads=128, n_shared_experts=1, n_routed_experts=256, num_experts_per_tok=8,
+                          n_group=8, topk_group=4, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+                          qk_rope_head_dim=64, v_head_dim=128, tie_word_embeddings=False)
+    with torch.device("meta"):
+        model = DeepseekV3ForCausalLM(hf)
+
+    def count(module, buffers: bool = False) -> int:
+        return sum(p.numel() for p in module.parameters()) + buffers * sum(b.numel() for b in module.buffers())
+
+    dense, moe = count(model.model.layers[0]), count(model.model.layers[3], buffers=True)
+    total = count(model.model.embed_tokens) + count(model.lm_head) + count(model.model.norm) + 3 * dense + 58 * moe
+    expert = count(model.model.layers[3].mlp.experts) // 256
+    run = next(r for r in PUBLISHED_MOE if r.name == "DeepSeek-V3")
+    cfg = parse_args(cfg_flags(run))
+    plan = estimate(cfg, cluster_from_values({}), vocab_of(cfg))
+    assert plan.total_params == total == 671_026_404_352 + 58 * 256
+    assert plan.active_params == total - 58 * ((256 - 8) * expert + 256)  # the expert bias is no weight a token uses
