@@ -75,7 +75,8 @@ def zbv_vocab_balance(sh: RunShape, highest: Callable[[RunShape], float] = highe
     p = cfg.parallel
     if (p.pipeline_schedule != "zbv" or sh.pp < 2 or not cfg.model.untie_embeddings_and_output_weights
             or p.pipeline_model_parallel_layout is not None or p.decoder_first_pipeline_num_layers is not None
-            or p.decoder_last_pipeline_num_layers is not None or cfg.model.mtp_num_layers):
+            or p.decoder_last_pipeline_num_layers is not None or p.account_for_embedding_in_pipeline_split
+            or p.account_for_loss_in_pipeline_split or cfg.model.mtp_num_layers):  # a split given, or no layout
         return None
     base = one_f_one_b(sh)
     if base is None:
