@@ -46,7 +46,7 @@ from megalite.checkpointing.megatron.torch_dist.dp_stages import (
     stage_layers,
     with_experts,
 )
-from megalite.checkpointing.megatron.tp import join_tp, tp_dim
+from megalite.checkpointing.megatron.tp import DOWN_PROJ, join_tp, tp_dim, whole_rows
 
 BUCKET = re.compile(r"^(chained_\d+\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.+)"
                     r"\.bucket_idx_(\d+)\.(param|exp_avg|exp_avg_sq)$")
@@ -68,26 +68,70 @@ LAYER = (("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight
 # (megatron-core's Attention builds linear_proj before SelfAttention builds linear_qkv); the MLP's fused norm
 # (or an MoE layer's TENorm pre_mlp_layernorm) sits where the local spec's pre-MLP norm does.
 LAYER_TE = (LAYER[2], LAYER[3], LAYER[0], LAYER[1], *LAYER[4:])
-LAST = (("decoder.final_layernorm.weight", "decoder.final_norm.weight"),
-        ("decoder.final_layernorm.bias", "decoder.final_norm.bias"), ("output_layer.weight",))
+# Multi-latent attention (megatron-core's MLASelfAttention, transformer/multi_latent_attention.py): the base
+# Attention builds linear_proj (MLA's rebuild keeps its place), then MLASelfAttention linear_q_proj (no query
+# compression) or linear_q_down_proj and linear_q_up_proj, linear_kv_down_proj, linear_kv_up_proj, and last the
+# latent norms q_layernorm (with compression) and kv_layernorm; none of the projections has a bias. Both specs
+# keep the input norm a module of its own (the local spec keys it unfused; Transformer Engine's is a TENorm), so
+# it comes first. Transformer Engine's spec fuses the latent norms into the up-projections
+# (TELayerNormColumnParallelLinear: its layer_norm_weight / _bias before its weight), keeps the down-projections
+# whole on every TP rank (TELinear, "duplicated"), and its pre-MLP norm is placed as in LAYER_TE.
+MLA_PROJ = (("self_attention.linear_q_proj.weight",), ("self_attention.linear_q_down_proj.weight",))
+LAYER_MLA = (*LAYER[:4], *MLA_PROJ, ("self_attention.linear_q_up_proj.weight",),
+             ("self_attention.linear_kv_down_proj.weight",), ("self_attention.linear_kv_up_proj.weight",),
+             *((f"self_attention.{n}_layernorm.{w}",) for n in ("q", "kv") for w in ("weight", "bias")), *LAYER[6:])
+FUSED = ("layer_norm_weight", "layer_norm_bias", "weight")
+LAYER_MLA_TE = (*LAYER[:4], *MLA_PROJ, *((f"self_attention.linear_q_up_proj.{w}",) for w in FUSED),
+                ("self_attention.linear_kv_down_proj.weight",),
+                *((f"self_attention.linear_kv_up_proj.{w}",) for w in FUSED), *LAYER[6:])
+FINAL = (("decoder.final_layernorm.weight", "decoder.final_norm.weight"),
+         ("decoder.final_layernorm.bias", "decoder.final_norm.bias"))
+# Multi-token prediction (transformer/multi_token_prediction.py): GPTModel registers its MTP block after the
+# decoder (its final norm) and before the output layer; each depth's MultiTokenPredictionLayer builds enorm,
+# hnorm, eh_proj (no bias), the transformer layer (the decoder's layer spec) and its final_layernorm.
+MTP_KEY = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
+MTP_HEAD = (("enorm.weight",), ("enorm.bias",), ("hnorm.weight",), ("hnorm.bias",), ("eh_proj.weight",))
+MTP_TAIL = (("final_layernorm.weight",), ("final_layernorm.bias",))
+LAST = (("output_layer.weight",),)
 
 
-def _ordered(src: Any, model_keys: Iterable[str], te: bool = False) -> list[Param] | str:
-    """The model's parameters in megatron-core's order (of the local spec, or with ``te`` Transformer
-    Engine's), each per layer, with its full shape and cut."""
+def _layer_order(te: bool, mla: bool) -> tuple[tuple[str, ...], ...]:
+    """One transformer layer's parameter slots in megatron-core's order for its spec and attention."""
+    return (LAYER_MLA_TE if te else LAYER_MLA) if mla else (LAYER_TE if te else LAYER)
+
+
+def _slots(te: bool, mla: bool) -> tuple[dict[str, tuple[int, int]], dict[str, int]]:
+    """(model key or per-layer suffix -> (part, slot), an MTP depth's suffix -> slot): the parts in
+    megatron-core's registration order: embeddings, decoder layers, final norm, MTP depths, output layer."""
+    layer = _layer_order(te, mla)
     slots: dict[str, tuple[int, int]] = {k: (0, i) for i, k in enumerate(FIRST)}
-    slots.update({k: (1, i) for i, names in enumerate(LAYER_TE if te else LAYER) for k in names})
-    slots.update({k: (2, i) for i, names in enumerate(LAST) for k in names})
+    slots.update({k: (1, i) for i, names in enumerate(layer) for k in names})
+    slots.update({k: (2, i) for i, names in enumerate(FINAL) for k in names})
+    slots.update({k: (4, i) for i, names in enumerate(LAST) for k in names})
+    depth = [*MTP_HEAD, *(tuple(f"transformer_layer.{n}" for n in names) for names in layer), *MTP_TAIL]
+    return slots, {k: i for i, names in enumerate(depth) for k in names}
+
+
+def _ordered(src: Any, model_keys: Iterable[str], te: bool = False, mla: bool = False) -> list[Param] | str:
+    """The model's parameters in megatron-core's order (of the local spec, or with ``te`` Transformer
+    Engine's; ``mla``: multi-latent attention's layers), each per layer, with its full shape and cut (-1 for
+    Transformer Engine's MLA down-projections, whole on every TP rank)."""
+    slots, depth = _slots(te, mla)
     found: list[tuple[tuple[int, int, int], Param]] = []
     for key in model_keys:
         if SKIPPED.search(key):
             continue
         shape = src.shape(key)
+        dim = -1 if te and DOWN_PROJ.search(key) else tp_dim(key)
+        if (m := MTP_KEY.match(key)) is not None:
+            if m[2] not in depth:
+                return f"{key} has no known place in megatron-core's parameter order of a multi-token prediction depth"
+            found.append(((3, int(m[1]), depth[m[2]]), (key, shape, dim)))
+            continue
         stacked = key.startswith("decoder.layers.") and not key.split(".")[2].isdigit()
         suffix = key[len("decoder.layers."):] if stacked else key
         if suffix not in slots:
             return f"{key} has no known place in megatron-core's parameter order"
-        dim = tp_dim(key)
         part, slot = slots[suffix]
         if not stacked:
             found.append(((part, 0, slot), (key, shape, dim)))
@@ -267,9 +311,10 @@ def _expert_jobs(src: Any, prefix: str, groups: dict[int, Buffers], experts: dic
     return jobs
 
 
-def _read(src: Any, jobs: list[Job], groups: dict[str, dict[int, Buffers]], swiglu: bool
-          ) -> dict[str, dict[str, torch.Tensor]] | str:
-    """field -> name -> the full state, each placed parameter's slices read from its buckets, joined over TP."""
+def _read(src: Any, jobs: list[Job], groups: dict[str, dict[int, Buffers]], swiglu: bool,
+          whole: dict[str, int] | None = None) -> dict[str, dict[str, torch.Tensor]] | str:
+    """field -> name -> the full state, each placed parameter's slices read from its buckets, joined over TP
+    (``whole``: MLA's down-projections' full rows, tp.whole_rows: Transformer Engine's are replicated)."""
     shards: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
     tp_of: dict[str, int] = {}
     for prefix, g, c, t, tp, placed in jobs:
@@ -285,8 +330,8 @@ def _read(src: Any, jobs: list[Job], groups: dict[str, dict[int, Buffers]], swig
     if missing:
         return f"{missing[0]} is not in the buffers of every one of its {tp_of[missing[0]]} TP ranks"
     try:  # a replicated parameter whose state differs between TP ranks: the layout is not megatron-core's
-        return {f: {n: join_tp(n, [ts[t] for t in range(tp_of[n])], swiglu, f"optimizer {f}") for n, ts in per.items()}
-                for f, per in shards.items()}
+        return {f: {n: join_tp(n, [ts[t] for t in range(tp_of[n])], swiglu, f"optimizer {f}", whole)
+                    for n, ts in per.items()} for f, per in shards.items()}
     except CheckpointError as e:
         return str(e)
 
@@ -317,7 +362,8 @@ def dp_reshardable_jobs(src: Any, model_keys: list[str], args: Any
         return grouped
     dense_keys, expert_keys = split_expert_keys(model_keys)
     te = getattr(args, "transformer_impl", None) == "transformer_engine"
-    ordered, groups = _ordered(src, dense_keys, te), _buckets(src.keys())
+    mla = bool(getattr(args, "multi_latent_attention", False))
+    ordered, groups = _ordered(src, dense_keys, te, mla), _buckets(src.keys())
     experts = expert_params(src, expert_keys, grouped) if expert_keys else {}
     for got in (ordered, experts, groups):
         if isinstance(got, str):
@@ -327,6 +373,9 @@ def dp_reshardable_jobs(src: Any, model_keys: list[str], args: Any
     lay = chains if isinstance(chains, str) else _layout(args, groups, chains)
     if isinstance(lay, str) or isinstance(step, str):
         return lay if isinstance(lay, str) else str(step)
+    if lay["pp"] > 1 and any(MTP_KEY.match(p[0]) for p in ordered):
+        return (f"its multi-token prediction depths at PP {lay['pp']} (the last stage's copy of the embedding "
+                "beside them) are not laid out")
     split = EP_OPTIMIZER in chains  # megatron-core's expert optimizer (EP > 1); at EP 1 the experts are dense
     dense = ordered if split else with_experts(ordered, experts)
     if isinstance(dense, str):
@@ -357,5 +406,5 @@ def dp_reshardable_state(src: Any, model_keys: list[str], args: Any
     if isinstance(got, str):
         return got
     jobs, groups, step = got
-    out = _read(src, jobs, groups, bool(getattr(args, "swiglu", False)))
+    out = _read(src, jobs, groups, bool(getattr(args, "swiglu", False)), whole_rows(args))
     return out if isinstance(out, str) else (out, step)
