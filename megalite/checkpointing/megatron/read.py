@@ -196,7 +196,8 @@ def _dp_reshardable(out: MegatronCheckpoint, src: Any, keys: list[str], other: l
         try:
             state = {name: _state_field(name, list(tensors), tensors.__getitem__, out.config, where)
                      for name, tensors in fields.items()}
-            wrong = main_mismatch(state.get("main", {}), out.params)
+            frozen = _not_optimized(out.config)
+            wrong = main_mismatch(state.get("main", {}), {k: t for k, t in out.params.items() if k not in frozen})
             got = f"{wrong}: megatron-core's layout not matched" if wrong else (state, step)
         except CheckpointError as e:
             got = str(e)
@@ -221,11 +222,24 @@ def _optimizer(fields: dict[str, dict[str, str]], get: Any, common: dict[str, An
     return out, _optimizer_step(common.get("optimizer") or {}, where)
 
 
+def _not_optimized(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """The parameters without optimizer state (the router's expert bias: megatron-core's buffer, megalite's
+    frozen parameter, moved by its own rule) and their full shapes."""
+    from megalite.checkpointing.megatron.names import _full_shapes
+    from megalite.checkpointing.stored import stage_params
+
+    frozen = {p.key for stage in stage_params(config, 1) for p in stage if not p.optimized}
+    return {k: s for k, s in _full_shapes(config).items() if k in frozen} if frozen else {}
+
+
 def _state_field(name: str, keys: list[str], get: Any, config: dict[str, Any], where: str) -> dict[str, torch.Tensor]:
     """One optimizer field's full fp32 tensors under megalite's keys, from megatron-core's ``keys``
-    (``get(key)``), each checked as a parameter is: every parameter, its full shape, the padding dropped."""
-    checked = check_params(to_megalite(keys, get, where), config, f"{where} (optimizer {name})")
-    return {k: t.float() for k, t in checked.items()}
+    (``get(key)``), each checked as a parameter is: every parameter with optimizer state, its full shape, the
+    padding dropped."""
+    frozen = _not_optimized(config)
+    params = {**{k: torch.empty(s, device="meta") for k, s in frozen.items()}, **to_megalite(keys, get, where)}
+    checked = check_params(params, config, f"{where} (optimizer {name})")
+    return {k: t.float() for k, t in checked.items() if k not in frozen}
 
 
 def _optimizer_step(saved: dict[str, Any], where: str) -> float:

@@ -13,8 +13,12 @@ bucket ending exactly where its saved size ends. Every bucket must be filled exa
 that does not fit (the legacy GroupedMLP's merged experts, mixed dtypes: more buffers per chunk) is not
 read, and why is returned. Transformer Engine's spec (``transformer_impl`` in the args) orders each layer's
 parameters its own way (``LAYER_TE``), and its grouped experts (``moe_grouped_gemm``) theirs
-(torch_dist/dp_stages.py); the fp32 main parameters must equal the weights (read.py checks), so an order
-that is not megatron-core's is refused, not read wrong.
+(torch_dist/dp_stages.py); multi-latent attention's layers (``multi_latent_attention`` in the args) have
+theirs (``LAYER_MLA``, ``LAYER_MLA_TE``), and multi-token prediction depths (``mtp.layers.K.*``) lie between
+the final norm and the output layer (at PP 1: at PP > 1 the last stage's copy of the embedding is not laid
+out). Layers keyed one by one (a model of dense and MoE layers) and stacked over layers are both read; the
+router's expert bias is a buffer, with no state. The fp32 main parameters must equal the weights (read.py
+checks), so an order that is not megatron-core's is refused, not read wrong.
 """
 
 from __future__ import annotations
@@ -35,11 +39,14 @@ from megalite.checkpointing.megatron.buffer import (
     optimizer_kind,
     place_buffer,
 )
+from megalite.checkpointing.megatron.legacy.optim import BUFFERS
 from megalite.checkpointing.megatron.names import SKIPPED
 from megalite.checkpointing.megatron.torch_dist.dp_stages import (
     LAYER_OF,
+    Experts,
     Param,
     chunk_params,
+    expert_hosts,
     expert_params,
     local_experts,
     split_expert_keys,
@@ -119,7 +126,7 @@ def _ordered(src: Any, model_keys: Iterable[str], te: bool = False, mla: bool = 
     slots, depth = _slots(te, mla)
     found: list[tuple[tuple[int, int, int], Param]] = []
     for key in model_keys:
-        if SKIPPED.search(key):
+        if SKIPPED.search(key) or BUFFERS.search(key):  # no parameter: Transformer Engine's extra state, buffers
             continue
         shape = src.shape(key)
         dim = -1 if te and DOWN_PROJ.search(key) else tp_dim(key)
@@ -128,7 +135,13 @@ def _ordered(src: Any, model_keys: Iterable[str], te: bool = False, mla: bool = 
                 return f"{key} has no known place in megatron-core's parameter order of a multi-token prediction depth"
             found.append(((3, int(m[1]), depth[m[2]]), (key, shape, dim)))
             continue
-        stacked = key.startswith("decoder.layers.") and not key.split(".")[2].isdigit()
+        if (m := LAYER_OF.match(key)) is not None:  # one layer's key (a model of dense and MoE layers)
+            suffix = key[m.end():]
+            if slots.get(suffix, (None,))[0] != 1:
+                return f"{key} has no known place in megatron-core's parameter order"
+            found.append(((1, int(m[1]), slots[suffix][1]), (key, shape, dim)))
+            continue
+        stacked = key.startswith("decoder.layers.")
         suffix = key[len("decoder.layers."):] if stacked else key
         if suffix not in slots:
             return f"{key} has no known place in megatron-core's parameter order"
@@ -293,7 +306,7 @@ def _dense_jobs(src: Any, prefix: str, groups: dict[int, Buffers], dense: list[P
     return jobs, layers
 
 
-def _expert_jobs(src: Any, prefix: str, groups: dict[int, Buffers], experts: dict[int, list[tuple[int, Param]]],
+def _expert_jobs(src: Any, prefix: str, groups: dict[int, Buffers], experts: Experts,
                  layers: dict[tuple[int, int], range], lay: dict[str, int]) -> list[Job] | str:
     """Every expert dp group's buffers placed: G = etp + ETP·(ep + EP·pp), the chunk's layers' local experts."""
     etp, ep, pp, vp = lay["etp"], lay["ep"], lay["pp"], lay["vp"]
@@ -303,7 +316,9 @@ def _expert_jobs(src: Any, prefix: str, groups: dict[int, Buffers], experts: dic
     jobs: list[Job] = []
     for g in range(etp * ep * pp):
         for c in range(vp):
-            params = local_experts(experts, layers[g // (etp * ep), c], g // etp % ep, ep)
+            p = g // (etp * ep)
+            hosts = expert_hosts(experts, layers[p, c], p == pp - 1 and c == vp - 1)
+            params = local_experts(experts, hosts, g // etp % ep, ep)
             placed = _place(params, etp, sizes[g][c])
             if isinstance(placed, str):
                 return f"{prefix}dp_group_idx_{g}.gbuf_idx_{c}: {placed}"

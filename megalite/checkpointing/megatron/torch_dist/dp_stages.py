@@ -17,7 +17,10 @@ megatron-core's source (0.16):
   its buffers: every layer adds elements, so exactly one count fills a stage's buckets exactly (no
   pipeline-split flag needed, uneven stages included).
 - EP rank e's local expert j is expert e·E/EP + j; SequentialMLP registers each expert's fc1 then fc2,
-  after the router and before the shared expert.
+  after the router and before the shared expert. An MoE layer is named by its module prefix: a decoder
+  layer's ``decoder.layers.{i}`` or a multi-token prediction depth's ``mtp.layers.{k}.transformer_layer``
+  (GPTModel registers its MTP block after the decoder, on the last stage, so its experts follow the last
+  stage's decoder layers' in the expert buffer).
 - Transformer Engine's grouped experts: ``TEGroupedMLP`` (transformer/moe/experts.py), megatron-core's choice
   for ``moe_grouped_gemm`` with ``transformer_impl transformer_engine`` unless ``moe_use_legacy_grouped_gemm``
   (extensions/transformer_engine_spec_provider.py, ``grouped_mlp_modules``), builds ``linear_fc1`` then
@@ -41,8 +44,12 @@ from megalite.checkpointing.megatron.tp import tp_dim
 
 Param = tuple[str, tuple[int, ...], int]  # per-layer name, full shape, cut dim (-1: replicated)
 LAYER_OF = re.compile(r"^decoder\.layers\.(\d+)\.")
-# torch_dist's experts of the local spec (SequentialMLP): one key per fc stacked over layers and experts
-EXPERTS = re.compile(r"^decoder\.layers\.mlp\.experts\.experts\.linear_(fc[12])\.weight$")
+# torch_dist's experts of the local spec (SequentialMLP): one key per fc, stacked over layers and experts
+# ([L, E, ...]), or per layer ([E, ...]: a model of dense and MoE layers keys each layer apart, and an MTP
+# depth's layer is its own); the host is the layer's module prefix
+EXPERTS = re.compile(r"^(?P<host>decoder\.layers(?:\.\d+)?|mtp\.layers\.\d+\.transformer_layer)"
+                     r"\.mlp\.experts\.experts\.linear_(?P<fc>fc[12])\.weight$")
+MTP_HOST = re.compile(r"^mtp\.layers\.(\d+)\.transformer_layer$")
 
 
 def split_expert_keys(model_keys: Iterable[str]) -> tuple[list[str], list[str]]:
@@ -51,39 +58,54 @@ def split_expert_keys(model_keys: Iterable[str]) -> tuple[list[str], list[str]]:
     return [k for k in keys if not EXPERTS.match(k)], [k for k in keys if EXPERTS.match(k)]
 
 
-def expert_params(src: Any, expert_keys: list[str], grouped: bool = False
-                  ) -> dict[int, list[tuple[int, Param]]] | str:
-    """Layer -> [(global expert, its Param)] in megatron-core's order, from the stacked [L, E, ...] keys: per
-    expert its fc1 and fc2 (SequentialMLP), or with ``grouped`` every expert's fc1, then every fc2
-    (TEGroupedMLP; an EP rank's local experts keep this order)."""
-    shapes = {EXPERTS.match(k)[1]: src.shape(k) for k in expert_keys}
-    if sorted(shapes) != ["fc1", "fc2"] or shapes["fc1"][:2] != shapes["fc2"][:2]:
-        return f"its expert keys {expert_keys} are not fc1 and fc2 stacked over the same layers and experts"
-    layers, experts = shapes["fc1"][:2]
-    out: dict[int, list[tuple[int, Param]]] = {}
-    pairs = [(e, fc) for fc in ("fc1", "fc2") for e in range(experts)] if grouped else \
-        [(e, fc) for e in range(experts) for fc in ("fc1", "fc2")]
-    for i in range(layers):
-        for e, fc in pairs:
-            name = f"decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_{fc}.weight"
-            out.setdefault(i, []).append((e, (name, tuple(shapes[fc][2:]), tp_dim(name))))
+Experts = dict[str, list[tuple[int, Param]]]  # a layer's module prefix -> [(global expert, its Param)]
+
+
+def expert_params(src: Any, expert_keys: list[str], grouped: bool = False) -> Experts | str:
+    """Each MoE layer's experts (by its module prefix, ``decoder.layers.{i}`` or an MTP depth's
+    ``mtp.layers.{k}.transformer_layer``) in megatron-core's order, from the stacked keys: per expert its fc1
+    and fc2 (SequentialMLP), or with ``grouped`` every expert's fc1, then every fc2 (TEGroupedMLP; an EP
+    rank's local experts keep this order)."""
+    shapes: dict[str, dict[str, tuple[int, ...]]] = {}
+    for k in expert_keys:
+        m = EXPERTS.match(k)
+        shapes.setdefault(m["host"], {})[m["fc"]] = tuple(src.shape(k))
+    out: Experts = {}
+    for host, per in shapes.items():
+        lead = 2 if host == "decoder.layers" else 1  # [L, E, ...] stacked over layers, else [E, ...]
+        if sorted(per) != ["fc1", "fc2"] or per["fc1"][:lead] != per["fc2"][:lead] or len(per["fc1"]) < lead + 2:
+            return f"its expert keys of {host} are not fc1 and fc2 stacked over the same layers and experts"
+        experts = per["fc1"][lead - 1]
+        pairs = [(e, fc) for fc in ("fc1", "fc2") for e in range(experts)] if grouped else \
+            [(e, fc) for e in range(experts) for fc in ("fc1", "fc2")]
+        for layer in [f"{host}.{i}" for i in range(per["fc1"][0])] if lead == 2 else [host]:
+            for e, fc in pairs:
+                name = f"{layer}.mlp.experts.local_experts.{e}.linear_{fc}.weight"
+                out.setdefault(layer, []).append((e, (name, per[fc][lead:], tp_dim(name))))
     return out
 
 
-def with_experts(ordered: list[Param], experts: dict[int, list[tuple[int, Param]]]) -> list[Param] | str:
+def with_experts(ordered: list[Param], experts: Experts) -> list[Param] | str:
     """The dense order with every expert in it (EP 1: they are dense parameters), each layer's after its
     router."""
     out, placed = [], set()
     for k, p in enumerate(ordered):
         out.append(p)
-        m = LAYER_OF.match(p[0])
+        host = p[0].partition(".mlp.router.")[0] if ".mlp.router." in p[0] else None
         nxt = ordered[k + 1][0] if k + 1 < len(ordered) else ""
-        if m and ".mlp.router." in p[0] and not nxt.startswith(f"decoder.layers.{m[1]}.mlp.router."):
-            out += [q for _, q in experts.get(int(m[1]), [])]
-            placed.add(int(m[1]))
-    if placed != set(experts):
+        if host is not None and not nxt.startswith(f"{host}.mlp.router."):
+            out += [q for _, q in experts.get(host, [])]
+            placed.add(host)
+    if not set(experts) <= placed:
         return f"layers {sorted(set(experts) - placed)} have experts but no router"
     return out
+
+
+def expert_hosts(experts: Experts, layers: range, last: bool) -> list[str]:
+    """The MoE layers of a model chunk holding decoder ``layers`` (and, if ``last``, the MTP depths, which
+    megatron-core registers after the decoder) in megatron-core's order."""
+    depths = sorted((int(m[1]), h) for h in experts if (m := MTP_HOST.match(h)))
+    return [f"decoder.layers.{i}" for i in layers] + ([h for _, h in depths] if last else [])
 
 
 def chunk_params(ordered: list[Param], layers: range, first: bool, last: bool, tied: Param | None) -> list[Param]:
@@ -101,11 +123,11 @@ def chunk_params(ordered: list[Param], layers: range, first: bool, last: bool, t
     return out + [tied] if last and tied is not None else out
 
 
-def local_experts(experts: dict[int, list[tuple[int, Param]]], layers: range, ep_rank: int, ep: int) -> list[Param]:
-    """The experts one EP rank holds on a chunk's layers, in order."""
+def local_experts(experts: Experts, hosts: list[str], ep_rank: int, ep: int) -> list[Param]:
+    """The experts one EP rank holds on a chunk's MoE layers (``expert_hosts``), in order."""
     total = len({e for per in experts.values() for e, _ in per})
     mine = range(ep_rank * total // ep, (ep_rank + 1) * total // ep)
-    return [p for i in layers for e, p in experts.get(i, []) if e in mine]
+    return [p for h in hosts for e, p in experts.get(h, []) if e in mine]
 
 
 def stage_layers(fits: Callable[[int, int, range], bool], num_layers: int, pp: int, vp: int
