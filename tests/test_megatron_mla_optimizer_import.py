@@ -56,6 +56,9 @@ DEEPSEEK = megatron_args(**{**MLA, "mtp_num_layers": 1, "mtp_loss_scaling_factor
                             "expert_model_parallel_size": 2})
 CASES["deepseek_ep2"] = DEEPSEEK
 CASES["deepseek_ep1"] = megatron_args(**{**vars(DEEPSEEK), "expert_model_parallel_size": 1})  # experts: dense
+# the model-space fully_reshardable save too, where the expert bias (a buffer) has no state either
+SHARDINGS = {"deepseek_ep2": ("dp_reshardable", "fully_reshardable")}
+SUFFIX = {"dp_reshardable": "", "fully_reshardable": "_fully_reshardable"}
 BUCKETS = {"mla": 1500}  # several buckets (overlapped gradient reduction), their edges inside MLA's layers
 
 
@@ -165,9 +168,10 @@ def _train_and_save(rank: int, world: int, root: str) -> dict:
                                      expert_model_parallel_size=getattr(args, "expert_model_parallel_size", 1))
         options = {"overlap_grad_reduce": True, "bucket_size": BUCKETS[name]} if name in BUCKETS else {}
         model, opt = _train(args, **options)
-        metadata = {**MEGATRON_LM_METADATA, "distrib_optim_sharding_type": "dp_reshardable"}
-        save_megatron(model, args, os.path.join(root, name), STEPS,
-                      optimizer=opt.sharded_state_dict(model.sharded_state_dict(), metadata=metadata))
+        for sharding in SHARDINGS.get(name, ("dp_reshardable",)):
+            metadata = {**MEGATRON_LM_METADATA, "distrib_optim_sharding_type": sharding}
+            save_megatron(model, args, os.path.join(root, name + SUFFIX[sharding]), STEPS,
+                          optimizer=opt.sharded_state_dict(model.sharded_state_dict(), metadata=metadata))
         out[name] = optimizer_records([model], opt, args)
         ps.destroy_model_parallel()
     return out
@@ -180,8 +184,8 @@ def saved(tmp_path_factory) -> tuple[str, dict]:
     return root, {name: [r for rank in ranks for r in rank[name]] for name in CASES}
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_dp_reshardable_state_of_mla_and_mtp_imports(saved, name, tmp_path, capsys):
+@pytest.mark.parametrize(("name", "sharding"), [(n, s) for n in CASES for s in SHARDINGS.get(n, ("dp_reshardable",))])
+def test_dp_reshardable_state_of_mla_and_mtp_imports(saved, name, sharding, tmp_path, capsys):
     """``from-megatron`` carries megatron-core's own distributed-optimizer state over: every parameter's Adam
     moments and fp32 main parameter (each DP rank's slices put in place, TP's shards joined), exactly, and the
     step."""
@@ -193,9 +197,9 @@ def test_dp_reshardable_state_of_mla_and_mtp_imports(saved, name, tmp_path, caps
     assert steps == {float(STEPS)}
     assert len(records[name]) < 4 * len(want["main"])  # a parameter lies on fewer than all 4 ranks (DP slices)
     out = str(tmp_path / "imported")
-    assert convert(["from-megatron", "--load", os.path.join(root, name), "--save", out]) == 0
+    assert convert(["from-megatron", "--load", os.path.join(root, name + SUFFIX[sharding]), "--save", out]) == 0
     said = capsys.readouterr().out
-    assert f"Adam state of step {STEPS} imported (dp_reshardable)" in said, said
+    assert f"Adam state of step {STEPS} imported{' (dp_reshardable)' * (sharding == 'dp_reshardable')}" in said, said
     ckpt = FullCheckpoint(out)
     assert ckpt.has_optimizer() and ckpt.optimizer_step() == STEPS
     names = list(want["main"])
