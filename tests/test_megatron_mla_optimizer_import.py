@@ -211,3 +211,28 @@ def test_dp_reshardable_state_of_mla_and_mtp_imports(saved, name, sharding, tmp_
         for key, t in full.items():
             assert torch.count_nonzero(t) > 0, (key, field)  # real gradients: the test compares something
             torch.testing.assert_close(ckpt.optim(key, field), t, rtol=0, atol=0, msg=f"{key} {field}")
+
+
+def test_pretrain_continues_an_mla_mtp_run_with_its_adam_state(saved, tmp_path):
+    """``pretrain_gpt.py --load`` of megatron-core's MLA + MTP save at TP2 (its dp_reshardable state read
+    in-process) follows the losses of a one-process run loading the ``from-megatron`` import; a fresh optimizer
+    (--no-load-optim) gives other losses, so the imported moments carry the run. (Global batch 8: the mock
+    dataset must hold the 14 samples Megatron-LM consumed before and 2 more steps.)"""
+    from megalite.checkpointing.megatron.read import read_megatron
+    from tests.asserts import assert_rel_close
+    from tests.cli_utils import launch_pretrain, losses
+    from tools.convert_checkpoint import model_flags
+
+    load = os.path.join(saved[0], "mla_mtp")
+    imported = str(tmp_path / "imported")
+    assert convert(["from-megatron", "--load", load, "--save", imported]) == 0
+    run = ["--mock-data", "--vocab-size", "95", *model_flags(read_megatron(load).config).split(), "--seq-length",
+           "16", "--micro-batch-size", "2", "--global-batch-size", "8", "--log-interval", "1", "--train-iters", "4",
+           "--lr", "1e-3", "--weight-decay", "0.1", "--hidden-dropout", "0", "--attention-dropout", "0"]
+    direct = launch_pretrain([*run, "--load", load, "--tensor-model-parallel-size", "2"], nproc=2, timeout=150)
+    assert "as a Megatron-LM checkpoint (with its Adam state;" in direct.stdout, direct.stdout[-2000:]
+    got, want = losses(direct), losses(launch_pretrain([*run, "--load", imported], timeout=150))
+    fresh = losses(launch_pretrain([*run, "--load", imported, "--no-load-optim"], timeout=150))
+    assert sorted(got) == sorted(want) == sorted(fresh) == [3, 4]
+    assert_rel_close([got[i][0] for i in got], [want[i][0] for i in got], 1e-5, "in-process TP2 vs imported TP1")
+    assert abs(fresh[4][0] - want[4][0]) > 1e-4 * abs(want[4][0])  # the imported moments change the next step
