@@ -12,7 +12,9 @@ several buckets); a Llama-style GPT with two MTP depths; MLA without query compr
 TP1 (megatron-core's MoE layers train at TP > 1 only with sequence parallelism) DeepSeek-V3's kind: MLA, a
 dense then an MoE layer (keyed one by one in torch_dist), a shared expert, the sigmoid router with an expert
 bias, an MoE MTP depth; at EP2 x DP2 (the experts in an optimizer of their own) and at EP1 x DP4 (in the dense
-buffer after each router).
+buffer after each router). At PP2 (gradients set by hand, alike on both copies of the embedding): MLA with an MTP
+depth at TP1 x DP2, and DeepSeek-V3's kind (4 layers, each stage a dense and an MoE one) at EP2: the last stage
+holds the depths and the copy of the word embedding they need, alone in its bucket.
 """
 
 from __future__ import annotations
@@ -37,12 +39,13 @@ MLA = dict(ffn_hidden_size=48, position_embedding_type="rope", normalization="RM
            multi_latent_attention=True, q_lora_rank=24, kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=4,
            v_head_dim=6, rope_type="yarn", rotary_scaling_factor=4.0, yarn_original_max_position_embeddings=4,
            mscale=0.5, mscale_all_dim=1.0, yarn_beta_fast=32.0, yarn_beta_slow=1.0,
-           pipeline_model_parallel_size=1)
+           pipeline_model_parallel_size=1, expert_model_parallel_size=1)
 CASES = {
     "mla": megatron_args(**MLA),
     "mtp": megatron_args(ffn_hidden_size=48, position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
                          add_bias_linear=False, untie_embeddings_and_output_weights=True, mtp_num_layers=2,
-                         mtp_loss_scaling_factor=0.3, pipeline_model_parallel_size=1),
+                         mtp_loss_scaling_factor=0.3, pipeline_model_parallel_size=1,
+                         expert_model_parallel_size=1),
     "mla_mtp": megatron_args(**{**MLA, "q_lora_rank": None, "mtp_num_layers": 1, "mtp_loss_scaling_factor": 0.5}),
 }
 # DeepSeek-V3's kind at TP1 x EP2 (megatron-core's MoE layers train at TP > 1 only with sequence parallelism):
@@ -56,20 +59,26 @@ DEEPSEEK = megatron_args(**{**MLA, "mtp_num_layers": 1, "mtp_loss_scaling_factor
                             "expert_model_parallel_size": 2})
 CASES["deepseek_ep2"] = DEEPSEEK
 CASES["deepseek_ep1"] = megatron_args(**{**vars(DEEPSEEK), "expert_model_parallel_size": 1})  # experts: dense
+# PP2 (on gradients set by hand): the last stage holds the MTP depths and a copy of the word embedding they
+# need, megatron-core's shared embedding, alone in its bucket; TP1 x PP2 x DP2, and DeepSeek-V3's kind at PP2 x EP2
+CASES["mla_mtp_pp2"] = megatron_args(**{**MLA, "mtp_num_layers": 1, "mtp_loss_scaling_factor": 0.5,
+                                        "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 2})
+CASES["deepseek_pp2_ep2"] = megatron_args(**{**vars(DEEPSEEK), "pipeline_model_parallel_size": 2, "num_layers": 4,
+                                             "moe_layer_freq": [0, 1, 0, 1]})  # experts on every stage
 # the model-space fully_reshardable save too, where the expert bias (a buffer) has no state either
 SHARDINGS = {"deepseek_ep2": ("dp_reshardable", "fully_reshardable")}
 SUFFIX = {"dp_reshardable": "", "fully_reshardable": "_fully_reshardable"}
 BUCKETS = {"mla": 1500}  # several buckets (overlapped gradient reduction), their edges inside MLA's layers
 
 
-def _mla_config(args, tp: int, ep: int):
-    """megatron-core's MLATransformerConfig of ``args`` at TP ``tp`` and EP ``ep`` (tests/mcore_cpu.py's
+def _mla_config(args, tp: int, pp: int, ep: int):
+    """megatron-core's MLATransformerConfig of ``args`` at TP ``tp``, PP ``pp`` and EP ``ep`` (tests/mcore_cpu.py's
     config with MLA's fields; YaRN's arguments under its config names)."""
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     from tests.mcore_cpu import _config
 
-    base = _config(args, tp, 1, ep)
+    base = _config(args, tp, pp, ep)
     kept = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.init}
     return MLATransformerConfig(
         **{**kept, "multi_latent_attention": True}, q_lora_rank=args.q_lora_rank, kv_lora_rank=args.kv_lora_rank,
@@ -91,18 +100,20 @@ def _build(args):
         get_gpt_layer_local_spec,
         get_gpt_mtp_block_spec,
     )
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     from tests.mcore_cpu import _config, _global_seed
     from tests.test_megatron_mla import _CoreAttention
 
     mla = getattr(args, "multi_latent_attention", False)
-    tp, ep = args.tensor_model_parallel_size, getattr(args, "expert_model_parallel_size", 1)
-    cfg = _mla_config(args, tp, ep) if mla else _config(args, tp, 1, ep)
+    tp, pp, ep = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.expert_model_parallel_size
+    cfg = _mla_config(args, tp, pp, ep) if mla else _config(args, tp, pp, ep)
     depths = getattr(args, "mtp_num_layers", None)
     if depths:
         cfg = dataclasses.replace(cfg, mtp_num_layers=depths, mtp_loss_scaling_factor=args.mtp_loss_scaling_factor)
     if getattr(args, "num_experts", None):
-        spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization=args.normalization)
+        spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization=args.normalization,
+                                          pp_rank=ps.get_pipeline_model_parallel_rank())
         layers = spec.layer_specs
     else:
         spec = get_gpt_layer_local_spec(multi_latent_attention=mla, qk_layernorm=getattr(args, "qk_layernorm", False),
@@ -113,24 +124,36 @@ def _build(args):
     torch.manual_seed(1)
     model = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
                      max_sequence_length=args.max_position_embeddings, parallel_output=True,
+                     pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
                      share_embeddings_and_output_weights=False, position_embedding_type="rope",
                      mtp_block_spec=get_gpt_mtp_block_spec(cfg, spec, use_transformer_engine=False) if depths else None)
-    tp_rank = ps.get_tensor_model_parallel_rank()
+    tp_rank, offset = ps.get_tensor_model_parallel_rank(), get_transformer_layer_offset(cfg)
     experts = ps.get_expert_model_parallel_rank() * (getattr(args, "num_experts", None) or 0) // ep
-    with torch.no_grad():
+    with torch.no_grad():  # the MTP stage's copy of the embedding perturbed as the embedding: they stay equal
         for name, p in model.named_parameters():
             sharded = getattr(p, "tensor_model_parallel", False)
-            g = torch.Generator().manual_seed(_global_seed(name, 0, False, experts) + (tp_rank + 1 if sharded else 0))
+            seed = _global_seed(name, offset, False, experts) + (tp_rank + 1 if sharded else 0)
+            g = torch.Generator().manual_seed(seed)
             p.add_(0.05 * torch.randn(p.shape, generator=g))
+    if not model.pre_process and depths:  # the MTP stage ties its copy of the embedding over the DP x CP group,
+        plain = model.sharded_state_dict  # which Megatron-LM's training loop passes in the metadata
+
+        def sharded_state_dict(prefix="", sharded_offsets=(), metadata=None):
+            group = ps.get_data_parallel_group(with_context_parallel=True)
+            return plain(prefix, sharded_offsets, {**(metadata or {}), "dp_cp_group": group})
+        model.sharded_state_dict = sharded_state_dict
     return model.train()
 
 
 def _train(args, **ddp_options):
     """megatron-core's model of ``args`` after STEPS steps of its own loss (the MTP losses added by its MTP
     block) with its distributed optimizer (a ChainedOptimizer of the dense and the expert one at EP > 1)."""
+    from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
+    from tests.mcore_cpu import _global_seed
     from tests.mcore_train import OPTIMIZER
 
     model = _build(args)
@@ -139,12 +162,19 @@ def _train(args, **ddp_options):
     opt = get_megatron_optimizer(OptimizerConfig(**OPTIMIZER, use_distributed_optimizer=True), [ddp])
     b, s = TOKENS.shape
     mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1).view(1, 1, s, s)
-    for _ in range(STEPS):
+    offset, tp_rank = get_transformer_layer_offset(model.config), ps.get_tensor_model_parallel_rank()
+    for step in range(STEPS):
         ddp.zero_grad_buffer()
         opt.zero_grad()
-        ddp(TOKENS, torch.arange(s).expand(b, s), mask, labels=TOKENS.roll(-1, dims=1),
-            loss_mask=torch.ones(b, s)).mean().backward()
-        ddp.finish_grad_sync()
+        if args.pipeline_model_parallel_size == 1:
+            ddp(TOKENS, torch.arange(s).expand(b, s), mask, labels=TOKENS.roll(-1, dims=1),
+                loss_mask=torch.ones(b, s)).mean().backward()
+            ddp.finish_grad_sync()
+        else:  # gradients set by hand (no pipeline schedule needed), alike on both copies of the embedding
+            for n, p in model.named_parameters():
+                sharded = getattr(p, "tensor_model_parallel", False)
+                seed = _global_seed(n, offset, False) + 7 * step + (tp_rank + 1 if sharded else 0)
+                p.main_grad.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)))
         assert opt.step()[0]
     return model, opt
 
@@ -165,7 +195,8 @@ def _train_and_save(rank: int, world: int, root: str) -> dict:
     out = {}
     for name, args in CASES.items():
         ps.initialize_model_parallel(tensor_model_parallel_size=args.tensor_model_parallel_size,
-                                     expert_model_parallel_size=getattr(args, "expert_model_parallel_size", 1))
+                                     pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+                                     expert_model_parallel_size=args.expert_model_parallel_size)
         options = {"overlap_grad_reduce": True, "bucket_size": BUCKETS[name]} if name in BUCKETS else {}
         model, opt = _train(args, **options)
         for sharding in SHARDINGS.get(name, ("dp_reshardable",)):

@@ -15,8 +15,8 @@ read, and why is returned. Transformer Engine's spec (``transformer_impl`` in th
 parameters its own way (``LAYER_TE``), and its grouped experts (``moe_grouped_gemm``) theirs
 (torch_dist/dp_stages.py); multi-latent attention's layers (``multi_latent_attention`` in the args) have
 theirs (``LAYER_MLA``, ``LAYER_MLA_TE``), and multi-token prediction depths (``mtp.layers.K.*``) lie between
-the final norm and the output layer (at PP 1: at PP > 1 the last stage's copy of the embedding is not laid
-out). Layers keyed one by one (a model of dense and MoE layers) and stacked over layers are both read; the
+the final norm and the output layer (at PP > 1 after the last stage's copy of the word embedding, which they
+need: untied only). Layers keyed one by one (a model of dense and MoE layers) and stacked over layers are both read; the
 router's expert bias is a buffer, with no state. The fp32 main parameters must equal the weights (read.py
 checks), so an order that is not megatron-core's is refused, not read wrong.
 """
@@ -100,6 +100,7 @@ MTP_KEY = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
 MTP_HEAD = (("enorm.weight",), ("enorm.bias",), ("hnorm.weight",), ("hnorm.bias",), ("eh_proj.weight",))
 MTP_TAIL = (("final_layernorm.weight",), ("final_layernorm.bias",))
 LAST = (("output_layer.weight",),)
+MTP_EMBEDDING = "mtp_stage.embedding.word_embeddings.weight"  # the last stage's copy at PP > 1 (not a key)
 
 
 def _layer_order(te: bool, mla: bool) -> tuple[tuple[str, ...], ...]:
@@ -281,16 +282,18 @@ def _layout(args: Any, groups: dict[str, dict[int, Buffers]], chains: dict[str, 
             "ep": experts // (etp * pp), "etp": etp}
 
 
-def _dense_jobs(src: Any, prefix: str, groups: dict[int, Buffers], dense: list[Param], tied: Param | None,
-                lay: dict[str, int], num_layers: int) -> tuple[list[Job], dict[tuple[int, int], range]] | str:
-    """Every dense dp group's buffers placed, and each (stage, chunk)'s layers (found on TP rank 0's)."""
+def _dense_jobs(src: Any, prefix: str, groups: dict[int, Buffers], dense: list[Param],
+                copies: tuple[Param | None, Param | None], lay: dict[str, int], num_layers: int
+                ) -> tuple[list[Job], dict[tuple[int, int], range]] | str:
+    """Every dense dp group's buffers placed (``copies``: the last stage's copy of the embedding as a tied
+    output layer, or as the MTP depths' embedding), and each (stage, chunk)'s layers (found on TP rank 0's)."""
     tp, pp, vp = lay["tp"], lay["pp"], lay["vp"]
     sizes = _all_sizes(src, prefix, groups, tp * pp, vp, "dense")
     if isinstance(sizes, str):
         return sizes
 
     def params(p: int, c: int, layers: range) -> list[Param]:
-        return chunk_params(dense, layers, p == 0 and c == 0, p == pp - 1 and c == vp - 1, tied)
+        return chunk_params(dense, layers, p == 0 and c == 0, p == pp - 1 and c == vp - 1, *copies)
 
     layers = stage_layers(lambda p, c, r: isinstance(_place(params(p, c, r), tp, sizes[tp * p][c]), dict),
                           num_layers, pp, vp)
@@ -368,6 +371,24 @@ def _grouped(args: Any) -> bool | str:
     return grouped
 
 
+def _copies(src: Any, ordered: list[Param], args: Any, pp: int) -> tuple[Param | None, Param | None] | str:
+    """The last stage's copies of the word embedding at PP > 1, megatron-core's shared embedding (alone in its
+    bucket): (the tied output layer, registered last; the MTP depths' embedding, registered first: GPTModel
+    builds its ``embedding`` on the MTP stage too, and there it is the shared weight); or why not laid out."""
+    tied = not getattr(args, "untie_embeddings_and_output_weights", False)
+    if pp == 1:
+        return None, None
+    shape = src.shape("embedding.word_embeddings.weight")
+    if not any(MTP_KEY.match(p[0]) for p in ordered):
+        return (("output_layer.weight", shape, 0) if tied else None), None
+    learned = any(p[0] == "embedding.position_embeddings.weight" for p in ordered)
+    if tied or learned:
+        what = " and ".join(w for w, on in (("a tied output layer", tied), ("learned positions", learned)) if on)
+        return (f"its multi-token prediction depths at PP {pp} with {what} (more copies of the embeddings on the "
+                "last stage) are not laid out")
+    return None, (MTP_EMBEDDING, shape, 0)
+
+
 def dp_reshardable_jobs(src: Any, model_keys: list[str], args: Any
                         ) -> tuple[list[Job], dict[str, dict[int, Buffers]], float] | str:
     """Every buffer's parameters placed (the dense and the expert optimizer's), the bucket keys and Adam's
@@ -388,9 +409,9 @@ def dp_reshardable_jobs(src: Any, model_keys: list[str], args: Any
     lay = chains if isinstance(chains, str) else _layout(args, groups, chains)
     if isinstance(lay, str) or isinstance(step, str):
         return lay if isinstance(lay, str) else str(step)
-    if lay["pp"] > 1 and any(MTP_KEY.match(p[0]) for p in ordered):
-        return (f"its multi-token prediction depths at PP {lay['pp']} (the last stage's copy of the embedding "
-                "beside them) are not laid out")
+    copies = _copies(src, ordered, args, lay["pp"])
+    if isinstance(copies, str):
+        return copies
     split = EP_OPTIMIZER in chains  # megatron-core's expert optimizer (EP > 1); at EP 1 the experts are dense
     dense = ordered if split else with_experts(ordered, experts)
     if isinstance(dense, str):
@@ -398,10 +419,8 @@ def dp_reshardable_jobs(src: Any, model_keys: list[str], args: Any
     if (split and not experts) or (experts and not split and lay["etp"] != lay["tp"]):
         return (f"it holds {'an' if split else 'no'} expert optimizer for {len(experts)} MoE layers at TP "
                 f"{lay['tp']}, expert TP {lay['etp']} (not megatron-core's layout)")
-    tied = None if getattr(args, "untie_embeddings_and_output_weights", False) or lay["pp"] == 1 else \
-        ("output_layer.weight", src.shape("embedding.word_embeddings.weight"), 0)  # the last stage's copy
     num_layers = 1 + max((int(m[1]) for p in ordered if (m := LAYER_OF.match(p[0]))), default=-1)
-    got = _dense_jobs(src, chains[DENSE_OPTIMIZER], groups[chains[DENSE_OPTIMIZER]], dense, tied, lay, num_layers)
+    got = _dense_jobs(src, chains[DENSE_OPTIMIZER], groups[chains[DENSE_OPTIMIZER]], dense, copies, lay, num_layers)
     if isinstance(got, str):
         return got
     jobs, layers = got
@@ -422,4 +441,10 @@ def dp_reshardable_state(src: Any, model_keys: list[str], args: Any
         return got
     jobs, groups, step = got
     out = _read(src, jobs, groups, bool(getattr(args, "swiglu", False)), whole_rows(args))
-    return out if isinstance(out, str) else (out, step)
+    if isinstance(out, str):
+        return out
+    for field, per in out.items():  # the MTP stage's copy of the embedding: the embedding's state, dropped
+        copy = per.pop(MTP_EMBEDDING, None)
+        if copy is not None and not torch.equal(copy, per["embedding.word_embeddings.weight"]):
+            return f"the last stage's copy of the word embedding holds other {field} than the embedding"
+    return out, step

@@ -12,7 +12,10 @@ megatron-core's source (0.16):
 - Each model chunk has its own DistributedDataParallel and buffers; ``gbuf_idx`` counts chunk 0's
   buffers, then chunk 1's: one per chunk when all parameters share a dtype. Chunk c of stage p is virtual
   stage c·PP + p; the first virtual stage holds the embeddings, the last the final norm and the output
-  layer, which with a tied embedding and PP > 1 is a parameter of its own (the embedding's copy).
+  layer, which with a tied embedding and PP > 1 is a parameter of its own (the embedding's copy). With
+  multi-token prediction at PP > 1 the last stage builds an ``embedding`` too (the depths embed the next
+  tokens), registered first, and that copy is the shared weight (GPTModel.shared_embedding_or_output_weight):
+  alone in its bucket, like the tied output layer.
 - A stage's layers follow those of the virtual stages before it. How many it holds is found by fitting
   its buffers: every layer adds elements, so exactly one count fills a stage's buckets exactly (no
   pipeline-split flag needed, uneven stages included).
@@ -108,9 +111,11 @@ def expert_hosts(experts: Experts, layers: range, last: bool) -> list[str]:
     return [f"decoder.layers.{i}" for i in layers] + ([h for _, h in depths] if last else [])
 
 
-def chunk_params(ordered: list[Param], layers: range, first: bool, last: bool, tied: Param | None) -> list[Param]:
+def chunk_params(ordered: list[Param], layers: range, first: bool, last: bool, tied: Param | None,
+                 lead: Param | None = None) -> list[Param]:
     """One model chunk's parameters in order: the embeddings on the first virtual stage, its layers, the
-    final norm and output layer on the last (``tied``: the embedding's copy there)."""
+    final norm (MTP depths) and output layer on the last (``tied``: the embedding's copy after them; ``lead``:
+    the embedding's copy before them, which the MTP depths need there)."""
     out = []
     for p in ordered:
         m = LAYER_OF.match(p[0])
@@ -120,6 +125,8 @@ def chunk_params(ordered: list[Param], layers: range, first: bool, last: bool, t
             keep = first if p[0].startswith("embedding.") else last
         if keep:
             out.append(p)
+    if last and lead is not None:
+        out = [lead, *out]
     return out + [tied] if last and tied is not None else out
 
 
