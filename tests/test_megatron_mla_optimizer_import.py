@@ -19,6 +19,7 @@ holds the depths and the copy of the word embedding they need, alone in its buck
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 
@@ -65,9 +66,11 @@ CASES["mla_mtp_pp2"] = megatron_args(**{**MLA, "mtp_num_layers": 1, "mtp_loss_sc
                                         "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 2})
 CASES["deepseek_pp2_ep2"] = megatron_args(**{**vars(DEEPSEEK), "pipeline_model_parallel_size": 2, "num_layers": 4,
                                              "moe_layer_freq": [0, 1, 0, 1]})  # experts on every stage
-# the model-space fully_reshardable save too, where the expert bias (a buffer) has no state either
+# the torch_dist saves: the model-space fully_reshardable one too, where the expert bias (a buffer) has no state
+# either; every case is saved in the legacy format as well (distrib_optim.pt)
+DEFAULT = ("dp_reshardable",)
 SHARDINGS = {"deepseek_ep2": ("dp_reshardable", "fully_reshardable")}
-SUFFIX = {"dp_reshardable": "", "fully_reshardable": "_fully_reshardable"}
+SUFFIX = {"dp_reshardable": "", "fully_reshardable": "_fully_reshardable", "legacy": "_legacy"}
 BUCKETS = {"mla": 1500}  # several buckets (overlapped gradient reduction), their edges inside MLA's layers
 
 
@@ -183,7 +186,7 @@ def _train_and_save(rank: int, world: int, root: str) -> dict:
     """Each case trained by megatron-core at its TP (and EP) on 4 ranks, DP the rest (the same tokens on every
     DP rank), saved as Megatron-LM saves the ``dp_reshardable`` state; this rank's records of its optimizer's
     own state (tests/mcore_train.py: each DP rank's slices of the parameters it owns)."""
-    from tests.mcore_cpu import cpu_shim, optimizer_cpu_shim, save_megatron
+    from tests.mcore_cpu import cpu_shim, optimizer_cpu_shim, save_megatron, save_megatron_legacy
     from tests.mcore_train import MEGATRON_LM_METADATA, optimizer_records
 
     cpu_shim()
@@ -199,10 +202,15 @@ def _train_and_save(rank: int, world: int, root: str) -> dict:
                                      expert_model_parallel_size=args.expert_model_parallel_size)
         options = {"overlap_grad_reduce": True, "bucket_size": BUCKETS[name]} if name in BUCKETS else {}
         model, opt = _train(args, **options)
-        for sharding in SHARDINGS.get(name, ("dp_reshardable",)):
+        for sharding in SHARDINGS.get(name, DEFAULT):
             metadata = {**MEGATRON_LM_METADATA, "distrib_optim_sharding_type": sharding}
             save_megatron(model, args, os.path.join(root, name + SUFFIX[sharding]), STEPS,
                           optimizer=opt.sharded_state_dict(model.sharded_state_dict(), metadata=metadata))
+        flags = {"use_distributed_optimizer": True, "overlap_grad_reduce": bool(options),
+                 "ddp_bucket_size": options.get("bucket_size"),
+                 "data_parallel_size": world // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size)}
+        save_megatron_legacy(model, argparse.Namespace(**{**vars(args), **flags}), os.path.join(root, name + "_legacy"),
+                             STEPS, optimizer=opt, distributed=True)
         out[name] = optimizer_records([model], opt, args)
         ps.destroy_model_parallel()
     return out
@@ -215,11 +223,13 @@ def saved(tmp_path_factory) -> tuple[str, dict]:
     return root, {name: [r for rank in ranks for r in rank[name]] for name in CASES}
 
 
-@pytest.mark.parametrize(("name", "sharding"), [(n, s) for n in CASES for s in SHARDINGS.get(n, ("dp_reshardable",))])
-def test_dp_reshardable_state_of_mla_and_mtp_imports(saved, name, sharding, tmp_path, capsys):
+@pytest.mark.parametrize(("name", "sharding"), [(n, s) for n in CASES for s in (*SHARDINGS.get(n, DEFAULT), "legacy")])
+def test_optimizer_state_of_mla_and_mtp_imports(saved, name, sharding, tmp_path, capsys):
     """``from-megatron`` carries megatron-core's own distributed-optimizer state over: every parameter's Adam
     moments and fp32 main parameter (each DP rank's slices put in place, TP's shards joined), exactly, and the
-    step."""
+    step; from its torch_dist save (dp_reshardable, and fully_reshardable where SHARDINGS says) and from its
+    legacy save (distrib_optim.pt, which read the MLA and MTP orders before: its parameters are the state
+    dict's, but not the expert bias, a buffer)."""
     from tests.mcore_train import reference_state
 
     root, records = saved
@@ -230,7 +240,8 @@ def test_dp_reshardable_state_of_mla_and_mtp_imports(saved, name, sharding, tmp_
     out = str(tmp_path / "imported")
     assert convert(["from-megatron", "--load", os.path.join(root, name + SUFFIX[sharding]), "--save", out]) == 0
     said = capsys.readouterr().out
-    assert f"Adam state of step {STEPS} imported{' (dp_reshardable)' * (sharding == 'dp_reshardable')}" in said, said
+    note = f"Adam state of step {STEPS} imported{' (dp_reshardable)' * (sharding == 'dp_reshardable')}"
+    assert note in said, said[-900:]
     ckpt = FullCheckpoint(out)
     assert ckpt.has_optimizer() and ckpt.optimizer_step() == STEPS
     names = list(want["main"])
