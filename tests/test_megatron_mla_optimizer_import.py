@@ -278,3 +278,80 @@ def test_pretrain_continues_an_mla_mtp_run_with_its_adam_state(saved, tmp_path):
     assert sorted(got) == sorted(want) == sorted(fresh) == [3, 4]
     assert_rel_close([got[i][0] for i in got], [want[i][0] for i in got], 1e-5, "in-process TP2 vs imported TP1")
     assert abs(fresh[4][0] - want[4][0]) > 1e-4 * abs(want[4][0])  # the imported moments change the next step
+
+
+class _Renamed:
+    """A checkpoint source under other model key names (``rename``), at the reader's interface."""
+
+    def __init__(self, src, rename) -> None:
+        self.src, self.old = src, {rename(k): k for k in src.keys()}
+
+    def keys(self) -> list[str]:
+        return list(self.old)
+
+    def shape(self, key: str):
+        return self.src.shape(self.old[key])
+
+    def tensor(self, key: str):
+        return self.src.tensor(self.old[key])
+
+    def __getattr__(self, name: str):
+        return getattr(self.src, name)
+
+
+def test_dp_reshardable_state_of_transformer_engines_mla_spec_imports(saved):
+    """Transformer Engine's MLA spec fuses the latent norms into the up-projections (their ``layer_norm_weight``
+    registered before their weight) and a dense layer's pre-MLP norm into fc1. megatron-core builds it only with
+    Transformer Engine, so the TP1 DeepSeek-V3-kind save (EP1: one buffer, the experts after each router; TP1: the
+    down-projections whole, as that spec keeps them) is re-laid into that order and renamed as that spec keys
+    it: read with ``transformer_impl transformer_engine`` it gives the local read's state, every field exactly."""
+    import re
+
+    from megalite.checkpointing.megatron.names import split_optimizer_keys
+    from megalite.checkpointing.megatron.torch_dist.dp_optim import _ordered, dp_reshardable_state
+    from megalite.checkpointing.megatron.torch_dist.dp_stages import split_expert_keys
+    from megalite.checkpointing.megatron.torch_dist.reader import DistCheckpoint
+    from tests.megatron_relaid import RelaidBuffers
+
+    src = DistCheckpoint(os.path.join(saved[0], "deepseek_ep1", f"iter_{STEPS:07d}"))
+    keys, args = split_optimizer_keys(src.keys())[0], src.common["args"]
+    dense = {k[:-len(".mlp.linear_fc1.weight")] for k in keys if k.endswith(".mlp.linear_fc1.weight")}
+
+    def rename(key: str) -> str:
+        key = re.sub(r"\.self_attention\.(q|kv)_layernorm\.(weight|bias)$",
+                     r".self_attention.linear_\1_up_proj.layer_norm_\2", key)
+        head, _, tail = key.partition(".pre_mlp_layernorm.")
+        return f"{head}.mlp.linear_fc1.layer_norm_{tail}" if tail and head in dense else key
+
+    te_keys = [rename(k) for k in keys]
+    assert any(k.endswith("linear_q_up_proj.layer_norm_weight") for k in te_keys)
+    assert any(k.endswith("0.mlp.linear_fc1.layer_norm_weight") for k in te_keys)  # the dense layers' fused norm
+    rank = {p[0]: i for i, p in enumerate(_ordered(_Renamed(src, rename), split_expert_keys(te_keys)[0], True, True))}
+    layer = [f"decoder.layers.0.{n}" for n in (  # megatron-core's registration order in that spec
+        "input_layernorm.weight", "self_attention.linear_proj.weight", "self_attention.linear_q_down_proj.weight",
+        "self_attention.linear_q_up_proj.layer_norm_weight", "self_attention.linear_q_up_proj.weight",
+        "self_attention.linear_kv_down_proj.weight", "self_attention.linear_kv_up_proj.layer_norm_weight",
+        "self_attention.linear_kv_up_proj.weight", "mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.weight")]
+    assert [rank[n] for n in layer] == list(range(rank[layer[0]], rank[layer[0]] + len(layer)))
+    expert = re.compile(r"^(.+)\.mlp\.experts\.local_experts\.(\d+)\.linear_(fc[12])\.weight$")
+
+    def te_order(name: str) -> tuple:
+        m = expert.match(name)
+        if m is None:
+            return rank[rename(name)], 0, 0, ""
+        return max(i for n, i in rank.items() if n.startswith(f"{m[1]}.mlp.router.")), 1, int(m[2]), m[3]
+
+    relaid = RelaidBuffers(src, args, te_order)
+    assert relaid.tensors and all(not torch.equal(t, src.tensor(k)) for k, t in relaid.tensors.items())
+    te = _Renamed(relaid, rename)
+    expected, step = dp_reshardable_state(src, keys, args)
+    te_args = argparse.Namespace(**{**vars(args), "transformer_impl": "transformer_engine"})
+    got = dp_reshardable_state(te, te_keys, te_args)
+    assert not isinstance(got, str), got
+    assert got[1] == step
+    for field, per in expected.items():
+        want = to_megalite(list(per), per.__getitem__, "local")
+        have = to_megalite(list(got[0][field]), got[0][field].__getitem__, "te")
+        assert sorted(have) == sorted(want), field
+        assert all(torch.equal(have[k], t) for k, t in want.items()), field
+    assert isinstance(dp_reshardable_state(te, te_keys, args), str)  # the fused names have no place in the local order
