@@ -321,3 +321,22 @@ def test_the_log_line_names_each_depths_loss_as_megatron_does():
                                                global_batch=8, loss=4.5, loss_scale=1.0, grad_norm=1.0, skipped=0,
                                                nan=0, mtp=[4.75, 5.0]))
     assert "| lm loss: 4.500000E+00 | mtp_1 loss: 4.750000E+00 | mtp_2 loss: 5.000000E+00 | loss scale: 1.0 |" in line
+
+
+def test_printed_model_flags_carry_the_mtp_factor():
+    """convert_checkpoint's "Continue with" flags train an imported MTP model with its own loss factor (a
+    Megatron run at 0.5 would otherwise resume at the default 0.1); the default is left out."""
+    import shlex
+
+    from megalite.checkpointing.metadata import config_dict
+    from megalite.config.arguments import parse_args
+    from megalite.config.model import ModelConfig
+    from tools.convert_checkpoint import model_flags
+
+    for factor in (0.5, 0.1):
+        cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, mtp_num_layers=2,
+                          mtp_loss_scaling_factor=factor)
+        text = model_flags(config_dict(cfg, 64))
+        got = parse_args(["--mock-data", *shlex.split(text)]).model
+        assert (got.mtp_num_layers, got.mtp_loss_scaling_factor) == (2, factor)
+        assert ("--mtp-loss-scaling-factor" in text) == (factor != 0.1), text

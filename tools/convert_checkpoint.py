@@ -76,6 +76,7 @@ from megalite.checkpointing.reshard import reshard  # noqa: E402
 from megalite.checkpointing.writer import write_full  # noqa: E402
 from megalite.config.domain import MAX_COUNT, Domain, domain_option  # noqa: E402
 from megalite.config.flags import domain_of  # noqa: E402
+from megalite.config.mtp import MTP_DEFAULTS  # noqa: E402
 from megalite.config.parallel import ParallelConfig  # noqa: E402
 from megalite.config.validate import layout_errors  # noqa: E402
 from megalite.config.validate_pipeline import split_flag_errors  # noqa: E402
@@ -92,9 +93,10 @@ FLAG_FIELDS = ["num_layers", "hidden_size", "ffn_hidden_size", "num_attention_he
                "disable_bias_linear", "add_qkv_bias", "apply_layernorm_1p", "qk_layernorm", "qk_layernorm_scope",
                "sublayer_norms", "window_size", "window_attn_skip_freq", "attn_logit_softcapping", "geglu",
                "embedding_multiplier", "softmax_scale", "final_logit_softcapping", "rotary_base_local",
-               "rotary_seq_len_interpolation_factor", "mtp_num_layers"]
+               "rotary_seq_len_interpolation_factor", "mtp_num_layers", "mtp_loss_scaling_factor"]
 # printed only when they differ from this
 OMITTED_AT = {"qk_layernorm_scope": "head", "sublayer_norms": "pre", "embedding_multiplier": 1.0,
+              "mtp_loss_scaling_factor": MTP_DEFAULTS["mtp_loss_scaling_factor"],
               "moe_router_score_function": "softmax", "moe_router_load_balancing_type": "aux_loss"}
 ROPE_SCALING_FLAG_FIELDS = ["use_rope_scaling", "rope_scaling_factor", "rope_scaling_low_freq_factor",
                             "rope_scaling_high_freq_factor", "rope_scaling_original_max_position_embeddings"]
