@@ -280,6 +280,12 @@ def test_a_real_permission_refusal_is_one_line(tmp_path):
     assert list(out.iterdir()) == []
 
 
+def _terminal_sigint() -> None:
+    """The child's Ctrl-C as in a terminal: a suite started in the background by a non-interactive shell has
+    SIGINT ignored, which every child inherits (and a Python started so keeps ignoring it)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_a_real_ctrl_c_of_preprocess_with_workers_is_one_line(tmp_path):
     """SIGINT to the whole process group (as a terminal's Ctrl-C sends it) once the first progress line is
     out: the parent says it in one line and exits 130, the workers print nothing, no output is left."""
@@ -288,7 +294,8 @@ def test_a_real_ctrl_c_of_preprocess_with_workers_is_one_line(tmp_path):
                               for i in range(100_000)))
     proc = subprocess.Popen([sys.executable, str(ROOT / "tools" / "preprocess_data.py"), "--input", str(source),
                              "--output-prefix", str(tmp_path / "out"), *NULL_TOK, "--workers", "2",
-                             "--log-interval", "1000"], stderr=subprocess.PIPE, text=True, start_new_session=True)
+                             "--log-interval", "1000"], stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=_terminal_sigint)
     try:
         first = proc.stderr.readline()
         assert first.startswith("Processed"), first

@@ -55,6 +55,7 @@ LAYER = {"input_layernorm.weight": "input_norm.weight", "input_layernorm.bias": 
 EXPERT_KEY = re.compile(r"mlp\.experts\.(?:local_experts\.(?P<j>\d+)\.linear_(?P<a>fc[12])\.weight"
                         r"|linear_(?P<b>fc[12])\.weight(?P<k>\d+)"
                         r"|(?:local_experts\.|experts\.)?linear_(?P<c>fc[12])\.weight)$")
+BUFFERS = re.compile(r"\.expert_bias$")  # persistent buffers in megatron-core's state dicts, not parameters
 SKIPPED = re.compile(r"(^|\.)_extra_state(/|$)")
 # torch_dist's optimizer state in model space, one key per parameter key: the non-distributed optimizer's
 # (fp32 copies as fp32_param) and the distributed optimizer's fully_reshardable sharding (fp32 copies as param)

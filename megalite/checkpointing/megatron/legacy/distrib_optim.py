@@ -39,8 +39,7 @@ from megalite.checkpointing.megatron.buffer import (
     optimizer_kind,
     place_buffer,
 )
-from megalite.checkpointing.megatron.legacy.optim import BUFFERS
-from megalite.checkpointing.megatron.names import EXPERT_KEY
+from megalite.checkpointing.megatron.names import BUFFERS, EXPERT_KEY
 from megalite.checkpointing.megatron.safe_pickle import UnsafePickleError, load_torch_file
 
 FILE = "distrib_optim.pt"

@@ -14,12 +14,12 @@ legacy/distrib_optim.py's.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import torch
 
-BUFFERS = re.compile(r"\.expert_bias$")  # persistent buffers in megatron-core's state dicts, not parameters
+from megalite.checkpointing.megatron.names import BUFFERS
+
 FIELDS = ("exp_avg", "exp_avg_sq")
 
 

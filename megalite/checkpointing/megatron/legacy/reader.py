@@ -31,8 +31,8 @@ import torch
 
 from megalite.checkpointing.errors import CheckpointError
 from megalite.checkpointing.megatron.legacy.distrib_optim import distrib_file, distrib_moments, is_distributed
-from megalite.checkpointing.megatron.legacy.optim import BUFFERS, legacy_moments
-from megalite.checkpointing.megatron.names import OPTIMIZER_STATE
+from megalite.checkpointing.megatron.legacy.optim import legacy_moments
+from megalite.checkpointing.megatron.names import BUFFERS, OPTIMIZER_STATE
 from megalite.checkpointing.megatron.safe_pickle import load_torch_file
 from megalite.checkpointing.megatron.tp import join_tp, whole_rows
 

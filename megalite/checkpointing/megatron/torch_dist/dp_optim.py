@@ -39,8 +39,7 @@ from megalite.checkpointing.megatron.buffer import (
     optimizer_kind,
     place_buffer,
 )
-from megalite.checkpointing.megatron.legacy.optim import BUFFERS
-from megalite.checkpointing.megatron.names import SKIPPED
+from megalite.checkpointing.megatron.names import BUFFERS, SKIPPED
 from megalite.checkpointing.megatron.torch_dist.dp_stages import (
     LAYER_OF,
     Experts,
