@@ -151,3 +151,15 @@ def refused(proc: subprocess.CompletedProcess, *named: str) -> str:
     for n in named:
         assert n in out, f"{n!r} not in:\n{out[-3000:]}"
     return out
+
+
+def continue_flags(load: str, train_iters: int) -> list[str]:
+    """pretrain_gpt.py flags that continue the Megatron-LM run saved in ``load`` on mock data (its model flags
+    as convert_checkpoint prints them; global batch 8, lr 1e-3, weight decay 0.1, dropout off)."""
+    from megalite.checkpointing.megatron.read import read_megatron
+    from tools.convert_checkpoint import model_flags
+
+    return ["--mock-data", "--vocab-size", "95", *model_flags(read_megatron(load).config).split(), "--seq-length",
+            "16", "--micro-batch-size", "2", "--global-batch-size", "8", "--log-interval", "1", "--train-iters",
+            str(train_iters), "--lr", "1e-3", "--weight-decay", "0.1", "--hidden-dropout", "0", "--attention-dropout",
+            "0"]

@@ -260,17 +260,13 @@ def test_pretrain_continues_an_mla_mtp_run_with_its_adam_state(saved, tmp_path):
     in-process) follows the losses of a one-process run loading the ``from-megatron`` import; a fresh optimizer
     (--no-load-optim) gives other losses, so the imported moments carry the run. (Global batch 8: the mock
     dataset must hold the 14 samples Megatron-LM consumed before and 2 more steps.)"""
-    from megalite.checkpointing.megatron.read import read_megatron
     from tests.asserts import assert_rel_close
-    from tests.cli_utils import launch_pretrain, losses
-    from tools.convert_checkpoint import model_flags
+    from tests.cli_utils import continue_flags, launch_pretrain, losses
 
     load = os.path.join(saved[0], "mla_mtp")
     imported = str(tmp_path / "imported")
     assert convert(["from-megatron", "--load", load, "--save", imported]) == 0
-    run = ["--mock-data", "--vocab-size", "95", *model_flags(read_megatron(load).config).split(), "--seq-length",
-           "16", "--micro-batch-size", "2", "--global-batch-size", "8", "--log-interval", "1", "--train-iters", "4",
-           "--lr", "1e-3", "--weight-decay", "0.1", "--hidden-dropout", "0", "--attention-dropout", "0"]
+    run = continue_flags(load, 4)
     direct = launch_pretrain([*run, "--load", load, "--tensor-model-parallel-size", "2"], nproc=2, timeout=150)
     assert "as a Megatron-LM checkpoint (with its Adam state;" in direct.stdout, direct.stdout[-2000:]
     got, want = losses(direct), losses(launch_pretrain([*run, "--load", imported], timeout=150))

@@ -400,17 +400,13 @@ def test_pretrain_continues_a_megatron_run_with_its_adam_state(saved, tmp_path):
     consumed before and 3 more steps.)"""
     from safetensors.torch import load_file
 
-    from megalite.checkpointing.megatron.read import read_megatron
     from tests.asserts import assert_rel_close
-    from tests.cli_utils import launch_pretrain, losses
-    from tools.convert_checkpoint import model_flags
+    from tests.cli_utils import continue_flags, launch_pretrain, losses
 
     load = os.path.join(saved[0], "gpt2")
     imported = str(tmp_path / "imported")
     assert convert(["from-megatron", "--load", load, "--save", imported]) == 0
-    run = ["--mock-data", "--vocab-size", "95", *model_flags(read_megatron(load).config).split(), "--seq-length",
-           "16", "--micro-batch-size", "2", "--global-batch-size", "8", "--log-interval", "1", "--train-iters", "5",
-           "--lr", "1e-3", "--weight-decay", "0.1", "--hidden-dropout", "0", "--attention-dropout", "0"]
+    run = continue_flags(load, 5)
     after = str(tmp_path / "after")
     direct = launch_pretrain([*run, "--load", load, "--tensor-model-parallel-size", "2", "--save", after], nproc=2,
                              timeout=150)
