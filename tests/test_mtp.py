@@ -165,11 +165,16 @@ LAYOUTS = {"pp2": flat(pp=2), "tp2_sp": flat(tp=2, sequence_parallel=True),
            "cp2_p2p": flat(context_parallel_size=2), "cp2_a2a": flat(context_parallel_size=2, cp_comm_type="a2a"),
            "cp2_allgather": flat(context_parallel_size=2, cp_comm_type="allgather"),
            # packed documents (the shifts cross document ends as serially; the masked EODs shift too), per token
-           "cp2_packed_per_token": flat(context_parallel_size=2, **PACKED)}
+           "cp2_packed_per_token": flat(context_parallel_size=2, **PACKED),
+           # virtual stages: interleaved 1F1B and ZB-V (4 layers, one per chunk; the depth on the last chunk)
+           "pp2_vp2": flat(pp=2, num_layers=4, num_layers_per_virtual_pipeline_stage=1),
+           "pp2_zbv": flat(pp=2, num_layers=4, pipeline_schedule="zbv")}
 
 
 def serial_of(layout: str) -> dict:
     """The layout's serial run."""
+    if layout in ("pp2_vp2", "pp2_zbv"):
+        return flat(num_layers=4)
     return flat(**PACKED) if layout == "cp2_packed_per_token" else flat()
 
 
