@@ -4,8 +4,9 @@ and per-depth MTP losses and the same gradients of main + factor / depths x the 
 included); PP2 (the last stage's MTP looks tokens up in its tied copy of the embedding) and TP2 + SP give the
 serial loss, grad-norm and "mtp_1 loss" curves under NCCL's point-to-point rules, and so do CP2 with p2p, a2a and
 allgather (the shifts of the whole sequence across the zigzag chunks), packed documents per token included,
-interleaved 1F1B and ZB-V over 2 virtual stages per rank, and on 4 ranks CP4 a2a+p2p (2 x 2), CP2 x PP2 and CP2 x TP2 + SP; MTP changes the curve; a checkpoint saved at
-PP2 resumes in one process on the serial curve; the flag rules."""
+interleaved 1F1B and ZB-V over 2 virtual stages per rank, and on 4 ranks CP4 a2a+p2p (2 x 2), CP2 x PP2 and
+CP2 x TP2 + SP; MTP changes the curve; a checkpoint saved at PP2 resumes in one process on the serial curve;
+the flag rules."""
 
 from __future__ import annotations
 
