@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from megalite.checkpointing.megatron.args import config_from_args
-from megalite.checkpointing.megatron.names import _full_shapes
+from megalite.checkpointing.megatron.names import full_shapes
 from megalite.checkpointing.megatron.safe_pickle import load_torch_file
 from megalite.checkpointing.writer import write_checkpoint
 from megalite.parallel.groups import ProcessGroups
@@ -37,7 +37,7 @@ def _megalite_checkpoint(folder: str, name: str, tp: int = 2, pp: int = 2) -> No
     config = config_from_args(CASES[name], VOCAB, name)
     g = torch.Generator().manual_seed(7)
     params = {k: 0.1 * torch.randn(shape, generator=g) + (1.0 if "norm.weight" in k else 0.0)
-              for k, shape in _full_shapes(config).items()}
+              for k, shape in full_shapes(config).items()}
     write_checkpoint(folder, config, params.__getitem__, tp=tp, pp=pp, iteration=5)
 
 
@@ -129,7 +129,7 @@ def export_random(root: str, config: dict, tp: int, pp: int, formats: tuple[str,
     parameters it holds (each of ``check`` among them)."""
     g = torch.Generator().manual_seed(7)
     params = {k: 0.1 * torch.randn(shape, generator=g) + (1.0 if "norm.weight" in k else 0.0)
-              for k, shape in _full_shapes(config).items()}
+              for k, shape in full_shapes(config).items()}
     assert all(k in params for k in check), [k for k in check if k not in params]
     write_checkpoint(os.path.join(root, "megalite"), config, params.__getitem__, tp=tp, pp=pp, iteration=5)
     for out in formats:

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from megalite.checkpointing.megatron.args import config_from_args
-from megalite.checkpointing.megatron.names import _full_shapes
+from megalite.checkpointing.megatron.names import full_shapes
 from megalite.checkpointing.megatron.safe_pickle import load_torch_file
 from megalite.checkpointing.writer import write_checkpoint
 from megalite.parallel.groups import ProcessGroups
@@ -47,7 +47,7 @@ def _checkpoint(folder: str, args, name: str, **override) -> None:
     config = {**config_from_args(args, VOCAB, name), **override}
     g = torch.Generator().manual_seed(11)
     params = {k: 0.1 * torch.randn(shape, generator=g) + (1.0 if "norm.weight" in k else 0.0)
-              for k, shape in _full_shapes(config).items()}
+              for k, shape in full_shapes(config).items()}
     write_checkpoint(folder, config, params.__getitem__, tp=2, pp=2, iteration=5)
 
 

@@ -17,7 +17,7 @@ import torch
 
 from megalite.checkpointing.load import load_checkpoint
 from megalite.checkpointing.megatron.args import config_from_args
-from megalite.checkpointing.megatron.names import _full_shapes
+from megalite.checkpointing.megatron.names import full_shapes
 from megalite.checkpointing.megatron.safe_pickle import load_torch_file
 from megalite.checkpointing.metadata import model_config
 from megalite.checkpointing.reader import CheckpointReader
@@ -117,7 +117,7 @@ def exported(tmp_path_factory) -> tuple[str, dict]:
     config = config_from_args(ARGS, VOCAB, "mtp")
     g = torch.Generator().manual_seed(7)
     params = {k: 0.1 * torch.randn(shape, generator=g) + (1.0 if "norm.weight" in k else 0.0)
-              for k, shape in _full_shapes(config).items()}
+              for k, shape in full_shapes(config).items()}
     assert "mtp.layers.1.eh_proj.weight" in params
     write_checkpoint(os.path.join(root, "megalite"), config, params.__getitem__, tp=2, pp=1, iteration=5)
     for out, extra in (("mcore", []), ("legacy", ["--format", "torch"])):
@@ -156,7 +156,7 @@ def test_an_moe_depth_goes_out_with_its_experts_and_gives_the_same_losses(tmp_pa
     config = config_from_args(MOE_ARGS, VOCAB, "moe_mtp")
     g = torch.Generator().manual_seed(9)
     params = {k: 0.1 * torch.randn(shape, generator=g) + (1.0 if "norm.weight" in k else 0.0)
-              for k, shape in _full_shapes(config).items()}
+              for k, shape in full_shapes(config).items()}
     assert "mtp.layers.0.layer.mlp.experts.fc1_weight" in params
     write_checkpoint(str(tmp_path / "megalite"), config, params.__getitem__, tp=2, pp=1, iteration=5)
     for out, extra in (("mcore", []), ("legacy", ["--format", "torch"])):
@@ -241,7 +241,7 @@ def test_from_megatron_imports_megatron_cores_moe_depths_with_its_losses(core_mo
     assert convert(["from-megatron", "--load", os.path.join(root, fmt), "--save", out]) == 0
     config = CheckpointReader(out).config
     assert (config["mtp_num_layers"], config["num_experts"], config["moe_layer_freq"]) == (2, 4, "[0,1]")
-    assert "mtp.layers.1.layer.mlp.experts.fc1_weight" in dict(_full_shapes(config))
+    assert "mtp.layers.1.layer.mlp.experts.fc1_weight" in dict(full_shapes(config))
     loss, mtp = _megalite_losses(out)
     assert mtp.shape == (2,) and (mtp > 0).all()
     torch.testing.assert_close(loss, want["loss"], rtol=0, atol=1e-5)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from megalite.checkpointing.megatron.args import config_from_args
-from megalite.checkpointing.megatron.names import _full_shapes
+from megalite.checkpointing.megatron.names import full_shapes
 from megalite.checkpointing.megatron.safe_pickle import load_torch_file
 from megalite.checkpointing.writer import write_checkpoint
 from megalite.parallel.groups import ProcessGroups
@@ -94,7 +94,7 @@ def test_from_megatron_reads_the_qk_norms(exported, source, tmp_path):
     ({"sublayer_norms": "post"}, "--sublayer-norms post is not exported")])
 def test_what_megatron_core_lacks_is_refused_by_name(tmp_path, capsys, change, named):
     config = {**config_from_args(ARGS, VOCAB, "qk"), **change}
-    params = {k: torch.ones(shape) for k, shape in _full_shapes(config).items()}
+    params = {k: torch.ones(shape) for k, shape in full_shapes(config).items()}
     write_checkpoint(str(tmp_path / "m"), config, params.__getitem__, tp=1, pp=1, iteration=1)
     assert convert(["to-megatron", "--load", str(tmp_path / "m"), "--save", str(tmp_path / "o")]) == 2
     assert named in capsys.readouterr().err

@@ -197,7 +197,7 @@ def check_params(params: dict[str, torch.Tensor], config: dict[str, Any], where:
     if missing or extra:
         raise CheckpointError(f"{where}: its tensors do not match the model its args describe (missing "
                               f"{missing[:6]}, unexpected {extra[:6]})")
-    expected = _full_shapes(config)
+    expected = full_shapes(config)
     for key in specs:
         if tuple(params[key].shape) != expected[key]:
             raise CheckpointError(f"{where}: {key} has shape {tuple(params[key].shape)}, the model its args "
@@ -205,7 +205,7 @@ def check_params(params: dict[str, torch.Tensor], config: dict[str, Any], where:
     return {k: params[k].contiguous() for k in specs}
 
 
-def _full_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+def full_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """Each parameter's full shape: the TP-1 model built on the meta device (true vocab rows)."""
     from megalite.checkpointing.metadata import model_config
     from megalite.model.gpt import GPTModel

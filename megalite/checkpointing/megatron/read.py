@@ -225,11 +225,11 @@ def _optimizer(fields: dict[str, dict[str, str]], get: Any, common: dict[str, An
 def _not_optimized(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """The parameters without optimizer state (the router's expert bias: megatron-core's buffer, megalite's
     frozen parameter, moved by its own rule) and their full shapes."""
-    from megalite.checkpointing.megatron.names import _full_shapes
+    from megalite.checkpointing.megatron.names import full_shapes
     from megalite.checkpointing.stored import stage_params
 
     frozen = {p.key for stage in stage_params(config, 1) for p in stage if not p.optimized}
-    return {k: s for k, s in _full_shapes(config).items() if k in frozen} if frozen else {}
+    return {k: s for k, s in full_shapes(config).items() if k in frozen} if frozen else {}
 
 
 def _state_field(name: str, keys: list[str], get: Any, config: dict[str, Any], where: str) -> dict[str, torch.Tensor]:
